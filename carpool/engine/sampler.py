@@ -1,0 +1,58 @@
+"""Next-token selection per request: greedy, or temperature / top-k / top-p / min-p sampling from the
+request's own seeded stream, plus logprobs of the sampled token and the top alternatives."""
+
+import torch
+
+from carpool.engine.sequence import Sequence, TokenLogprob
+
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def _token_seed(seq: Sequence) -> int:
+    # A distinct, reproducible stream per (request seed, output position): the same tokens come out whatever
+    # the batch, and again after a preemption recomputes the sequence.
+    return (seq.sampling_seed + seq.num_output_tokens * _GOLDEN) % (1 << 63)
+
+
+def _filtered_logits(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
+    params = seq.params
+    logits = logits / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.min_p > 0:
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
+    if params.top_p < 1:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+        # Drop a token when the tokens ranked above it already reach top_p; the best token always stays.
+        drop = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= params.top_p
+        logits = logits.masked_fill(drop.scatter(0, order, drop), float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprob | None]]:
+    logits = logits.float()
+    tokens = logits.argmax(dim=-1).tolist()
+    for row, seq in enumerate(seqs):
+        if seq.params.greedy:
+            continue
+        probs = torch.softmax(_filtered_logits(logits[row], seq), dim=-1)
+        generator = torch.Generator(device=logits.device).manual_seed(_token_seed(seq))
+        # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws a token with probability p.
+        noise = torch.empty_like(probs).exponential_(generator=generator)
+        tokens[row] = int((probs / noise).argmax())
+    logprobs: list[TokenLogprob | None] = [None] * len(seqs)
+    wanted = [row for row, seq in enumerate(seqs) if seq.params.logprobs is not None]
+    if wanted:
+        log_probs = torch.log_softmax(logits[wanted], dim=-1)
+        for i, row in enumerate(wanted):
+            k = seqs[row].params.logprobs
+            top = torch.topk(log_probs[i], k) if k else None
+            logprobs[row] = TokenLogprob(
+                token_id=tokens[row],
+                logprob=float(log_probs[i, tokens[row]]),
+                top=list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else [],
+            )
+    return tokens, logprobs

@@ -1,0 +1,93 @@
+import itertools
+import random
+import time
+from dataclasses import dataclass, field
+from enum import Enum, auto
+
+from carpool.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob) of the most likely alternatives, best first
+
+
+@dataclass
+class SequenceTimes:
+    """Wall-clock marks of a request's life, read by metrics and the ledger."""
+
+    arrival: float = field(default_factory=time.monotonic)
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    finished: float | None = None
+
+
+_counter = itertools.count()
+
+
+class Sequence:
+    """One request inside the engine: its tokens, how many have KV in the cache, and the blocks holding it.
+
+    All tokens (prompt + output) live in `token_ids`; `num_computed_tokens` of them have KV in the cache.
+    Preemption resets that count to 0 and the next schedule recomputes prompt and outputs alike.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 1,
+        cache_salt: str | None = None,
+    ):
+        self.seq_id = next(_counter)
+        self.request_id = request_id
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.priority = priority
+        self.cache_salt = cache_salt
+        # Every request samples from its own seeded stream, so its tokens don't depend on its batch-mates
+        # or on being preempted and recomputed.
+        self.sampling_seed = params.seed if params.seed is not None else random.getrandbits(62)
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []  # hashes of the full blocks of token_ids, filled lazily
+        self.num_cached_prompt_tokens = 0  # prompt tokens served from the prefix cache at first admission
+        self.num_preemptions = 0
+        self.finish_reason: str | None = None
+        self.logprobs: list[TokenLogprob] = []
+        self.output_text = ""
+        self.times = SequenceTimes()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.request_id!r}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
+            f"blocks={len(self.block_table)}, {self.status.name})"
+        )

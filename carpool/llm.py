@@ -1,0 +1,48 @@
+"""Offline batch inference: `LLM(...).generate(prompts, params)`."""
+
+import itertools
+
+from carpool.engine.config import EngineConfig
+from carpool.engine.llm_engine import LLMEngine
+from carpool.engine.outputs import RequestOutput
+from carpool.engine.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_args):
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: str | list[int] | list[str | list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """One finished RequestOutput per prompt, in order. A single prompt may be passed bare."""
+        if isinstance(prompts, str) or (prompts and all(isinstance(t, int) for t in prompts)):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"params: got {len(params)} SamplingParams for {len(prompts)} prompts")
+        request_ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                request_id = f"offline-{next(self._ids)}"
+                self.engine.add_request(request_id, prompt, p)
+                request_ids.append(request_id)
+        except ValueError:
+            for request_id in request_ids:
+                self.engine.abort(request_id)
+            raise
+        finished: dict[str, RequestOutput] = {}
+        while len(finished) < len(request_ids):
+            for output in self.engine.step():
+                if output.finished:
+                    finished[output.request_id] = output
+        return [finished[r] for r in request_ids]
+
+    def chat_prompt(self, messages: list[dict]) -> str:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)

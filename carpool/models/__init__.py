@@ -1,0 +1,27 @@
+"""Model architectures and weight loading. A new architecture is one file plus one line in MODEL_CLASSES."""
+
+from pathlib import Path
+
+import torch
+
+from carpool.models.llama import LlamaForCausalLM
+from carpool.models.loader import ModelConfig, load_weights, resolve_model_dir
+from carpool.models.tokenizer import Tokenizer
+
+MODEL_CLASSES = {"LlamaForCausalLM": LlamaForCausalLM}
+
+
+def load_model(path: str | None, device: str = "cpu"):
+    """(model, tokenizer, config) for a GGUF file, a safetensors directory, or the default model when None."""
+    directory: Path = resolve_model_dir(path)
+    config, state = load_weights(directory)
+    model_class = MODEL_CLASSES.get(config.architecture)
+    if model_class is None:
+        raise ValueError(f"model: unsupported architecture {config.architecture!r}")
+    with torch.device("meta"):  # no random init: every weight is assigned from the file
+        model = model_class(config)
+    model.load_hf_weights(state)
+    return model.eval().to(device), Tokenizer.from_dir(directory), config
+
+
+__all__ = ["MODEL_CLASSES", "ModelConfig", "Tokenizer", "load_model"]
