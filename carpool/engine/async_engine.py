@@ -1,0 +1,156 @@
+"""The one door between the server and the engine: an engine loop on its own thread, driven from asyncio.
+
+`generate()` yields a RequestOutput per step in which the request made progress; leaving the iteration early
+(a client that disconnects) aborts the request, and its blocks are back in the pool by the next step.
+All engine state is touched only by the engine thread; other threads send it commands.
+"""
+
+import asyncio
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from carpool.engine.config import EngineConfig
+from carpool.engine.llm_engine import LLMEngine, StepStats
+from carpool.engine.outputs import RequestOutput
+from carpool.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class EngineSnapshot:
+    """Gauges read between steps (approximate: the engine thread keeps moving)."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_free_blocks: int
+    num_blocks: int
+    num_cached_blocks: int
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig | None = None, engine: LLMEngine | None = None):
+        self.engine = engine or LLMEngine(config or EngineConfig())
+        self.tokenizer = self.engine.tokenizer
+        self.max_model_len = self.engine.max_model_len
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._step_listeners: list[Callable[[StepStats | None, list[RequestOutput]], None]] = []
+        self._thread: threading.Thread | None = None
+        self._stopped = threading.Event()
+        self.error: BaseException | None = None
+
+    # Lifecycle ---------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="carpool-engine", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._commands.put(("wake",))
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    def add_step_listener(self, listener: Callable[[StepStats | None, list[RequestOutput]], None]) -> None:
+        """Called on the engine thread after every step that ran (with its stats and outputs) and after every
+        abort (stats None, the aborted request's final output). Keep it cheap and non-blocking."""
+        self._step_listeners.append(listener)
+
+    # Requests ----------------------------------------------------------------------------------------
+
+    def validate(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        """Tokenize and check the request where it arrives, so bad input fails before it reaches the loop."""
+        token_ids = self.engine.tokenize_prompt(prompt)
+        self.engine.check_length(len(token_ids), params.max_tokens)
+        return token_ids
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        priority: int = 1,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        token_ids = self.validate(prompt, params)
+        if self.error is not None:
+            raise RuntimeError(f"engine stopped: {self.error!r}")
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), stream)
+        self._commands.put(("add", request_id, token_ids, params, priority, cache_salt))
+        finished = False
+        try:
+            while not finished:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    def snapshot(self) -> EngineSnapshot:
+        scheduler, blocks = self.engine.scheduler, self.engine.block_manager
+        return EngineSnapshot(
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            kv_cache_usage=blocks.usage(),
+            num_free_blocks=blocks.num_free_blocks,
+            num_blocks=blocks.num_blocks,
+            num_cached_blocks=blocks.num_cached_blocks,
+        )
+
+    # The engine thread -------------------------------------------------------------------------------
+
+    def _deliver(self, request_id: str, item) -> None:
+        target = self._streams.get(request_id)
+        if target is not None:
+            loop, stream = target
+            loop.call_soon_threadsafe(stream.put_nowait, item)
+
+    def _apply(self, command: tuple) -> None:
+        kind = command[0]
+        if kind == "add":
+            _, request_id, token_ids, params, priority, cache_salt = command
+            try:
+                self.engine.add_request(request_id, token_ids, params, priority=priority, cache_salt=cache_salt)
+            except ValueError as error:
+                self._deliver(request_id, error)
+        elif kind == "abort":
+            output = self.engine.abort(command[1])
+            if output is not None:
+                self._deliver(command[1], output)
+                for listener in self._step_listeners:
+                    listener(None, [output])
+
+    def _loop(self) -> None:
+        try:
+            while not self._stopped.is_set():
+                if not self.engine.has_unfinished_requests():
+                    self._apply(self._commands.get())  # idle: sleep until something arrives
+                while True:
+                    try:
+                        self._apply(self._commands.get_nowait())
+                    except queue.Empty:
+                        break
+                previous = self.engine.last_step
+                outputs = self.engine.step()
+                for output in outputs:
+                    self._deliver(output.request_id, output)
+                if self.engine.last_step is not previous:
+                    for listener in self._step_listeners:
+                        listener(self.engine.last_step, outputs)
+        except BaseException as error:  # the loop must not die silently: fail every open stream
+            self.error = error
+            for request_id in list(self._streams):
+                self._deliver(request_id, RuntimeError(f"engine failed: {error!r}"))
+            raise
