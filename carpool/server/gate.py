@@ -40,7 +40,6 @@ class OpenGate:
 
     def __init__(self, api_keys: list[str] | None = None):
         self.api_keys = set(api_keys or [])
-        self.records: list[UsageRecord] = []
 
     def authenticate(self, api_key: str | None) -> Principal:
         if not self.api_keys:
@@ -54,4 +53,4 @@ class OpenGate:
             raise GateError(403, f"service_tier {tier!r} is not allowed for this key", "tier_not_allowed")
 
     def record(self, principal: Principal, usage: UsageRecord) -> None:
-        self.records.append(usage)
+        """Without a ledger, usage is visible only through /metrics."""
