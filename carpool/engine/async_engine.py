@@ -62,6 +62,15 @@ class AsyncEngine:
 
     # Requests ----------------------------------------------------------------------------------------
 
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        """The token ids the engine runs for a prompt; ValueError when it is empty or outside the vocabulary."""
+        return self.engine.tokenize_prompt(prompt)
+
+    def max_new_tokens(self, num_prompt_tokens: int) -> int:
+        """The most tokens a prompt this long leaves room for: in the context window and in the whole KV pool."""
+        blocks = self.engine.block_manager
+        return min(self.max_model_len, blocks.num_blocks * blocks.block_size) - num_prompt_tokens
+
     def validate(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         """Tokenize and check the request where it arrives, so bad input fails before it reaches the loop."""
         token_ids = self.engine.tokenize_prompt(prompt)

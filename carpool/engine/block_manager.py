@@ -114,6 +114,7 @@ class BlockManager:
             block.block_hash = block_hash
             block.token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             self.cached[block_hash] = block.block_id
+            seq.num_cache_write_tokens += max(0, min(bs, seq.num_prompt_tokens - i * bs))
 
     # Allocation --------------------------------------------------------------------------------------
 

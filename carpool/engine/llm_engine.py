@@ -181,6 +181,7 @@ class LLMEngine:
             delta_logprobs=seq.logprobs[-num_new_tokens:] if num_new_tokens and seq.logprobs else [],
             logprobs=seq.logprobs if seq.params.logprobs is not None else None,
             num_cached_tokens=seq.num_cached_prompt_tokens,
+            num_cache_write_tokens=seq.num_cache_write_tokens,
             num_preemptions=seq.num_preemptions,
             times=seq.times,
         )

@@ -18,6 +18,7 @@ class RequestOutput:
     delta_logprobs: list[TokenLogprob] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
     num_cached_tokens: int = 0
+    num_cache_write_tokens: int = 0
     num_preemptions: int = 0
     times: SequenceTimes | None = None
 

@@ -64,6 +64,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []  # hashes of the full blocks of token_ids, filled lazily
         self.num_cached_prompt_tokens = 0  # prompt tokens served from the prefix cache at first admission
+        self.num_cache_write_tokens = 0  # prompt tokens whose blocks this request added to the prefix cache
         self.num_preemptions = 0
         self.finish_reason: str | None = None
         self.logprobs: list[TokenLogprob] = []

@@ -1,0 +1,47 @@
+"""Readers for the real prompt sets in ../shared/data (see its README for sources and licenses)."""
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+
+def data_dir() -> Path:
+    """`CARPOOL_DATA_DIR`, else the `shared/data` folder beside the repository."""
+    override = os.environ.get("CARPOOL_DATA_DIR")
+    if override:
+        return Path(override)
+    return Path(__file__).resolve().parents[3] / "shared" / "data"
+
+
+def _records(name: str) -> Iterator[dict]:
+    path = data_dir() / name
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found: set CARPOOL_DATA_DIR to the folder holding {name}")
+    with path.open(encoding="utf-8") as lines:
+        for line in lines:
+            yield json.loads(line)
+
+
+def conversations() -> Iterator[list[dict]]:
+    """Each chat in chat_prompts.jsonl as OpenAI-style messages (user/assistant alternating)."""
+    roles = {"human": "user", "gpt": "assistant"}
+    for record in _records("chat_prompts.jsonl"):
+        yield [{"role": roles[turn["from"]], "content": turn["value"]} for turn in record["conversations"]]
+
+
+def first_human_turns(limit: int | None = None, max_chars: int | None = None) -> list[str]:
+    """The opening user prompt of each conversation, in file order (optionally skipping very long ones)."""
+    prompts = []
+    for messages in conversations():
+        text = messages[0]["content"]
+        if max_chars is None or len(text) <= max_chars:
+            prompts.append(text)
+        if limit is not None and len(prompts) >= limit:
+            break
+    return prompts
+
+
+def long_docs() -> Iterator[dict]:
+    """Meeting transcripts with a question each (long_docs.jsonl); group by `meeting_id` for shared prefixes."""
+    return _records("long_docs.jsonl")
