@@ -83,6 +83,19 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
+    def prompt_block_hash(self, seq: Sequence, index: int) -> bytes | None:
+        """Hash of seq's index-th block if it is a full block of the prompt, else None."""
+        if not self.enable_prefix_caching or (index + 1) * self.block_size > seq.num_prompt_tokens:
+            return None
+        return self._block_hashes(seq, index + 1)[index]
+
+    def uncomputed_prompt_hashes(self, seq: Sequence) -> list[bytes]:
+        """Hashes of seq's full prompt blocks that are not computed yet (they will be cached as it prefills)."""
+        if not self.enable_prefix_caching:
+            return []
+        first = seq.num_computed_tokens // self.block_size
+        return self._block_hashes(seq, seq.num_prompt_tokens // self.block_size)[first:]
+
     def can_admit(self, seq: Sequence, hits: list[int], num_new_tokens: int) -> bool:
         """Whether seq can take `hits` and get blocks for `num_new_tokens` more tokens after them."""
         revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)

@@ -1,11 +1,23 @@
 """Turns a scheduled batch into one forward pass: flat token ids and positions, cache slots, attention
 metadata, and logits only for the sequences that will sample."""
 
+import math
+import mmap
+
 import torch
 
 from carpool.engine.attention import AttentionMetadata, PrefillSegment, attention_metadata
 from carpool.engine.scheduler import ScheduledBatch
 from carpool.engine.sequence import Sequence
+
+
+def _zeroed_pool(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """A zero-filled KV pool. On the CPU it is backed by anonymous mmap, whose pages the kernel zeroes on
+    first touch: a GiB pool costs nothing at start instead of a second of memset."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=torch.float32, device=device)
+    nbytes = 4 * math.prod(shape)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.float32).view(shape)
 
 
 class ModelRunner:
@@ -14,15 +26,11 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         config = model.config
-        # One pool for all layers: [layers, k/v, slots, kv_heads, head_dim], left uninitialised (touching
-        # a GiB costs a second at start). Padded attention positions read the extra last slot instead,
-        # which is zeroed: masked-out garbage could still be NaN, and NaN * 0 poisons the sum.
-        self.null_slot = num_blocks * block_size
-        self.kv_cache = torch.empty(
-            config.num_layers, 2, self.null_slot + 1, config.num_kv_heads, config.head_dim,
-            dtype=torch.float32, device=device,
+        # One pool for all layers: [layers, k/v, blocks, block_size, kv_heads, head_dim]. It must start zeroed:
+        # padded attention positions read unused slots, and masked-out NaN garbage would still poison the sum.
+        self.kv_cache = _zeroed_pool(
+            (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim), device
         )
-        self.kv_cache[:, :, self.null_slot].zero_()
         for i, layer in enumerate(model.layers):
             layer.self_attn.attn.k_cache = self.kv_cache[i, 0]
             layer.self_attn.attn.v_cache = self.kv_cache[i, 1]
@@ -51,20 +59,20 @@ class ModelRunner:
             if n == 1:
                 decode_seqs.append(seq)
             else:
-                context = self._slots(seq, 0, start + n) if start else None
-                prefills.append(PrefillSegment(offset, offset + n, context))
+                blocks = None
+                if start:
+                    num_blocks = -(-(start + n) // self.block_size)
+                    blocks = torch.tensor(seq.block_table[:num_blocks], dtype=torch.long, device=self.device)
+                prefills.append(PrefillSegment(offset, offset + n, start + n, blocks))
             offset += n
             if start + n == seq.num_tokens:
                 sampled_rows.append(offset - 1)
                 sampling.append(seq)
-        metadata = AttentionMetadata(slot_mapping=torch.cat(slots), num_decode_tokens=len(decode_seqs), prefills=prefills)
+        metadata = AttentionMetadata(
+            slot_mapping=torch.cat(slots).to(self.device), num_decode_tokens=len(decode_seqs), prefills=prefills
+        )
         if decode_seqs:
-            metadata.decode_context_slots, metadata.decode_mask = self._decode_context(decode_seqs)
-        to_device = lambda t: t.to(self.device, non_blocking=True)  # noqa: E731
-        metadata.slot_mapping = to_device(metadata.slot_mapping)
-        for segment in prefills:
-            if segment.context_slots is not None:
-                segment.context_slots = to_device(segment.context_slots)
+            metadata.decode_block_tables, metadata.decode_mask = self._decode_tables(decode_seqs)
         with attention_metadata(metadata):
             hidden = self.model(
                 torch.tensor(input_ids, dtype=torch.long, device=self.device),
@@ -75,16 +83,12 @@ class ModelRunner:
         rows = torch.tensor(sampled_rows, dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden[rows]), sampling
 
-    def _decode_context(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode_tables(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
         lengths = torch.tensor([s.num_computed_tokens + 1 for s in seqs])
-        max_len = int(lengths.max())
-        max_blocks = -(-max_len // self.block_size)
+        max_blocks = -(-int(lengths.max()) // self.block_size)
         tables = torch.zeros(len(seqs), max_blocks, dtype=torch.long)
         for row, seq in enumerate(seqs):
             table = seq.block_table[:max_blocks]
             tables[row, : len(table)] = torch.tensor(table, dtype=torch.long)
-        positions = torch.arange(max_len)
-        slots = tables[:, positions // self.block_size] * self.block_size + positions % self.block_size
-        valid = positions.unsqueeze(0) < lengths.unsqueeze(1)
-        slots = slots.masked_fill(~valid, self.null_slot)
-        return slots.to(self.device), valid.view(len(seqs), 1, 1, max_len).to(self.device)
+        valid = torch.arange(max_blocks * self.block_size).unsqueeze(0) < lengths.unsqueeze(1)
+        return tables.to(self.device), valid.view(len(seqs), 1, 1, -1).to(self.device)

@@ -89,10 +89,20 @@ class Scheduler:
 
     def _admit_waiting(self, batch: ScheduledBatch, now: float) -> None:
         self.waiting.sort(key=lambda s: (self.effective_priority(s, now), s.times.arrival, s.seq_id))
+        # Prompt blocks that running prefills are about to compute: a waiting request whose next uncached
+        # block is among them waits for it to land in the cache instead of computing it a second time.
+        pending = {h for s in self.running for h in self.block_manager.uncomputed_prompt_hashes(s)}
+        deferred_rank = None
         for seq in list(self.waiting):
             if seq in batch.preempted:
                 continue
             rank = self.effective_priority(seq, now)
+            if deferred_rank is not None and rank > deferred_rank:
+                return  # never let a lower tier overtake a request that is only waiting for its prefix
+            hits = self.block_manager.match_prefix(seq)
+            if self.block_manager.prompt_block_hash(seq, len(hits)) in pending:
+                deferred_rank = rank if deferred_rank is None else deferred_rank
+                continue
             if len(self.running) >= self.config.max_num_seqs and not self._make_room(rank, batch):
                 return
             if self._budget(batch) == 0:
@@ -113,6 +123,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self._add_to_batch(batch, seq, num_new)
+            pending.update(self.block_manager.uncomputed_prompt_hashes(seq))
 
     def _make_room(self, rank: float, batch: ScheduledBatch) -> bool:
         """Preempt the worst running sequence if its tier ranks strictly below `rank`."""
