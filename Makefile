@@ -24,7 +24,7 @@ venv: $(VENV)/.runtime
 dev: $(VENV)/.dev
 
 serve: $(VENV)/.runtime
-	$(BIN)/carpool generate "Say hello to carpool in one sentence."
+	$(BIN)/carpool serve --host $(HOST) --port $(PORT)
 
 test: $(VENV)/.dev
 	$(BIN)/python -m pytest -q

@@ -3,7 +3,11 @@
 import argparse
 import sys
 
+from carpool.bench.cli import add_bench_parser
+from carpool.economics.cli import add_cost_parser, add_keys_parser
 from carpool.engine.config import EngineConfig
+from carpool.server.batch.cli import add_batch_parser
+from carpool.server.cli import add_serve_parser
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -60,6 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="carpool", description="LLM serving where every token's cost is visible")
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_generate(subparsers)
+    add_serve_parser(subparsers, add_engine_args, engine_config)
+    add_batch_parser(subparsers)
+    add_bench_parser(subparsers)
+    add_keys_parser(subparsers)
+    add_cost_parser(subparsers)
     return parser
 
 

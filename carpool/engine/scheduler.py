@@ -56,81 +56,85 @@ class Scheduler:
         boost = min((now - seq.times.arrival) / self.config.priority_aging_seconds, self.config.max_priority_boost)
         return seq.priority - boost
 
-    @staticmethod
-    def _rank(seq: Sequence) -> tuple:
-        return (seq.priority, seq.times.arrival, seq.seq_id)
-
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
-        self.running.sort(key=self._rank)
-        decodes = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
-        prefills = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
-        for seq in decodes + prefills:
-            budget = self._budget(batch)
-            if budget == 0:
+        now = time.monotonic()
+        # One ordering for everything: aged tier, then arrival. Waiting and running requests are ranked the
+        # same way, so a preemption can never be undone by its victim on the next step.
+        rank = {s: (self.effective_priority(s, now), s.times.arrival, s.seq_id) for s in self.running + self.waiting}
+        self.running.sort(key=rank.__getitem__)
+        for seq in [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]:
+            self._schedule_running(seq, batch, rank)
+        # Prompt work, running chunks and new admissions alike, in rank order: a priority request's prompt is
+        # never queued behind the chunks of a batch-tier prompt that happened to start first.
+        prompts = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1] + self.waiting
+        pending = {h for s in self.running for h in self.block_manager.uncomputed_prompt_hashes(s)}
+        admitting = not batch.preempted
+        for seq in sorted(prompts, key=rank.__getitem__):
+            if self._budget(batch) == 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # preempted earlier in this step
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.block_manager.can_allocate(seq, seq.num_computed_tokens + num_new):
-                victim = max((s for s in self.running if s not in batch.seqs), key=self._rank)
-                self._preempt(victim, batch)
-                if victim is seq:
-                    break
             if seq.status is SequenceStatus.RUNNING:
-                self.block_manager.allocate(seq, seq.num_computed_tokens + num_new)
-                self._add_to_batch(batch, seq, num_new)
-        if not batch.preempted:
-            self._admit_waiting(batch, time.monotonic())
+                self._schedule_running(seq, batch, rank)
+                admitting = admitting and not batch.preempted
+                continue
+            if not admitting or seq in batch.preempted:
+                continue
+            hits = self.block_manager.match_prefix(seq)
+            # A waiting request whose next uncached block a running prefill is about to compute waits for it
+            # to land in the cache instead of computing it a second time; admission stops there, so no later
+            # request overtakes it.
+            if self.block_manager.prompt_block_hash(seq, len(hits)) in pending:
+                admitting = False
+                continue
+            admitting = self._admit(seq, batch, rank, now)
+            if seq.status is SequenceStatus.RUNNING:
+                pending.update(self.block_manager.uncomputed_prompt_hashes(seq))
         return batch
 
     def _budget(self, batch: ScheduledBatch) -> int:
         return self.config.max_num_batched_tokens - batch.num_tokens
 
-    def _admit_waiting(self, batch: ScheduledBatch, now: float) -> None:
-        self.waiting.sort(key=lambda s: (self.effective_priority(s, now), s.times.arrival, s.seq_id))
-        # Prompt blocks that running prefills are about to compute: a waiting request whose next uncached
-        # block is among them waits for it to land in the cache instead of computing it a second time.
-        pending = {h for s in self.running for h in self.block_manager.uncomputed_prompt_hashes(s)}
-        deferred_rank = None
-        for seq in list(self.waiting):
-            if seq in batch.preempted:
-                continue
-            rank = self.effective_priority(seq, now)
-            if deferred_rank is not None and rank > deferred_rank:
-                return  # never let a lower tier overtake a request that is only waiting for its prefix
-            hits = self.block_manager.match_prefix(seq)
-            if self.block_manager.prompt_block_hash(seq, len(hits)) in pending:
-                deferred_rank = rank if deferred_rank is None else deferred_rank
-                continue
-            if len(self.running) >= self.config.max_num_seqs and not self._make_room(rank, batch):
+    def _schedule_running(self, seq: Sequence, batch: ScheduledBatch, rank: dict) -> None:
+        num_new = min(seq.num_tokens - seq.num_computed_tokens, self._budget(batch))
+        if num_new == 0 or seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this step
+            return
+        while not self.block_manager.can_allocate(seq, seq.num_computed_tokens + num_new):
+            victim = max((s for s in self.running if s not in batch.seqs), key=rank.__getitem__)
+            self._preempt(victim, batch)
+            if victim is seq:
                 return
-            if self._budget(batch) == 0:
-                return
-            hits = self.block_manager.match_prefix(seq)
-            num_new = min(seq.num_tokens - len(hits) * self.block_manager.block_size, self._budget(batch))
-            while not self.block_manager.can_admit(seq, hits, num_new):
-                if not self._make_room(rank, batch):
-                    return
-                hits = self.block_manager.match_prefix(seq)  # the victim's blocks may have been evicted
-                num_new = min(seq.num_tokens - len(hits) * self.block_manager.block_size, self._budget(batch))
-            self.waiting.remove(seq)
-            self.block_manager.admit(seq, hits)
-            if seq.times.first_scheduled is None:
-                seq.num_cached_prompt_tokens = seq.num_computed_tokens
-                seq.times.first_scheduled = now
-            self.block_manager.allocate(seq, seq.num_computed_tokens + num_new)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            self._add_to_batch(batch, seq, num_new)
-            pending.update(self.block_manager.uncomputed_prompt_hashes(seq))
+        self.block_manager.allocate(seq, seq.num_computed_tokens + num_new)
+        self._add_to_batch(batch, seq, num_new)
 
-    def _make_room(self, rank: float, batch: ScheduledBatch) -> bool:
-        """Preempt the worst running sequence if its tier ranks strictly below `rank`."""
+    def _admit(self, seq: Sequence, batch: ScheduledBatch, rank: dict, now: float) -> bool:
+        """Admit seq if slots, blocks and budget allow, preempting lower-ranked running sequences if needed.
+        False when it could not be admitted: admission stops there, first come first served."""
+        if len(self.running) >= self.config.max_num_seqs and not self._make_room(seq, batch, rank):
+            return False
+        while True:
+            hits = self.block_manager.match_prefix(seq)  # again after a preemption: blocks may have been evicted
+            num_new = min(seq.num_tokens - len(hits) * self.block_manager.block_size, self._budget(batch))
+            if self.block_manager.can_admit(seq, hits, num_new):
+                break
+            if not self._make_room(seq, batch, rank):
+                return False
+        self.waiting.remove(seq)
+        self.block_manager.admit(seq, hits)
+        if seq.times.first_scheduled is None:
+            seq.num_cached_prompt_tokens = seq.num_computed_tokens
+            seq.times.first_scheduled = now
+        self.block_manager.allocate(seq, seq.num_computed_tokens + num_new)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        self._add_to_batch(batch, seq, num_new)
+        return True
+
+    def _make_room(self, seq: Sequence, batch: ScheduledBatch, rank: dict) -> bool:
+        """Preempt the worst running sequence if its tier ranks strictly below seq's (both aged alike)."""
         if not self.running:
             return False
-        victim = max(self.running, key=self._rank)
-        if victim.priority <= rank:
+        victim = max(self.running, key=rank.__getitem__)
+        if rank[victim][0] <= rank[seq][0]:
             return False
         self._preempt(victim, batch)
         return True

@@ -1,0 +1,12 @@
+"""`carpool bench MODE`: each benchmark module adds its own mode to this group."""
+
+from carpool.bench import batch, offline, prefix, serve
+
+MODES = (offline.add_parser, serve.add_parser, prefix.add_parser, batch.add_parser)
+
+
+def add_bench_parser(subparsers) -> None:
+    parser = subparsers.add_parser("bench", help="benchmarks against the tools users would pick instead")
+    modes = parser.add_subparsers(dest="bench_mode", required=True, metavar="MODE")
+    for add_mode in MODES:
+        add_mode(modes)

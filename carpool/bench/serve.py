@@ -1,0 +1,240 @@
+"""`carpool bench serve`: drive any OpenAI-compatible server with streaming chat requests, a closed loop of N
+concurrent streams per level, and report output tokens/s, TTFT p50/p99 and ITL p50/p99 per level, as a table,
+a JSON file and a PNG plot.
+
+Prompts are the first human turns of ../shared/data/chat_prompts.jsonl, in file order, each used once in the
+whole run: a server with a prefix cache gets no free hits from a prompt it has already seen.
+TTFT runs to the first chunk carrying text (some servers send an empty role chunk at once); ITL is the gap
+between consecutive text chunks; output tokens come from the usage chunk when the server sends one.
+"""
+
+import argparse
+import asyncio
+import json
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from carpool.bench.datasets import first_human_turns
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    output_tokens: int = 0
+    ttft: float | None = None
+    itls: list[float] = field(default_factory=list)
+    error: str | None = None
+
+
+@dataclass
+class LevelReport:
+    concurrency: int
+    num_requests: int
+    num_errors: int
+    duration_s: float
+    output_tokens: int
+    output_tokens_per_s: float
+    ttft_p50_s: float | None
+    ttft_p99_s: float | None
+    itl_p50_s: float | None
+    itl_p99_s: float | None
+
+
+def add_parser(modes) -> None:
+    parser = modes.add_parser("serve", help="load-test an OpenAI-compatible server with streaming chat requests")
+    parser.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
+    parser.add_argument("--concurrency", type=_int_list, default=[1, 8, 32], help="comma-separated stream counts")
+    parser.add_argument("--num-requests", type=int, default=None,
+                        help="requests per level (default: the larger of 8 and twice the concurrency)")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--max-prompt-chars", type=int, default=None,
+                        help="skip longer prompts (for servers with small per-slot contexts)")
+    parser.add_argument("--model", default=None, help="default: the first model the server lists")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--label", default=None, help="the server's name in the report (default: the model)")
+    parser.add_argument("--out", default=None,
+                        help="path prefix of the .json and .png (default: bench-results/serve-LABEL)")
+    parser.set_defaults(func=main)
+
+
+def _int_list(text: str) -> list[int]:
+    values = [int(v) for v in text.split(",") if v.strip()]
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError("expected positive integers separated by commas, e.g. 1,8,32")
+    return values
+
+
+def main(args: argparse.Namespace) -> int:
+    report = asyncio.run(run(args))
+    label = report["label"]
+    prefix = Path(args.out or f"bench-results/serve-{re.sub(r'[^A-Za-z0-9_.-]+', '_', label)}")
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    json_path, png_path = prefix.with_suffix(".json"), prefix.with_suffix(".png")
+    json_path.write_text(json.dumps(report, indent=2) + "\n")
+    plot(report, png_path)
+    print(table(report))
+    print(f"\nwrote {json_path} and {png_path}")
+    return 0
+
+
+async def run(args: argparse.Namespace) -> dict:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    levels = args.concurrency
+    counts = [args.num_requests or max(8, 2 * c) for c in levels]
+    prompts = first_human_turns(1 + sum(counts), max_chars=args.max_prompt_chars)
+    if len(prompts) < 1 + sum(counts):
+        raise ValueError(f"num-requests: only {len(prompts)} prompts available, {1 + sum(counts)} needed")
+    limits = httpx.Limits(max_connections=max(levels) + 1, max_keepalive_connections=max(levels) + 1)
+    async with httpx.AsyncClient(base_url=args.url, headers=headers, timeout=httpx.Timeout(600.0),
+                                 limits=limits) as client:
+        model = args.model or await _first_model(client)
+        warmup = await _one_request(client, model, prompts.pop(0), args.max_tokens)
+        if not warmup.ok:
+            raise RuntimeError(f"the warm-up request failed: {warmup.error}")
+        reports = []
+        for concurrency, count in zip(levels, counts):
+            level_prompts, prompts = prompts[:count], prompts[count:]
+            reports.append(await _run_level(client, model, level_prompts, concurrency, args.max_tokens))
+            print(f"concurrency {concurrency}: {reports[-1].output_tokens_per_s:.1f} output tokens/s", flush=True)
+    return {
+        "url": args.url,
+        "model": model,
+        "label": args.label or model,
+        "max_tokens": args.max_tokens,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "levels": [asdict(r) for r in reports],
+    }
+
+
+async def _first_model(client: httpx.AsyncClient) -> str:
+    response = await client.get("/v1/models")
+    response.raise_for_status()
+    return response.json()["data"][0]["id"]
+
+
+async def _run_level(client, model: str, prompts: list[str], concurrency: int, max_tokens: int) -> LevelReport:
+    pending = list(reversed(prompts))
+    results: list[RequestResult] = []
+
+    async def stream_worker():
+        while pending:
+            results.append(await _one_request(client, model, pending.pop(), max_tokens))
+
+    start = time.perf_counter()
+    await asyncio.gather(*(stream_worker() for _ in range(concurrency)))
+    return summarize(concurrency, results, time.perf_counter() - start)
+
+
+async def _one_request(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int) -> RequestResult:
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    result = RequestResult(ok=False)
+    text_chunks, last = 0, None
+    start = time.perf_counter()
+    try:
+        async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                    continue
+                chunk = json.loads(line[5:])
+                now = time.perf_counter()
+                if chunk.get("usage"):
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
+                if any((c.get("delta") or {}).get("content") for c in chunk.get("choices") or []):
+                    text_chunks += 1
+                    if last is None:
+                        result.ttft = now - start
+                    else:
+                        result.itls.append(now - last)
+                    last = now
+    except httpx.HTTPError as error:
+        result.error = repr(error)
+        return result
+    result.output_tokens = result.output_tokens or text_chunks
+    result.ok = True
+    return result
+
+
+def summarize(concurrency: int, results: list[RequestResult], duration: float) -> LevelReport:
+    ok = [r for r in results if r.ok]
+    tokens = sum(r.output_tokens for r in ok)
+    ttfts = [r.ttft for r in ok if r.ttft is not None]
+    itls = [gap for r in ok for gap in r.itls]
+    return LevelReport(
+        concurrency=concurrency,
+        num_requests=len(results),
+        num_errors=len(results) - len(ok),
+        duration_s=duration,
+        output_tokens=tokens,
+        output_tokens_per_s=tokens / duration if duration > 0 else 0.0,
+        ttft_p50_s=percentile(ttfts, 50),
+        ttft_p99_s=percentile(ttfts, 99),
+        itl_p50_s=percentile(itls, 50),
+        itl_p99_s=percentile(itls, 99),
+    )
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+def table(report: dict) -> str:
+    def ms(value):
+        return "-" if value is None else f"{value * 1000:.0f}"
+
+    lines = [
+        f"{report['label']} at {report['url']}, max_tokens {report['max_tokens']}, greedy",
+        f"{'streams':>7} {'requests':>8} {'errors':>6} {'out tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} "
+        f"{'ITL p50':>8} {'ITL p99':>8}   (latencies in ms)",
+    ]
+    for level in report["levels"]:
+        lines.append(
+            f"{level['concurrency']:>7} {level['num_requests']:>8} {level['num_errors']:>6} "
+            f"{level['output_tokens_per_s']:>9.1f} {ms(level['ttft_p50_s']):>9} {ms(level['ttft_p99_s']):>9} "
+            f"{ms(level['itl_p50_s']):>8} {ms(level['itl_p99_s']):>8}"
+        )
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    levels = report["levels"]
+    x = [level["concurrency"] for level in levels]
+
+    def series(key):
+        return [np.nan if level[key] is None else level[key] * 1000 for level in levels]
+
+    figure, (throughput, ttft, itl) = plt.subplots(1, 3, figsize=(13, 4))
+    throughput.plot(x, [level["output_tokens_per_s"] for level in levels], marker="o")
+    throughput.set(title="output tokens/s", xlabel="concurrent streams")
+    for axis, name in ((ttft, "ttft"), (itl, "itl")):
+        axis.plot(x, series(f"{name}_p50_s"), marker="o", label="p50")
+        axis.plot(x, series(f"{name}_p99_s"), marker="o", label="p99")
+        axis.set(title=f"{name.upper()} (ms)", xlabel="concurrent streams")
+        axis.legend()
+    for axis in (throughput, ttft, itl):
+        axis.set_xscale("log", base=2)
+        axis.set_xticks(x, [str(v) for v in x])
+        axis.grid(alpha=0.3)
+    figure.suptitle(f"{report['label']}: streaming chat, max_tokens {report['max_tokens']}, greedy")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)

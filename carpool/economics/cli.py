@@ -1,0 +1,246 @@
+"""`carpool keys ...` and `carpool cost ...`: key management, usage reports and the self-hosting cost model."""
+
+import argparse
+import json
+import sys
+import urllib.request
+from contextlib import closing
+from datetime import datetime, timezone
+from pathlib import Path
+
+from carpool.economics import keys as key_store
+from carpool.economics.cost_model import cost_model
+from carpool.economics.cost_model import render as render_cost_model
+from carpool.economics.db import connect, default_db_path
+from carpool.economics.footprint import model_footprint
+from carpool.economics.hardware import measure_hardware
+from carpool.economics.phase_meter import PhaseTotals, totals_from_metrics_text
+from carpool.economics.prices import TIERS, load_price_sheet
+from carpool.economics.reports import (
+    FORMATS,
+    GROUP_BY,
+    parse_time,
+    render,
+    usage_summary,
+)
+
+
+def add_gate_args(parser: argparse.ArgumentParser) -> None:
+    """`--db` and `--prices` for `carpool serve`; pass them to `open_ledger_gate(args.db, args.prices, ...)`."""
+    _add_db_arg(parser)
+    parser.add_argument("--prices", default=None, help="price sheet TOML (default: the shipped one)")
+
+
+def add_keys_parser(subparsers) -> None:
+    parser = subparsers.add_parser("keys", help="API keys: create, list, revoke, set budgets")
+    commands = parser.add_subparsers(dest="keys_command", required=True)
+
+    create = commands.add_parser("create", help="create a key and print its secret (shown only this once)")
+    create.add_argument("--tenant", required=True, help="who pays for this key's requests")
+    create.add_argument("--admin", action="store_true", help="may read the usage reports")
+    create.add_argument(
+        "--tiers", type=_tier_list, default=None, help=f"comma-separated subset of {','.join(TIERS)} (default: all)"
+    )
+    _add_budget_args(create)
+    create.add_argument("--rpm", type=int, default=None, help="requests per minute (default: unlimited)")
+    create.add_argument("--tpm", type=int, default=None, help="tokens per minute (default: unlimited)")
+    create.set_defaults(func=_keys_create)
+
+    listing = commands.add_parser("list", help="list keys (never their secrets)")
+    listing.add_argument("--format", choices=("table", "json"), default="table")
+    listing.set_defaults(func=_keys_list)
+
+    revoke = commands.add_parser("revoke", help="revoke a key; a running server refuses it from its next request")
+    revoke.add_argument("key_id")
+    revoke.set_defaults(func=_keys_revoke)
+
+    budget = commands.add_parser("set-budget", help="set or clear a key's budget")
+    budget.add_argument("key_id")
+    group = budget.add_mutually_exclusive_group(required=True)
+    group.add_argument("--budget", type=float, help="dollars per period")
+    group.add_argument("--clear", action="store_true", help="remove the budget")
+    budget.add_argument("--budget-period", choices=key_store.BUDGET_PERIODS, default=None, help="default: month")
+    budget.set_defaults(func=_keys_set_budget)
+
+    for command in (create, listing, revoke, budget):
+        _add_db_arg(command)
+
+
+def add_cost_parser(subparsers) -> None:
+    parser = subparsers.add_parser("cost", help="usage reports and the self-hosting cost model")
+    commands = parser.add_subparsers(dest="cost_command", required=True)
+
+    report = commands.add_parser("report", help="tokens, cost and time share from the ledger")
+    report.add_argument("--group-by", choices=tuple(GROUP_BY), default="tenant")
+    report.add_argument("--start", type=_time_arg, default=None, help="unix seconds or ISO 8601 (UTC), inclusive")
+    report.add_argument("--end", type=_time_arg, default=None, help="unix seconds or ISO 8601 (UTC), exclusive")
+    report.add_argument("--format", choices=FORMATS, default="table")
+    _add_db_arg(report)
+    report.set_defaults(func=_cost_report)
+
+    model = commands.add_parser("model", help="cost per 1M tokens per tier from measured throughput, and decode floors")
+    model.add_argument("--hourly-price", type=float, required=True, help="dollars per hour for the machine")
+    source = model.add_mutually_exclusive_group(required=True)
+    source.add_argument("--metrics", help="a running server's /metrics URL, or a saved copy of it")
+    source.add_argument(
+        "--bench", type=Path, help='a benchmark run\'s JSON file whose "phases" object holds PhaseMeter totals'
+    )
+    model.add_argument("--model", default=None, help="the model served (default: SmolLM2-135M-Instruct)")
+    model.add_argument("--prices", default=None, help="price sheet for the list-price columns (default: shipped)")
+    model.add_argument("--device", default=None, help="where to measure bandwidth and FLOP/s (default: cuda if any)")
+    model.add_argument("--format", choices=("table", "json"), default="table")
+    model.set_defaults(func=_cost_model)
+
+
+# keys ---------------------------------------------------------------------------------------------------
+
+
+def _keys_create(args: argparse.Namespace) -> int:
+    with _open(args) as conn:
+        key, secret = key_store.create_key(
+            conn,
+            args.tenant,
+            is_admin=args.admin,
+            allowed_tiers=args.tiers,
+            budget=args.budget,
+            budget_period=_period(args.budget, args.budget_period),
+            rpm=args.rpm,
+            tpm=args.tpm,
+        )
+    # The secret alone on stdout, so `KEY=$(carpool keys create ...)` works; the rest goes to stderr.
+    print(secret)
+    print(f"created {key.key_id} for tenant {key.tenant}; the secret above is shown only once", file=sys.stderr)
+    return 0
+
+
+def _keys_list(args: argparse.Namespace) -> int:
+    with _open(args) as conn:
+        keys = key_store.list_keys(conn)
+    if args.format == "json":
+        print(json.dumps([_key_fields(key) for key in keys], indent=2))
+        return 0
+    rows = [["key_id", "tenant", "admin", "tiers", "budget", "rpm", "tpm", "created", "status"]]
+    for key in keys:
+        fields = _key_fields(key)
+        rows.append(
+            [
+                key.key_id,
+                key.tenant,
+                "yes" if key.is_admin else "",
+                fields["tiers"] or "all",
+                f"${key.budget:g}/{key.budget_period}" if key.budget is not None else "",
+                str(key.rpm or ""),
+                str(key.tpm or ""),
+                fields["created"],
+                "revoked" if key.revoked is not None else "active",
+            ]
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
+    return 0
+
+
+def _keys_revoke(args: argparse.Namespace) -> int:
+    with _open(args) as conn:
+        key = key_store.revoke_key(conn, args.key_id)
+    print(f"revoked {key.key_id} (tenant {key.tenant})")
+    return 0
+
+
+def _keys_set_budget(args: argparse.Namespace) -> int:
+    budget = None if args.clear else args.budget
+    with _open(args) as conn:
+        key = key_store.set_budget(conn, args.key_id, budget, _period(budget, args.budget_period))
+    print(
+        f"{key.key_id}: "
+        + (f"budget ${key.budget:g} per {key.budget_period}" if key.budget is not None else "no budget")
+    )
+    return 0
+
+
+# cost ---------------------------------------------------------------------------------------------------
+
+
+def _cost_report(args: argparse.Namespace) -> int:
+    with _open(args) as conn:
+        rows = usage_summary(conn, args.group_by, args.start, args.end)
+    sys.stdout.write(render(rows, args.group_by, args.format, args.start, args.end))
+    return 0
+
+
+def _cost_model(args: argparse.Namespace) -> int:
+    prices = load_price_sheet(args.prices)  # first: a bad sheet should fail before the measurements run
+    if args.bench is not None:
+        document = json.loads(args.bench.read_text())
+        if "phases" not in document:
+            raise ValueError(f'{args.bench}: no "phases" object (the engine phase totals of the run)')
+        phases = PhaseTotals.from_dict(document["phases"])
+    else:
+        phases = totals_from_metrics_text(_read_metrics(args.metrics))
+    model = cost_model(phases, args.hourly_price, measure_hardware(args.device), model_footprint(args.model), prices)
+    sys.stdout.write(render_cost_model(model, args.format))
+    return 0
+
+
+def _read_metrics(source: str) -> str:
+    if source.startswith(("http://", "https://")):
+        with urllib.request.urlopen(source, timeout=10) as response:
+            return response.read().decode()
+    return Path(source).read_text()
+
+
+# shared -------------------------------------------------------------------------------------------------
+
+
+def _add_db_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--db", type=Path, default=None, help="SQLite file (default: $CARPOOL_DB or ~/.cache/carpool/carpool.db)"
+    )
+
+
+def _add_budget_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--budget", type=float, default=None, help="dollars per budget period (default: no budget)")
+    parser.add_argument("--budget-period", choices=key_store.BUDGET_PERIODS, default=None, help="default: month")
+
+
+def _open(args: argparse.Namespace):
+    """A connection that closes itself (sqlite3's own context manager only commits)."""
+    return closing(connect(args.db or default_db_path()))
+
+
+def _period(budget: float | None, period: str | None) -> str | None:
+    """A budget's period defaults to a month; a period without a budget is passed on to be refused."""
+    return (period or "month") if budget is not None else period
+
+
+def _time_arg(text: str) -> float:
+    try:
+        return parse_time(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _tier_list(text: str) -> list[str]:
+    tiers = [t.strip() for t in text.split(",") if t.strip()]
+    unknown = [t for t in tiers if t not in TIERS]
+    if unknown or not tiers:
+        raise argparse.ArgumentTypeError(f"tiers must be a comma-separated subset of {','.join(TIERS)}")
+    return tiers
+
+
+def _key_fields(key: key_store.ApiKey) -> dict:
+    return {
+        "key_id": key.key_id,
+        "tenant": key.tenant,
+        "is_admin": key.is_admin,
+        "tiers": ",".join(t for t in TIERS if t in key.allowed_tiers) if key.allowed_tiers is not None else None,
+        "budget": key.budget,
+        "budget_period": key.budget_period,
+        "rpm": key.rpm,
+        "tpm": key.tpm,
+        "created": datetime.fromtimestamp(key.created, timezone.utc).isoformat(timespec="seconds"),
+        "revoked": datetime.fromtimestamp(key.revoked, timezone.utc).isoformat(timespec="seconds")
+        if key.revoked
+        else None,
+    }

@@ -1,0 +1,122 @@
+"""LedgerGate: the server's Gate backed by the economics database: keys, budgets, rate limits, ledger, prices.
+
+Admission is the only point of enforcement: a request that got in runs to the end, whatever its tenant spends
+meanwhile. Budgets are checked against spend already recorded, so requests admitted together may overshoot a
+budget by what they cost; the next request is refused.
+"""
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, Counter
+
+from carpool.economics.db import connect, default_db_path
+from carpool.economics.keys import ANONYMOUS, ApiKey, find_key, has_keys
+from carpool.economics.ledger import LedgerWriter
+from carpool.economics.prices import PriceSheet, PriceSheetError, load_price_sheet
+from carpool.economics.rate_limit import RateLimiter, RateLimitExceeded
+from carpool.economics.reports import UsageSummary, usage_summary
+from carpool.economics.spend import SpendTracker
+from carpool.economics.usage import UsageRecord
+from carpool.server.gate import GateError, Principal
+
+
+class LedgerGate:
+    def __init__(self, db_path: str | Path, prices: PriceSheet, clock: Callable[[], float] = time.time):
+        self.db_path = db_path
+        self.prices = prices
+        self.clock = clock
+        # Key lookups run on the server's threads; one connection behind a lock is enough for an indexed read.
+        self._conn = connect(db_path)
+        self._conn_lock = threading.Lock()
+        self._spend = SpendTracker(self._conn, clock())
+        self._limiter = RateLimiter()
+        self._keys: dict[str, ApiKey] = {}  # as of each key's latest authentication
+        self._writer = LedgerWriter(db_path)
+        self._cost_counter: Counter | None = None
+
+    # The Gate protocol ----------------------------------------------------------------------------------
+
+    def authenticate(self, api_key: str | None) -> Principal:
+        """Looked up on every request, so `carpool keys revoke` and `set-budget` act on a running server."""
+        with self._conn_lock:
+            if not has_keys(self._conn):
+                return Principal(is_admin=True)  # no keys configured: the server stays open, reports included
+            key = find_key(self._conn, api_key) if api_key else None
+        if key is None or key.revoked is not None:
+            raise GateError(401, "Incorrect, revoked or missing API key.", "invalid_api_key")
+        self._keys[key.key_id] = key
+        return Principal(key_id=key.key_id, tenant=key.tenant, allowed_tiers=key.allowed_tiers, is_admin=key.is_admin)
+
+    def admit(self, principal: Principal, tier: str, estimated_tokens: int) -> None:
+        if principal.allowed_tiers is not None and tier not in principal.allowed_tiers:
+            raise GateError(403, f"service_tier {tier!r} is not allowed for this key", "tier_not_allowed")
+        key = self._keys.get(principal.key_id) if principal.key_id is not None else None
+        if key is None:
+            return
+        now = self.clock()
+        if key.budget is not None:
+            spent = self._spend.spent(key.key_id, key.budget_period, now)
+            if spent >= key.budget:
+                raise GateError(
+                    429,
+                    f"This key has spent ${spent:.4f} of its budget of ${key.budget:.4f} per {key.budget_period}.",
+                    "insufficient_quota",
+                )
+        try:
+            self._limiter.admit(key.key_id, estimated_tokens, key.rpm, key.tpm, now)
+        except RateLimitExceeded as limited:
+            raise GateError(429, limited.message, "rate_limit_exceeded", retry_after=limited.retry_after) from None
+
+    def record(self, principal: Principal, usage: UsageRecord) -> None:
+        """Price the request, count it against its key's budget now, and queue its ledger row. Never waits."""
+        usage = dataclasses.replace(
+            usage, key_id=usage.key_id or principal.key_id, tenant=usage.tenant or principal.tenant
+        )
+        cost = self.prices.cost(usage)
+        self._spend.add(usage.key_id, cost, usage.created)
+        if self._cost_counter is not None:
+            self._cost_counter.labels(tenant=usage.tenant or ANONYMOUS, tier=usage.tier).inc(cost)
+        self._writer.submit(usage, cost)
+
+    # For the server -------------------------------------------------------------------------------------
+
+    def register_metrics(self, registry: CollectorRegistry) -> Counter:
+        """Export `carpool:cost` (dollars, labels tenant and tier) in `registry`; `record` increments it."""
+        self._cost_counter = Counter(
+            "carpool:cost", "Dollars charged, by tenant and service tier", ["tenant", "tier"], registry=registry
+        )
+        return self._cost_counter
+
+    def usage(self, group_by: str, start: float | None = None, end: float | None = None) -> list[UsageSummary]:
+        """The usage report over [start, end), rows recorded so far included."""
+        self.flush(timeout=5)
+        conn = connect(self.db_path)
+        try:
+            return usage_summary(conn, group_by, start, end)
+        finally:
+            conn.close()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every recorded request's row is committed."""
+        return self._writer.flush(timeout)
+
+    def close(self) -> None:
+        self._writer.close()
+        with self._conn_lock:
+            self._conn.close()
+
+
+def open_ledger_gate(
+    db_path: str | Path | None = None, prices_path: str | Path | None = None, served_models: tuple[str, ...] = ()
+) -> LedgerGate:
+    """The gate for `carpool serve`: fails (PriceSheetError, naming the entry) unless the sheet is sound and
+    prices every served model, so no request can finish without a price."""
+    prices = load_price_sheet(prices_path)
+    for model in served_models:
+        if not prices.covers(model):
+            raise PriceSheetError(f'price sheet {prices.source}: no entry models."{model}" for the served model')
+    return LedgerGate(db_path or default_db_path(), prices)

@@ -1,0 +1,130 @@
+"""The price sheet (a TOML file) and the one formula that turns a request's token counts into dollars.
+
+A sheet that cannot price a request must stop the server before it serves one, so loading checks every entry
+and names the one at fault; after that, pricing a request cannot fail for a model the sheet covers.
+"""
+
+import math
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from carpool.economics.usage import UsageRecord
+
+TIERS = ("priority", "default", "flex", "batch")
+SHIPPED_PRICES = Path(__file__).with_name("prices.toml")
+ANY_MODEL = "*"  # the entry that prices models without one of their own
+TOKENS_PER_PRICE_UNIT = 1_000_000  # prices are per 1M tokens
+
+_SECTIONS = {"cache": ("read", "write"), "tiers": TIERS}
+_MODEL_FIELDS = ("input", "output")
+
+
+class PriceSheetError(ValueError):
+    """The sheet is malformed or incomplete; the message names the file and the entry."""
+
+
+@dataclass(frozen=True)
+class ModelPrice:
+    input: float  # dollars per 1M prompt tokens computed fresh
+    output: float  # dollars per 1M output tokens
+
+
+@dataclass(frozen=True)
+class PriceSheet:
+    models: dict[str, ModelPrice]
+    cache_read: float  # multiplier on the input price for prompt tokens read from the prefix cache
+    cache_write: float  # multiplier on the input price for prompt tokens that create new cache entries
+    tiers: dict[str, float]  # multiplier on a request's whole cost
+    source: str
+
+    def covers(self, model: str) -> bool:
+        return model in self.models or ANY_MODEL in self.models
+
+    def price(self, model: str) -> ModelPrice:
+        if model in self.models:
+            return self.models[model]
+        if ANY_MODEL in self.models:
+            return self.models[ANY_MODEL]
+        raise PriceSheetError(f'price sheet {self.source}: no entry models.{_quote(model)} and no models."*"')
+
+    def tier_multiplier(self, tier: str) -> float:
+        if tier not in self.tiers:
+            raise ValueError(f"unknown service tier {tier!r} (known: {', '.join(TIERS)})")
+        return self.tiers[tier]
+
+    def cost(self, usage: UsageRecord) -> float:
+        """Dollars for one request. Cache-write tokens are part of the uncached prompt tokens, billed at the
+        write rate instead of the plain input rate; an aborted request is billed for the tokens it got."""
+        price = self.price(usage.model)
+        fresh = usage.uncached_prompt_tokens - usage.cache_write_tokens
+        per_price_unit = (
+            fresh * price.input
+            + usage.cache_write_tokens * price.input * self.cache_write
+            + usage.cached_tokens * price.input * self.cache_read
+            + usage.output_tokens * price.output
+        )
+        return per_price_unit / TOKENS_PER_PRICE_UNIT * self.tier_multiplier(usage.tier)
+
+
+def load_price_sheet(path: str | Path | None = None) -> PriceSheet:
+    """The sheet at `path`, or the shipped one; raises PriceSheetError naming the first bad entry."""
+    path = Path(path) if path is not None else SHIPPED_PRICES
+    where = f"price sheet {path}"
+    try:
+        raw = tomllib.loads(path.read_text())
+    except OSError as error:
+        raise PriceSheetError(f"{where}: cannot read: {error.strerror or error}") from error
+    except tomllib.TOMLDecodeError as error:
+        raise PriceSheetError(f"{where}: not valid TOML: {error}") from error
+    _only_known(raw, (*_SECTIONS, "models"), where, "")
+    sections = {name: _table(raw, name, fields, where) for name, fields in _SECTIONS.items()}
+    models_table = raw.get("models")
+    if not isinstance(models_table, dict) or not models_table:
+        raise PriceSheetError(f'{where}: [models] is missing or empty: add [models."NAME"] with input and output')
+    models = {}
+    for name, entry in models_table.items():
+        label = f"models.{_quote(name)}"
+        if not isinstance(entry, dict):
+            raise PriceSheetError(f"{where}: {label} must be a table with input and output")
+        _only_known(entry, _MODEL_FIELDS, where, f"{label}.")
+        models[name] = ModelPrice(
+            **{field: _number(entry, field, f"{label}.{field}", where) for field in _MODEL_FIELDS}
+        )
+    return PriceSheet(
+        models=models,
+        cache_read=sections["cache"]["read"],
+        cache_write=sections["cache"]["write"],
+        tiers=sections["tiers"],
+        source=str(path),
+    )
+
+
+def _table(raw: dict, name: str, fields: tuple[str, ...], where: str) -> dict[str, float]:
+    table = raw.get(name)
+    if not isinstance(table, dict):
+        raise PriceSheetError(f"{where}: [{name}] is missing (needs {', '.join(fields)})")
+    _only_known(table, fields, where, f"{name}.")
+    return {field: _number(table, field, f"{name}.{field}", where) for field in fields}
+
+
+def _number(table: dict, field: str, label: str, where: str) -> float:
+    if field not in table:
+        raise PriceSheetError(f"{where}: {label} is missing")
+    value = table[field]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise PriceSheetError(f"{where}: {label} must be a number, got {value!r}")
+    if value < 0:
+        raise PriceSheetError(f"{where}: {label} must not be negative, got {value!r}")
+    return float(value)
+
+
+def _only_known(table: dict, known: tuple[str, ...], where: str, prefix: str) -> None:
+    """A misspelt field would otherwise be ignored and its price silently missing."""
+    unknown = sorted(set(table) - set(known))
+    if unknown:
+        raise PriceSheetError(f"{where}: unknown entry {prefix}{unknown[0]} (expected one of: {', '.join(known)})")
+
+
+def _quote(name: str) -> str:
+    return f'"{name}"'

@@ -1,0 +1,166 @@
+"""The OpenAI-compatible HTTP server: `create_app(engine, gate, model_name)` gives the ASGI app."""
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Annotated
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.background import BackgroundTask
+
+from carpool.engine.async_engine import AsyncEngine
+from carpool.server import limits
+from carpool.server.admission import TierQueues
+from carpool.server.auth import Authenticate
+from carpool.server.batch.service import BatchService
+from carpool.server.body_limit import BodyLimit
+from carpool.server.errors import APIError, error_body, install_error_handlers
+from carpool.server.gate import Gate, OpenGate, Principal
+from carpool.server.generation import Backends, Generation, GenerationFailed
+from carpool.server.metrics import Metrics
+from carpool.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from carpool.server.responses import ChatFormat, CompletionFormat
+from carpool.server.serving import Serving
+
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the response
+
+
+def _principal(request: Request) -> Principal:
+    return request.state.principal
+
+
+Caller = Annotated[Principal, Depends(_principal)]
+
+
+def create_app(
+    engine: AsyncEngine,
+    gate: Gate | None = None,
+    model_name: str = "carpool",
+    max_queued_per_tier: int = limits.MAX_QUEUED_PER_TIER,
+    max_body_bytes: int = limits.MAX_BODY_BYTES,
+    batch_dir: str | None = None,
+) -> FastAPI:
+    gate = gate or OpenGate()
+    metrics = Metrics(model_name)
+    engine.add_step_listener(metrics.on_step)
+    serving = Serving(Backends(engine, gate, metrics, TierQueues(max_queued_per_tier), model_name))
+    batches = BatchService(serving, gate, batch_dir) if batch_dir else None  # the Batch API, if given a home
+    started = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        if batches:
+            await batches.start()
+        yield
+        if batches:
+            await batches.stop()
+        engine.stop()
+
+    app = FastAPI(title="carpool", summary="OpenAI-compatible LLM serving", lifespan=lifespan)
+    install_error_handlers(app)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    app.add_middleware(Authenticate, gate=gate)  # outermost: nobody unknown gets a body read
+    if batches:
+        app.include_router(batches.router)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(body: ChatCompletionRequest, request: Request, caller: Caller):
+        return await _respond(request, *serving.start_chat(body, caller), body.stream, body.stream_options)
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: CompletionRequest, request: Request, caller: Caller):
+        return await _respond(request, *serving.start_completion(body, caller), body.stream, body.stream_options)
+
+    @app.get("/v1/models")
+    def list_models(caller: Caller) -> dict:
+        return {"object": "list", "data": [_model_card(model_name, started, engine.max_model_len)]}
+
+    @app.get("/v1/models/{model}")
+    def get_model(model: str, caller: Caller) -> dict:
+        serving.check_model(model)
+        return _model_card(model_name, started, engine.max_model_len)
+
+    @app.post("/tokenize")
+    def tokenize(body: TokenizeRequest, caller: Caller) -> dict:
+        return serving.tokenize(body)
+
+    @app.post("/detokenize")
+    def detokenize(body: DetokenizeRequest, caller: Caller) -> dict:
+        return serving.detokenize(body)
+
+    @app.get("/health")
+    def health() -> Response:
+        if engine.error is not None:
+            return JSONResponse(error_body(503, f"The engine stopped: {engine.error!r}"), 503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    def prometheus_metrics() -> Response:
+        return Response(metrics.render(engine.snapshot()), media_type=CONTENT_TYPE_LATEST)
+
+    app.state.metrics = metrics
+    return app
+
+
+def _model_card(model_name: str, created: int, max_model_len: int) -> dict:
+    return {"id": model_name, "object": "model", "created": created, "owned_by": "carpool",
+            "max_model_len": max_model_len}
+
+
+async def _respond(request: Request, gen: Generation, fmt: ChatFormat | CompletionFormat, stream: bool | None,
+                   stream_options) -> Response:
+    if stream:
+        include_usage = bool(stream_options and stream_options.include_usage)
+        # The background task covers a stream that never started; otherwise the stream cancels on its way out.
+        return StreamingResponse(_events(gen, fmt, include_usage), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"}, background=BackgroundTask(gen.cancel))
+    if not await _finished_before_disconnect(request, gen):
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    try:
+        await gen.wait()
+    except GenerationFailed as error:
+        raise APIError(500, f"The engine failed while generating: {error}") from error
+    return JSONResponse(fmt.response(gen))
+
+
+async def _events(gen: Generation, fmt: ChatFormat | CompletionFormat, include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events. Starlette cancels this when the client disconnects, which aborts the engine requests."""
+    try:
+        async for choice, output in gen.stream():
+            chunk = fmt.chunk(gen, choice, output)
+            if chunk is not None:
+                yield _event(chunk)
+        if include_usage:
+            yield _event(fmt.usage_chunk(gen))
+    except GenerationFailed as error:
+        yield _event(error_body(500, f"The engine failed while generating: {error}"))
+    finally:
+        gen.cancel()
+    yield "data: [DONE]\n\n"
+
+
+def _event(body: dict) -> str:
+    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+
+async def _finished_before_disconnect(request: Request, gen: Generation) -> bool:
+    """Wait for a whole (non-streamed) response; a client that hangs up first cancels its generation."""
+
+    async def disconnected():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher, finished = asyncio.create_task(disconnected()), asyncio.create_task(gen.done.wait())
+    try:
+        await asyncio.wait({watcher, finished}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        finished.cancel()
+        if not gen.done.is_set():
+            gen.cancel()
+    return gen.done.is_set()

@@ -1,0 +1,29 @@
+"""The gate's first question, asked before a request body is even read: who is calling? (401 if nobody known.)"""
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from carpool.server.errors import APIError, error_response
+from carpool.server.gate import Gate, GateError
+
+OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
+
+
+class Authenticate:
+    """Puts the caller's Principal in `request.state.principal`; the open paths need no key."""
+
+    def __init__(self, app: ASGIApp, gate: Gate):
+        self.app, self.gate = app, gate
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            try:
+                principal = self.gate.authenticate(bearer_key(dict(scope["headers"])))
+            except GateError as error:
+                return await error_response(APIError.from_gate_error(error))(scope, receive, send)
+            scope.setdefault("state", {})["principal"] = principal
+        await self.app(scope, receive, send)
+
+
+def bearer_key(headers: dict[bytes, bytes]) -> str | None:
+    scheme, _, key = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+    return (key.strip() or None) if scheme.lower() == "bearer" else None

@@ -1,0 +1,82 @@
+"""A batch line runs through the live endpoint's own code: its request model, its checks, its response body.
+
+So a body the live endpoint refuses is refused here too, a batch response is byte for byte what a synchronous
+call would have returned, and billing happens where it does for every other request (the server's Generation
+hands the gate one UsageRecord, at tier `batch`).
+"""
+
+import asyncio
+from collections.abc import Callable
+
+from pydantic import BaseModel, ValidationError
+
+from carpool.server.batch.runner import BatchEndpoint, Outcome
+from carpool.server.batch.store import new_id
+from carpool.server.batch.validation import InvalidBody
+from carpool.server.errors import APIError, _where, error_body
+from carpool.server.gate import GateError, Principal
+from carpool.server.generation import GenerationFailed
+from carpool.server.protocol import ChatCompletionRequest, CompletionRequest
+from carpool.server.serving import Serving
+
+BATCH_TIER = "batch"
+
+
+class ServingEndpoint:
+    def __init__(self, serving: Serving, request_model: type[BaseModel], start: Callable):
+        self.serving, self.request_model, self.start = serving, request_model, start
+
+    def check_body(self, body: dict) -> None:
+        """What the live endpoint checks before it tokenizes: the request model and the model's name.
+
+        Checks that need the prompt's tokens (context length) come when the line runs, as a 400 in the error file,
+        so validating a 50,000-line file stays cheap.
+        """
+        request = self._parse(body)
+        if request.stream:
+            raise InvalidBody("stream: a batch request is answered whole, not streamed", "stream")
+        try:
+            self.serving.check_model(request.model)
+        except APIError as error:
+            raise InvalidBody(error.message, error.param) from None
+
+    async def run(self, principal: Principal, body: dict) -> Outcome:
+        # The batch tier is this server's own: no request body can name it, so it is set on the parsed request.
+        request = self._parse(body).model_copy(update={"service_tier": BATCH_TIER, "priority": None})
+        while True:
+            try:
+                gen, fmt = self.start(request, principal)
+                break
+            except (APIError, GateError) as refused:
+                error = refused if isinstance(refused, APIError) else APIError.from_gate_error(refused)
+                if error.code != "rate_limit_exceeded":
+                    return Outcome(error.status, error_body(error.status, error.message, error.param, error.code),
+                                   new_id("req_"))
+                # A full queue or a key's rate limit means "not now", never "no": batch work can wait its turn.
+                await asyncio.sleep(error.retry_after or 1.0)
+        try:
+            await gen.wait()
+        except GenerationFailed as error:
+            return Outcome(500, error_body(500, f"The engine failed while generating: {error}"), gen.request_id)
+        finally:
+            if not gen.done.is_set():
+                gen.cancel()  # the batch was cancelled or expired, or the server is stopping
+        return Outcome(200, fmt.response(gen), gen.request_id, gen.prompt_tokens, gen.cached_tokens,
+                       gen.completion_tokens)
+
+    def _parse(self, body: dict) -> BaseModel:
+        try:
+            return self.request_model.model_validate(body)
+        except ValidationError as error:
+            first = error.errors()[0]
+            loc = list(first.get("loc", ()))
+            if not loc:
+                raise InvalidBody(f"body: {first.get('msg')}") from None
+            raise InvalidBody(f"{_where(loc)}: {first.get('msg')}", str(loc[0])) from None
+
+
+def serving_endpoints(serving: Serving) -> dict[str, BatchEndpoint]:
+    return {
+        "/v1/chat/completions": ServingEndpoint(serving, ChatCompletionRequest, serving.start_chat),
+        "/v1/completions": ServingEndpoint(serving, CompletionRequest, serving.start_completion),
+    }

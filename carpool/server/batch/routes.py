@@ -1,0 +1,171 @@
+"""OpenAI's Files and Batches endpoints, as the official SDKs call them.
+
+Callers see only their own files and batches (those of their tenant, or of their key when it has no tenant);
+admin keys see everyone's. Someone else's object answers 404, as if it did not exist.
+"""
+
+import asyncio
+import time
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, File, Form, Query, Request, UploadFile
+from fastapi.responses import FileResponse
+from pydantic import BaseModel, ConfigDict
+
+from carpool.server.batch.limits import COMPLETION_WINDOWS, ENDPOINTS, BatchLimits
+from carpool.server.batch.objects import batch_object, file_object, list_object
+from carpool.server.batch.runner import BatchRunner
+from carpool.server.batch.store import BatchStore, FileTooLarge
+from carpool.server.errors import APIError
+from carpool.server.gate import Gate, Principal
+
+UPLOAD_PURPOSES = ("batch",)
+MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
+
+
+class BatchCreateRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    input_file_id: str
+    endpoint: str
+    completion_window: str
+    metadata: dict[str, str] | None = None
+
+
+def create_batch_router(store: BatchStore, runner: BatchRunner, gate: Gate, limits: BatchLimits) -> APIRouter:
+    router = APIRouter()
+
+    # Files -----------------------------------------------------------------------------------------------
+
+    @router.post("/v1/files")
+    async def upload_file(request: Request, file: Annotated[UploadFile, File()], purpose: Annotated[str, Form()]):
+        if purpose not in UPLOAD_PURPOSES:
+            raise APIError(400, f"purpose: this server takes uploads for {UPLOAD_PURPOSES}, got {purpose!r}",
+                           param="purpose", code="invalid_value")
+        owner = _owner(_caller(request))
+        try:
+            row = await asyncio.to_thread(store.save_file, owner, file.filename or "upload.jsonl", purpose, file.file,
+                                          limits.max_file_bytes, int(time.time()))
+        except FileTooLarge as error:
+            raise APIError(400, f"file: {error}", param="file", code="file_too_large") from None
+        return file_object(row)
+
+    @router.get("/v1/files")
+    def list_files(request: Request, after: str | None = None, limit: Annotated[int, Query(ge=1, le=10_000)] = 10_000,
+                   order: Literal["asc", "desc"] = "desc", purpose: str | None = None):
+        principal = _caller(request)
+        rows, has_more = store.list_files(_owner(principal), principal.is_admin, purpose, after, limit,
+                                          newest_first=order == "desc")
+        return list_object([file_object(row) for row in rows], has_more)
+
+    @router.get("/v1/files/{file_id}")
+    def get_file(request: Request, file_id: str):
+        return file_object(_visible_file(request, file_id))
+
+    @router.get("/v1/files/{file_id}/content")
+    def file_content(request: Request, file_id: str):
+        row = _visible_file(request, file_id)
+        return FileResponse(store.file_path(row["id"]), media_type="application/octet-stream", filename=row["filename"])
+
+    @router.delete("/v1/files/{file_id}")
+    def delete_file(request: Request, file_id: str):
+        row = _visible_file(request, file_id)
+        if store.file_in_use(row["id"]):
+            raise APIError(409, f"File {file_id!r} is the input of a batch that has not finished; cancel it first.",
+                           param="file_id", code="file_in_use")
+        store.delete_file(row["id"])
+        return {"id": row["id"], "object": "file", "deleted": True}
+
+    def _visible_file(request: Request, file_id: str) -> dict:
+        row = store.get_file(file_id)
+        if row is None or not _may_see(_caller(request), row):
+            raise APIError(404, f"No such file: {file_id!r}", param="file_id", code="not_found")
+        return row
+
+    # Batches ---------------------------------------------------------------------------------------------
+
+    # These two touch the runner, which lives on the event loop: they must run there, not in a worker thread.
+    @router.post("/v1/batches")
+    async def create_batch(request: Request, body: BatchCreateRequest):
+        principal = _caller(request)
+        if body.endpoint not in ENDPOINTS:
+            raise APIError(400, f"endpoint: batches run {ENDPOINTS}, got {body.endpoint!r}", param="endpoint",
+                           code="invalid_value")
+        if body.completion_window not in COMPLETION_WINDOWS:
+            raise APIError(400, f"completion_window: must be one of {tuple(COMPLETION_WINDOWS)}, got "
+                                f"{body.completion_window!r}", param="completion_window", code="invalid_value")
+        _check_metadata(body.metadata)
+        input_file = store.get_file(body.input_file_id)
+        if input_file is None or not _may_see(principal, input_file):
+            raise APIError(404, f"No such file: {body.input_file_id!r}", param="input_file_id", code="not_found")
+        if input_file["purpose"] != "batch":
+            raise APIError(400, f"input_file_id: {body.input_file_id!r} was uploaded for {input_file['purpose']!r}, "
+                                "not 'batch'", param="input_file_id", code="invalid_value")
+        gate.admit(principal, "batch", 0)  # may this key use the batch tier, and has it budget left?
+        now = int(time.time())
+        row = store.create_batch(
+            owner=_owner(principal),
+            key_id=principal.key_id,
+            tenant=principal.tenant,
+            endpoint=body.endpoint,
+            input_file_id=body.input_file_id,
+            completion_window=body.completion_window,
+            metadata=body.metadata,
+            created_at=now,
+            expires_at=now + COMPLETION_WINDOWS[body.completion_window],
+        )
+        runner.submit(row["id"])
+        return batch_object(row)
+
+    @router.get("/v1/batches")
+    def list_batches(request: Request, after: str | None = None, limit: Annotated[int, Query(ge=1, le=100)] = 20):
+        principal = _caller(request)
+        rows, has_more = store.list_batches(_owner(principal), principal.is_admin, after, limit)
+        return list_object([batch_object(row) for row in rows], has_more)
+
+    @router.get("/v1/batches/{batch_id}")
+    def get_batch(request: Request, batch_id: str):
+        return batch_object(_visible_batch(request, batch_id))
+
+    @router.post("/v1/batches/{batch_id}/cancel")
+    async def cancel_batch(request: Request, batch_id: str):
+        row = _visible_batch(request, batch_id)
+        if store.transition(row["id"], "cancelling", int(time.time()), ("validating", "in_progress")):
+            runner.cancel(row["id"])
+            return batch_object(store.get_batch(row["id"]))
+        row = store.get_batch(row["id"])
+        if row["status"] in ("cancelling", "cancelled"):
+            return batch_object(row)
+        raise APIError(409, f"Batch {batch_id!r} is {row['status']} and can no longer be cancelled.",
+                       param="batch_id", code="batch_not_cancellable")
+
+    def _visible_batch(request: Request, batch_id: str) -> dict:
+        row = store.get_batch(batch_id)
+        if row is None or not _may_see(_caller(request), row):
+            raise APIError(404, f"No such batch: {batch_id!r}", param="batch_id", code="not_found")
+        return row
+
+    return router
+
+
+def _caller(request: Request) -> Principal:
+    return request.state.principal
+
+
+def _owner(principal: Principal) -> str | None:
+    return principal.tenant or principal.key_id
+
+
+def _may_see(principal: Principal, row: dict) -> bool:
+    return principal.is_admin or row["owner"] == _owner(principal)
+
+
+def _check_metadata(metadata: dict[str, str] | None) -> None:
+    if metadata is None:
+        return
+    if len(metadata) > MAX_METADATA_PAIRS:
+        raise APIError(400, f"metadata: at most {MAX_METADATA_PAIRS} pairs", param="metadata", code="invalid_value")
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY or len(value) > MAX_METADATA_VALUE:
+            raise APIError(400, f"metadata: keys are at most {MAX_METADATA_KEY} characters and values at most "
+                                f"{MAX_METADATA_VALUE}", param="metadata", code="invalid_value")

@@ -1,0 +1,354 @@
+"""Batches, files and per-request results: one SQLite database plus a files/ folder, under the batch dir.
+
+Everything a batch needs to survive `kill -9` is here. A result is written the moment its request finishes,
+keyed by (batch, line) and unique by (batch, custom_id), so a restarted server re-runs only the lines that
+have no result and no custom_id is ever answered twice. Output and error files are assembled from the
+results at the end, written beside the database and registered in the same transaction that closes the batch.
+"""
+
+import json
+import secrets
+import sqlite3
+import threading
+from pathlib import Path
+from typing import BinaryIO
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS files (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,  -- listing order; ids are random
+    id TEXT NOT NULL UNIQUE,
+    owner TEXT,                             -- tenant or key id of the uploader; NULL on an open server
+    filename TEXT NOT NULL,
+    purpose TEXT NOT NULL,                  -- batch (uploaded) | batch_output (written here)
+    bytes INTEGER NOT NULL,
+    created_at INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS batches (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    id TEXT NOT NULL UNIQUE,
+    owner TEXT,
+    key_id TEXT,                            -- who pays: kept so a restarted server bills the same key
+    tenant TEXT,
+    endpoint TEXT NOT NULL,
+    input_file_id TEXT NOT NULL,
+    completion_window TEXT NOT NULL,
+    status TEXT NOT NULL,
+    metadata TEXT,                          -- JSON object
+    errors TEXT,                            -- JSON list of validation errors
+    output_file_id TEXT,
+    error_file_id TEXT,
+    total INTEGER NOT NULL DEFAULT 0,
+    completed INTEGER NOT NULL DEFAULT 0,
+    failed INTEGER NOT NULL DEFAULT 0,
+    input_tokens INTEGER NOT NULL DEFAULT 0,
+    cached_tokens INTEGER NOT NULL DEFAULT 0,
+    output_tokens INTEGER NOT NULL DEFAULT 0,
+    created_at INTEGER NOT NULL,
+    expires_at INTEGER NOT NULL,
+    in_progress_at INTEGER,
+    finalizing_at INTEGER,
+    completed_at INTEGER,
+    failed_at INTEGER,
+    expired_at INTEGER,
+    cancelling_at INTEGER,
+    cancelled_at INTEGER
+);
+CREATE TABLE IF NOT EXISTS results (
+    batch_id TEXT NOT NULL,
+    line INTEGER NOT NULL,                  -- 1-based line of the input file
+    custom_id TEXT NOT NULL,
+    ok INTEGER NOT NULL,                    -- 1: output file, 0: error file
+    record TEXT NOT NULL,                   -- the JSON line as it will appear in that file
+    PRIMARY KEY (batch_id, line),
+    UNIQUE (batch_id, custom_id)
+);
+"""
+
+ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
+TIMESTAMPS = {
+    "in_progress": "in_progress_at",
+    "finalizing": "finalizing_at",
+    "completed": "completed_at",
+    "failed": "failed_at",
+    "expired": "expired_at",
+    "cancelling": "cancelling_at",
+    "cancelled": "cancelled_at",
+}
+_UPDATABLE = {"total", "errors", "output_file_id", "error_file_id"}
+_COPY_CHUNK = 1 << 20
+
+
+class FileTooLarge(Exception):
+    pass
+
+
+def new_id(prefix: str) -> str:
+    return prefix + secrets.token_hex(12)
+
+
+class BatchStore:
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        self.files_dir = self.root / "files"
+        self.files_dir.mkdir(parents=True, exist_ok=True)
+        # Touched from the event loop and from worker threads (uploads, validation): one connection, one lock.
+        self._lock = threading.Lock()
+        self._conn = sqlite3.connect(self.root / "batches.db", timeout=30, check_same_thread=False)
+        self._conn.row_factory = sqlite3.Row
+        self._conn.execute("PRAGMA journal_mode=WAL")
+        self._conn.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL survives a killed process
+        self._conn.executescript(SCHEMA)
+        self._remove_orphans()
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+    def _query(self, sql: str, args: tuple = ()) -> list[dict]:
+        with self._lock:
+            return [dict(row) for row in self._conn.execute(sql, args)]
+
+    def _remove_orphans(self) -> None:
+        """Files written by a process that died before registering them (an upload or a finalize cut short)."""
+        known = {row["id"] for row in self._query("SELECT id FROM files")}
+        for path in self.files_dir.iterdir():
+            if path.name not in known:
+                path.unlink(missing_ok=True)
+
+    # Files ---------------------------------------------------------------------------------------------
+
+    def file_path(self, file_id: str) -> Path:
+        return self.files_dir / file_id
+
+    def save_file(
+        self, owner: str | None, filename: str, purpose: str, source: BinaryIO, max_bytes: int, now: int
+    ) -> dict:
+        """Copy an upload into the store; FileTooLarge (and nothing kept) past max_bytes."""
+        file_id = new_id("file-")
+        path = self.file_path(file_id)
+        size = 0
+        try:
+            with open(path, "wb") as out:
+                while chunk := source.read(_COPY_CHUNK):
+                    size += len(chunk)
+                    if size > max_bytes:
+                        raise FileTooLarge(f"file is larger than the limit of {max_bytes} bytes")
+                    out.write(chunk)
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
+        with self._lock, self._conn:
+            self._conn.execute(
+                "INSERT INTO files (id, owner, filename, purpose, bytes, created_at) VALUES (?, ?, ?, ?, ?, ?)",
+                (file_id, owner, filename, purpose, size, now),
+            )
+        return self.get_file(file_id)
+
+    def get_file(self, file_id: str) -> dict | None:
+        rows = self._query("SELECT * FROM files WHERE id = ?", (file_id,))
+        return rows[0] if rows else None
+
+    def list_files(
+        self, owner: str | None, everyone: bool, purpose: str | None, after: str | None, limit: int, newest_first: bool
+    ) -> tuple[list[dict], bool]:
+        where, args = ["1"], []
+        if not everyone:
+            where.append("owner IS ?")
+            args.append(owner)
+        if purpose is not None:
+            where.append("purpose = ?")
+            args.append(purpose)
+        if after is not None:
+            where.append(f"seq {'<' if newest_first else '>'} COALESCE((SELECT seq FROM files WHERE id = ?), -1)")
+            args.append(after)
+        order = "DESC" if newest_first else "ASC"
+        rows = self._query(
+            f"SELECT * FROM files WHERE {' AND '.join(where)} ORDER BY seq {order} LIMIT ?", (*args, limit + 1)
+        )
+        return rows[:limit], len(rows) > limit
+
+    def file_in_use(self, file_id: str) -> bool:
+        """An unfinished batch still reads it."""
+        marks = ",".join("?" * len(ACTIVE))
+        rows = self._query(
+            f"SELECT 1 FROM batches WHERE input_file_id = ? AND status IN ({marks}) LIMIT 1", (file_id, *ACTIVE)
+        )
+        return bool(rows)
+
+    def delete_file(self, file_id: str) -> None:
+        with self._lock, self._conn:
+            self._conn.execute("DELETE FROM files WHERE id = ?", (file_id,))
+        self.file_path(file_id).unlink(missing_ok=True)
+
+    # Batches -------------------------------------------------------------------------------------------
+
+    def create_batch(
+        self,
+        *,
+        owner: str | None,
+        key_id: str | None,
+        tenant: str | None,
+        endpoint: str,
+        input_file_id: str,
+        completion_window: str,
+        metadata: dict | None,
+        created_at: int,
+        expires_at: int,
+    ) -> dict:
+        batch_id = new_id("batch_")
+        with self._lock, self._conn:
+            self._conn.execute(
+                "INSERT INTO batches (id, owner, key_id, tenant, endpoint, input_file_id, completion_window, status, "
+                "metadata, created_at, expires_at) VALUES (?, ?, ?, ?, ?, ?, ?, 'validating', ?, ?, ?)",
+                (
+                    batch_id,
+                    owner,
+                    key_id,
+                    tenant,
+                    endpoint,
+                    input_file_id,
+                    completion_window,
+                    None if metadata is None else json.dumps(metadata),
+                    created_at,
+                    expires_at,
+                ),
+            )
+        return self.get_batch(batch_id)
+
+    def get_batch(self, batch_id: str) -> dict | None:
+        rows = self._query("SELECT * FROM batches WHERE id = ?", (batch_id,))
+        return rows[0] if rows else None
+
+    def list_batches(self, owner: str | None, everyone: bool, after: str | None, limit: int) -> tuple[list[dict], bool]:
+        """Newest first, as OpenAI lists them."""
+        where, args = ["1"], []
+        if not everyone:
+            where.append("owner IS ?")
+            args.append(owner)
+        if after is not None:
+            where.append("seq < COALESCE((SELECT seq FROM batches WHERE id = ?), -1)")
+            args.append(after)
+        rows = self._query(
+            f"SELECT * FROM batches WHERE {' AND '.join(where)} ORDER BY seq DESC LIMIT ?", (*args, limit + 1)
+        )
+        return rows[:limit], len(rows) > limit
+
+    def active_batch_ids(self) -> list[str]:
+        marks = ",".join("?" * len(ACTIVE))
+        rows = self._query(f"SELECT id FROM batches WHERE status IN ({marks}) ORDER BY seq", ACTIVE)
+        return [row["id"] for row in rows]
+
+    def transition(self, batch_id: str, status: str, now: int, allowed_from: tuple[str, ...], **fields) -> bool:
+        """Move the batch to `status` (stamping its `<status>_at`) only if it is in one of `allowed_from`.
+
+        The check and the write are one statement, so a cancel and the runner's own next move can't both win.
+        """
+        unknown = set(fields) - _UPDATABLE
+        if unknown:
+            raise ValueError(f"not updatable: {sorted(unknown)}")
+        columns = {"status": status, TIMESTAMPS[status]: now, **fields}
+        if "errors" in columns:
+            columns["errors"] = json.dumps(columns["errors"])
+        assignments = ", ".join(f"{name} = ?" for name in columns)
+        marks = ",".join("?" * len(allowed_from))
+        with self._lock, self._conn:
+            cursor = self._conn.execute(
+                f"UPDATE batches SET {assignments} WHERE id = ? AND status IN ({marks})",
+                (*columns.values(), batch_id, *allowed_from),
+            )
+        return cursor.rowcount == 1
+
+    # Results -------------------------------------------------------------------------------------------
+
+    def add_result(
+        self,
+        batch_id: str,
+        line: int,
+        custom_id: str,
+        ok: bool,
+        record: dict,
+        input_tokens: int = 0,
+        cached_tokens: int = 0,
+        output_tokens: int = 0,
+    ) -> bool:
+        """Keep a request's outcome; False (and nothing changed) if that line or custom_id already has one."""
+        with self._lock, self._conn:
+            cursor = self._conn.execute(
+                "INSERT OR IGNORE INTO results (batch_id, line, custom_id, ok, record) VALUES (?, ?, ?, ?, ?)",
+                (batch_id, line, custom_id, int(ok), json.dumps(record, ensure_ascii=False)),
+            )
+            if cursor.rowcount != 1:
+                return False
+            self._conn.execute(
+                f"UPDATE batches SET {'completed' if ok else 'failed'} = {'completed' if ok else 'failed'} + 1, "
+                "input_tokens = input_tokens + ?, cached_tokens = cached_tokens + ?, output_tokens = output_tokens + ? "
+                "WHERE id = ?",
+                (input_tokens, cached_tokens, output_tokens, batch_id),
+            )
+        return True
+
+    def answered_lines(self, batch_id: str) -> set[int]:
+        return {row["line"] for row in self._query("SELECT line FROM results WHERE batch_id = ?", (batch_id,))}
+
+    def close_batch(self, batch_id: str, status: str, now: int, allowed_from: tuple[str, ...]) -> bool:
+        """Write the output and error files from the results and move the batch to its final `status`.
+
+        The files are registered in the same transaction as the status change; if the process dies before it,
+        the unregistered files are swept at the next start and this runs again.
+        """
+        batch = self.get_batch(batch_id)
+        written = {ok: self._write_results(batch, ok, now) for ok in (True, False)}
+        columns = {"status": status, TIMESTAMPS[status]: now}
+        columns["output_file_id"] = written[True]["id"] if written[True] else None
+        columns["error_file_id"] = written[False]["id"] if written[False] else None
+        assignments = ", ".join(f"{name} = ?" for name in columns)
+        marks = ",".join("?" * len(allowed_from))
+        with self._lock, self._conn:
+            cursor = self._conn.execute(
+                f"UPDATE batches SET {assignments} WHERE id = ? AND status IN ({marks})",
+                (*columns.values(), batch_id, *allowed_from),
+            )
+            if cursor.rowcount == 1:
+                for row in filter(None, written.values()):
+                    self._conn.execute(
+                        "INSERT INTO files (id, owner, filename, purpose, bytes, created_at) VALUES (?, ?, ?, ?, ?, ?)",
+                        (row["id"], row["owner"], row["filename"], row["purpose"], row["bytes"], row["created_at"]),
+                    )
+        if cursor.rowcount != 1:
+            for row in filter(None, written.values()):
+                self.file_path(row["id"]).unlink(missing_ok=True)
+        return cursor.rowcount == 1
+
+    def _write_results(self, batch: dict, ok: bool, now: int) -> dict | None:
+        """One results file (successes or errors) on disk, not yet registered; None if there is nothing to write."""
+        file_id = new_id("file-")
+        path = self.file_path(file_id)
+        size = 0
+        # A cursor of its own, read in pages, so a 50,000-line batch never sits in memory at once.
+        last_line = 0
+        with open(path, "wb") as out:
+            while True:
+                rows = self._query(
+                    "SELECT line, record FROM results WHERE batch_id = ? AND ok = ? AND line > ? "
+                    "ORDER BY line LIMIT 1000",
+                    (batch["id"], int(ok), last_line),
+                )
+                if not rows:
+                    break
+                for row in rows:
+                    data = (row["record"] + "\n").encode()
+                    out.write(data)
+                    size += len(data)
+                last_line = rows[-1]["line"]
+        if size == 0:
+            path.unlink()
+            return None
+        kind = "output" if ok else "error"
+        return {
+            "id": file_id,
+            "owner": batch["owner"],
+            "filename": f"{batch['id']}_{kind}.jsonl",
+            "purpose": "batch_output",
+            "bytes": size,
+            "created_at": now,
+        }

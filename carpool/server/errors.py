@@ -1,0 +1,89 @@
+"""Every failure leaves as OpenAI's error body, `{"error": {"message", "type", "param", "code"}}`, so the SDKs
+raise their usual exception classes. Validation failures are 400 naming the parameter (not FastAPI's 422)."""
+
+import logging
+import re
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from carpool.server.gate import GateError
+
+log = logging.getLogger("carpool.server")
+
+_TYPE_NAMES = {"str", "int", "float", "bool", "none"}
+_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 retry_after: float | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.retry_after = status, message, param, code, retry_after
+
+    @classmethod
+    def from_value_error(cls, error: ValueError, fields, renamed: dict[str, str] | None = None,
+                         code: str | None = None) -> "APIError":
+        """A 400 for an engine-side ValueError, whose message starts with the offending field's name (named as
+        the request calls it: `renamed` maps engine names such as `prompt` to the API's, such as `messages`)."""
+        message = str(error)
+        match = re.match(r"[a-z_]+", message)
+        param = match.group() if match else None
+        param = (renamed or {}).get(param, param)
+        return cls(400, message, param=param if param in fields else None, code=code)
+
+
+    @classmethod
+    def from_gate_error(cls, error: GateError) -> "APIError":
+        return cls(error.status, error.message, code=error.code, retry_after=error.retry_after)
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_response(error: APIError) -> JSONResponse:
+    headers = {"Retry-After": str(max(1, round(error.retry_after)))} if error.retry_after is not None else None
+    return JSONResponse(error_body(error.status, error.message, error.param, error.code), error.status, headers)
+
+
+def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    first = exc.errors()[0]
+    loc = [part for part in first.get("loc", ()) if part != "body"]
+    if first.get("type") == "json_invalid":
+        return error_response(APIError(400, f"The request body is not valid JSON: {first.get('msg')}"))
+    if not loc:
+        return error_response(APIError(400, f"The request body must be a JSON object: {first.get('msg')}"))
+    return error_response(APIError(400, f"{_where(loc)}: {first.get('msg')}", param=str(loc[0])))
+
+
+def _where(loc: list) -> str:
+    """`messages[0].content` from pydantic's error location, less the union members it tried (`str`,
+    `list[int]`, `TextPart`): this API's field names are all snake_case and none is a type's name."""
+    path = str(loc[0])
+    for part in loc[1:]:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif re.fullmatch(r"[a-z_]+", part) and part not in _TYPE_NAMES:
+            path += f".{part}"
+    return path
+
+
+def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    return JSONResponse(error_body(exc.status_code, str(exc.detail)), exc.status_code, exc.headers)
+
+
+def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return JSONResponse(error_body(500, "The server had an error while processing your request."), 500)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(APIError, lambda request, exc: error_response(exc))
+    app.add_exception_handler(GateError, lambda request, exc: error_response(APIError.from_gate_error(exc)))
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected)

@@ -1,0 +1,179 @@
+"""One API request's engine work: a task per choice, started at admission, with outputs merged as they come.
+
+Bookkeeping (the tier's queue slot, metrics, the gate's usage record) hangs on the tasks' completion callbacks
+rather than on `finally` blocks, so it happens exactly once even for a request cancelled before its first step.
+Cancelling the tasks aborts their engine requests: the blocks are back in the pool by the next engine step.
+"""
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from functools import partial
+
+from carpool.economics.usage import UsageRecord
+from carpool.engine.async_engine import AsyncEngine
+from carpool.engine.outputs import RequestOutput
+from carpool.engine.sampling_params import SamplingParams
+from carpool.engine.sequence import SequenceTimes
+from carpool.server.admission import TierQueues
+from carpool.server.gate import Gate, Principal
+from carpool.server.metrics import Metrics
+from carpool.server.protocol import TIERS
+
+
+@dataclass
+class Choice:
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    bills_prompt: bool  # the first choice of each prompt: n choices share one prompt, billed once
+    last: RequestOutput | None = None
+    finish_reason: str | None = None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.last.token_ids) if self.last else 0
+
+
+class GenerationFailed(Exception):
+    """The engine failed a request (not the caller's fault)."""
+
+
+@dataclass
+class Backends:
+    """What a generation reports to besides its caller."""
+
+    engine: AsyncEngine
+    gate: Gate
+    metrics: Metrics
+    queues: TierQueues
+    model_name: str
+
+
+class Generation:
+    def __init__(self, backends: Backends, request_id: str, tier: str, principal: Principal, choices: list[Choice],
+                 streaming: bool, cache_salt: str | None = None):
+        self.gate, self.metrics, self.queues = backends.gate, backends.metrics, backends.queues
+        self.model_name = backends.model_name
+        self.request_id, self.tier, self.principal, self.choices = request_id, tier, principal, choices
+        self.cache_salt = cache_salt
+        self.created = int(time.time())
+        self.arrival = time.monotonic()
+        self.error: BaseException | None = None
+        self.done = asyncio.Event()
+        # Only a stream reads outputs one by one; a whole response is built from each choice's last output.
+        self._events: asyncio.Queue | None = asyncio.Queue() if streaming else None
+        self._open = len(choices)
+        self._tasks = []
+        for choice in choices:
+            task = asyncio.create_task(self._run(backends.engine, choice))
+            task.add_done_callback(partial(self._choice_done, choice))
+            self._tasks.append(task)
+
+    async def _run(self, engine: AsyncEngine, choice: Choice) -> None:
+        outputs = engine.generate(f"{self.request_id}-{choice.index}", choice.prompt_ids, choice.params,
+                                  priority=TIERS[self.tier], cache_salt=self.cache_salt)
+        async for output in outputs:
+            if choice.last is None:
+                self.queues.release(self.tier)
+                self.metrics.on_first_output(self.tier, output)
+            choice.last = output
+            self.metrics.on_tokens(self.tier, len(output.delta_token_ids))
+            if self._events is not None:
+                self._events.put_nowait((choice, output))
+
+    def _choice_done(self, choice: Choice, task: asyncio.Task) -> None:
+        if choice.last is None:
+            self.queues.release(self.tier)
+        if choice.last is not None and choice.last.finished:
+            choice.finish_reason = choice.last.finish_reason
+        elif task.cancelled():
+            choice.finish_reason = "abort"
+        else:
+            choice.finish_reason = "error"
+            self.error = self.error or task.exception()
+        self.metrics.on_finished(self.tier, choice.finish_reason, choice.last)
+        if self._events is not None:
+            self._events.put_nowait((choice, None))
+        self._open -= 1
+        if self._open == 0:
+            try:
+                self.gate.record(self.principal, self.usage_record())
+            finally:  # a gate that fails to record must not leave the caller waiting forever
+                self.done.set()
+
+    def cancel(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+
+    async def wait(self) -> None:
+        await self.done.wait()
+        if self.error is not None:
+            raise GenerationFailed(repr(self.error))
+
+    async def stream(self) -> AsyncIterator[tuple[Choice, RequestOutput]]:
+        """(choice, output) for every output of every choice, in arrival order, until all choices are done."""
+        open_choices = len(self.choices)
+        while open_choices:
+            choice, output = await self._events.get()
+            if output is not None:
+                yield choice, output
+                continue
+            open_choices -= 1
+            if self.error is not None:
+                raise GenerationFailed(repr(self.error))
+
+    # Usage ---------------------------------------------------------------------------------------------
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(c.prompt_ids) for c in self.choices if c.bills_prompt)
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(c.last.num_cached_tokens for c in self.choices if c.bills_prompt and c.last)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.num_output_tokens for c in self.choices)
+
+    def usage(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+    def usage_record(self) -> UsageRecord:
+        queue, prefill, decode = self._phase_seconds()
+        reasons = {c.finish_reason for c in self.choices}
+        return UsageRecord(
+            request_id=self.request_id,
+            model=self.model_name,
+            tier=self.tier,
+            prompt_tokens=self.prompt_tokens,
+            cached_tokens=self.cached_tokens,
+            cache_write_tokens=sum(
+                getattr(c.last, "num_cache_write_tokens", 0) for c in self.choices if c.bills_prompt and c.last
+            ),
+            output_tokens=self.completion_tokens,
+            queue_seconds=queue,
+            prefill_seconds=prefill,
+            decode_seconds=decode,
+            finish_reason=next((r for r in ("error", "abort", "length") if r in reasons), "stop"),
+            key_id=self.principal.key_id,
+            tenant=self.principal.tenant,
+        )
+
+    def _phase_seconds(self) -> tuple[float, float, float]:
+        """Queue, prefill and decode seconds of the request as a whole: from its first choice's arrival to its
+        last choice's end. A phase a choice never reached (aborted early) counts as zero."""
+        now = time.monotonic()
+        times = [c.last.times if c.last and c.last.times else SequenceTimes(arrival=self.arrival) for c in self.choices]
+        end = max(t.finished or now for t in times)
+        arrival = min(t.arrival for t in times)
+        scheduled = min((t.first_scheduled for t in times if t.first_scheduled is not None), default=end)
+        first_token = min((t.first_token for t in times if t.first_token is not None), default=end)
+        return scheduled - arrival, first_token - scheduled, end - first_token

@@ -1,0 +1,108 @@
+"""Prometheus metrics under vLLM's names with a `carpool:` prefix, so existing vLLM dashboards port over.
+
+Per-request series carry the service tier; per-step series (batch sizes, inter-token gaps, preemptions) are
+observed on the engine thread by a step listener, where every step's exact timing is known.
+"""
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from carpool.engine.async_engine import EngineSnapshot
+from carpool.engine.llm_engine import StepStats
+from carpool.engine.outputs import RequestOutput
+from carpool.server.protocol import TIERS
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+# vLLM's buckets, so quantiles compare across the two servers.
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                   20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                   480.0, 960.0, 1920.0, 7680.0)
+TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+SEQ_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+class Metrics:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        tiered = ["model_name", "tier"]
+        model = ["model_name"]
+
+        def histogram(name, doc, labels, buckets):
+            return Histogram(f"carpool:{name}", doc, labels, buckets=buckets, registry=self.registry)
+
+        def counter(name, doc, labels):
+            return Counter(f"carpool:{name}", doc, labels, registry=self.registry)
+
+        def gauge(name, doc):
+            return Gauge(f"carpool:{name}", doc, model, registry=self.registry).labels(model_name)
+
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.", tiered, LATENCY_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Gap between consecutive tokens of a request.",
+                             model, ITL_BUCKETS).labels(model_name)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.", tiered, REQUEST_BUCKETS)
+        self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduled.", tiered, REQUEST_BUCKETS)
+        self.prefill = histogram("request_prefill_time_seconds", "First scheduled to first token.", tiered,
+                                 REQUEST_BUCKETS)
+        self.decode = histogram("request_decode_time_seconds", "First token to last token.", tiered, REQUEST_BUCKETS)
+        self.iteration_tokens = histogram("iteration_tokens", "Tokens per engine step.", model,
+                                          TOKEN_BUCKETS).labels(model_name)
+        self.iteration_seqs = histogram("iteration_seqs", "Sequences per engine step.", model,
+                                        SEQ_BUCKETS).labels(model_name)
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that reached their first token.",
+                                     tiered)
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.", tiered)
+        self.request_success = counter("request_success", "Finished requests by finish reason.",
+                                       tiered + ["finished_reason"])
+        self.preemptions = counter("num_preemptions", "Sequences preempted (to be recomputed).",
+                                   model).labels(model_name)
+        self.running = gauge("num_requests_running", "Sequences in the running batch.")
+        self.waiting = gauge("num_requests_waiting", "Sequences waiting to be scheduled.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Share of KV blocks held by live sequences (0 to 1).")
+        for tier in TIERS:  # every series exists from the start, so rates and "did it move" work from zero
+            for family in (self.prompt_tokens, self.generation_tokens):
+                family.labels(model_name, tier)
+            for reason in FINISH_REASONS:
+                self.request_success.labels(model_name, tier, reason)
+        self._last_token_at: dict[str, float] = {}  # engine thread only
+
+    def on_step(self, stats: StepStats | None, outputs: list[RequestOutput]) -> None:
+        """The engine's step listener (engine thread): batch shape, preemptions and inter-token gaps."""
+        if stats is not None:
+            self.iteration_tokens.observe(stats.num_tokens)
+            self.iteration_seqs.observe(stats.num_seqs)
+            self.preemptions.inc(stats.num_preemptions)
+        for output in outputs:
+            token_at = output.times.last_token if output.times and output.delta_token_ids else None
+            previous = self._last_token_at.get(output.request_id)
+            if token_at is not None and previous is not None:
+                self.itl.observe(token_at - previous)
+            if output.finished:
+                self._last_token_at.pop(output.request_id, None)
+            elif token_at is not None:
+                self._last_token_at[output.request_id] = token_at
+
+    def on_first_output(self, tier: str, output: RequestOutput) -> None:
+        self.prompt_tokens.labels(self.model_name, tier).inc(output.num_prompt_tokens)
+
+    def on_tokens(self, tier: str, count: int) -> None:
+        self.generation_tokens.labels(self.model_name, tier).inc(count)
+
+    def on_finished(self, tier: str, reason: str, output: RequestOutput | None) -> None:
+        self.request_success.labels(self.model_name, tier, reason).inc()
+        times = output.times if output is not None else None
+        if reason in ("stop", "length") and times is not None and times.finished is not None:
+            labels = (self.model_name, tier)
+            self.ttft.labels(*labels).observe(times.first_token - times.arrival)
+            self.e2e.labels(*labels).observe(times.finished - times.arrival)
+            self.queue.labels(*labels).observe(times.first_scheduled - times.arrival)
+            self.prefill.labels(*labels).observe(times.first_token - times.first_scheduled)
+            self.decode.labels(*labels).observe(times.finished - times.first_token)
+
+    def render(self, snapshot: EngineSnapshot) -> bytes:
+        self.running.set(snapshot.num_running)
+        self.waiting.set(snapshot.num_waiting)
+        self.kv_usage.set(snapshot.kv_cache_usage)
+        return generate_latest(self.registry)

@@ -1,0 +1,109 @@
+"""Engine outputs as the JSON the OpenAI clients parse: whole responses, stream chunks and logprobs.
+
+One formatter per request; a streaming one remembers what it has sent per choice (the role goes out once,
+completion logprobs carry running text offsets).
+"""
+
+from carpool.engine.outputs import RequestOutput
+from carpool.engine.sequence import TokenLogprob
+from carpool.server.generation import Choice, Generation
+
+
+class _Format:
+    def __init__(self, tokenizer, logprobs: bool):
+        self.tokenizer, self.logprobs = tokenizer, logprobs
+        self._started: set[int] = set()
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def envelope(self, gen: Generation, obj: str, choices: list[dict]) -> dict:
+        return {"id": gen.request_id, "object": obj, "created": gen.created, "model": gen.model_name,
+                "choices": choices, "service_tier": gen.tier, "system_fingerprint": None}
+
+    def response(self, gen: Generation) -> dict:
+        body = self.envelope(gen, self.response_object, [self.choice(c) for c in gen.choices])
+        return body | {"usage": gen.usage()}
+
+    def chunk(self, gen: Generation, choice: Choice, output: RequestOutput) -> dict | None:
+        """The stream chunk for one output, or None when it adds nothing the client could see."""
+        first = choice.index not in self._started
+        self._started.add(choice.index)
+        if not (first or output.delta_text or output.finished or (self.logprobs and output.delta_logprobs)):
+            return None
+        body = self.envelope(gen, self.chunk_object, [self.chunk_choice(choice, output, first)])
+        return body | {"usage": None}
+
+    def usage_chunk(self, gen: Generation) -> dict:
+        return self.envelope(gen, self.chunk_object, []) | {"usage": gen.usage()}
+
+
+class ChatFormat(_Format):
+    response_object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+
+    def choice(self, choice: Choice) -> dict:
+        output = choice.last
+        return {
+            "index": choice.index,
+            "message": {"role": "assistant", "content": output.text, "refusal": None},
+            "logprobs": self._logprobs(output.logprobs or []) if self.logprobs else None,
+            "finish_reason": output.finish_reason,
+        }
+
+    def chunk_choice(self, choice: Choice, output: RequestOutput, first: bool) -> dict:
+        delta = {"role": "assistant", "content": output.delta_text} if first else {"content": output.delta_text}
+        return {
+            "index": choice.index,
+            "delta": delta,
+            "logprobs": self._logprobs(output.delta_logprobs) if self.logprobs else None,
+            "finish_reason": output.finish_reason if output.finished else None,
+        }
+
+    def _logprobs(self, logprobs: list[TokenLogprob]) -> dict:
+        def entry(token_id: int, logprob: float) -> dict:
+            text = self.token_text(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        content = [entry(lp.token_id, lp.logprob) | {"top_logprobs": [entry(t, p) for t, p in lp.top]}
+                   for lp in logprobs]
+        return {"content": content, "refusal": None}
+
+
+class CompletionFormat(_Format):
+    response_object = "text_completion"
+    chunk_object = "text_completion"
+
+    def __init__(self, tokenizer, logprobs: bool):
+        super().__init__(tokenizer, logprobs)
+        self._offsets: dict[int, int] = {}  # choice index -> text offset of its next token
+
+    def choice(self, choice: Choice) -> dict:
+        output = choice.last
+        return {
+            "index": choice.index,
+            "text": output.text,
+            "logprobs": self._logprobs(choice, output.logprobs or []) if self.logprobs else None,
+            "finish_reason": output.finish_reason,
+        }
+
+    def chunk_choice(self, choice: Choice, output: RequestOutput, first: bool) -> dict:
+        return {
+            "index": choice.index,
+            "text": output.delta_text,
+            "logprobs": self._logprobs(choice, output.delta_logprobs) if self.logprobs else None,
+            "finish_reason": output.finish_reason if output.finished else None,
+        }
+
+    def _logprobs(self, choice: Choice, logprobs: list[TokenLogprob]) -> dict:
+        tokens = [self.token_text(lp.token_id) for lp in logprobs]
+        offsets = []
+        for text in tokens:
+            offsets.append(self._offsets.get(choice.index, 0))
+            self._offsets[choice.index] = offsets[-1] + len(text)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob for lp in logprobs],
+            "top_logprobs": [{self.token_text(t): p for t, p in lp.top} for lp in logprobs],
+            "text_offset": offsets,
+        }

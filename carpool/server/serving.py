@@ -1,0 +1,160 @@
+"""From a validated request body to a running Generation: model and tier checks, prompts to token ids, sampling
+parameters per choice, context-length checks, then the tier's queue and the gate's admission."""
+
+import uuid
+
+from carpool.engine.llm_engine import ContextLengthExceeded
+from carpool.engine.sampling_params import SamplingParams
+from carpool.server.errors import APIError
+from carpool.server.gate import Principal
+from carpool.server.generation import Backends, Choice, Generation
+from carpool.server.protocol import (
+    MAX_CHOICES,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    DetokenizeRequest,
+    GenerationRequest,
+    TokenizeRequest,
+)
+from carpool.server.responses import ChatFormat, CompletionFormat
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
+TIER_BY_PRIORITY = ("priority", "default", "flex")
+
+
+class Serving:
+    def __init__(self, backends: Backends):
+        self.backends = backends
+        self.engine, self.gate, self.queues = backends.engine, backends.gate, backends.queues
+        self.model_name = backends.model_name
+        self.tokenizer = backends.engine.tokenizer
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model {model!r} does not exist; this server serves {self.model_name!r}.",
+                           param="model", code="model_not_found")
+
+    def chat_prompt(self, messages: list[ChatMessage]) -> str:
+        turns = [{"role": "system" if m.role == "developer" else m.role, "content": m.text} for m in messages]
+        try:
+            return self.tokenizer.apply_chat_template(turns)
+        except Exception as error:  # a chat template is code run on the caller's input: its failures are theirs
+            message = str(error) if str(error).startswith("messages") else f"messages: {error}"
+            raise APIError(400, message, param="messages") from error
+
+    # Generation -----------------------------------------------------------------------------------------
+
+    def start_chat(self, request: ChatCompletionRequest, principal: Principal) -> tuple[Generation, ChatFormat]:
+        self.check_model(request.model)
+        renamed = {"prompt": "messages"}
+        if request.max_completion_tokens is not None:
+            renamed["max_tokens"] = "max_completion_tokens"
+        if request.top_logprobs is not None and not request.logprobs:
+            raise APIError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
+        prompt_ids = self._tokenize(self.chat_prompt(request.messages), request, renamed)
+        max_tokens = request.max_completion_tokens or request.max_tokens
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        gen = self._start(request, principal, [prompt_ids], max_tokens, logprobs, renamed)
+        return gen, ChatFormat(self.tokenizer, logprobs is not None)
+
+    def start_completion(self, request: CompletionRequest, principal: Principal) -> tuple[Generation, CompletionFormat]:
+        self.check_model(request.model)
+        prompt = request.prompt
+        prompts = prompt if isinstance(prompt, list) and not isinstance(prompt[0], int) else [prompt]
+        prompt_ids = [self._tokenize(p, request) for p in prompts]
+        max_tokens = request.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
+        gen = self._start(request, principal, prompt_ids, max_tokens, request.logprobs, {})
+        return gen, CompletionFormat(self.tokenizer, request.logprobs is not None)
+
+    def _tokenize(self, prompt: str | list[int], request: GenerationRequest, renamed=None) -> list[int]:
+        try:
+            return self.engine.tokenize(prompt)
+        except ValueError as error:
+            raise APIError.from_value_error(error, type(request).model_fields, renamed) from error
+
+    def _start(self, request: GenerationRequest, principal: Principal, prompts: list[list[int]],
+               max_tokens: int | None, logprobs: int | None, renamed: dict) -> Generation:
+        tier = self._tier(request)
+        n = request.n or 1
+        if n * len(prompts) > MAX_CHOICES:
+            raise APIError(400, f"n: n times the number of prompts must be at most {MAX_CHOICES}", param="n")
+        choices = []
+        for prompt_ids in prompts:
+            for j in range(n):
+                params = self._params(request, prompt_ids, max_tokens, logprobs, j, renamed)
+                choices.append(Choice(len(choices), prompt_ids, params, bills_prompt=j == 0))
+        self.queues.reserve(tier, len(choices))
+        try:
+            self.gate.admit(principal, tier, sum(len(c.prompt_ids) + c.params.max_tokens for c in choices))
+        except BaseException:
+            for _ in choices:
+                self.queues.release(tier)
+            raise
+        prefix = "chatcmpl" if isinstance(request, ChatCompletionRequest) else "cmpl"
+        return Generation(self.backends, f"{prefix}-{uuid.uuid4().hex}", tier, principal, choices,
+                          streaming=bool(request.stream), cache_salt=self._cache_salt(request, principal))
+
+    @staticmethod
+    def _cache_salt(request: GenerationRequest, principal: Principal) -> str | None:
+        """Whose cached prefixes a request may reuse: its explicit cache_salt, else its API key's, else its
+        user's. Requests with none of these (an open server, no user) share one cache."""
+        if request.cache_salt is not None:
+            return f"salt:{request.cache_salt}"
+        if principal.key_id is not None:
+            return f"key:{principal.key_id}"
+        if request.user:
+            return f"user:{request.user}"
+        return None
+
+    @staticmethod
+    def _tier(request: GenerationRequest) -> str:
+        asked = None if request.service_tier in (None, "auto") else request.service_tier
+        numbered = TIER_BY_PRIORITY[request.priority] if request.priority is not None else None
+        if asked and numbered and asked != numbered:
+            raise APIError(400, f"priority: {request.priority} names the {numbered!r} tier, but service_tier is "
+                                f"{asked!r}", param="priority")
+        return asked or numbered or "default"
+
+    def _params(self, request: GenerationRequest, prompt_ids: list[int], max_tokens: int | None,
+                logprobs: int | None, choice: int, renamed: dict) -> SamplingParams:
+        fields = type(request).model_fields
+        try:
+            params = SamplingParams(
+                # Chat without max_tokens may use the rest of the context window, as OpenAI's does.
+                max_tokens=max_tokens or max(1, self.engine.max_new_tokens(len(prompt_ids))),
+                temperature=1.0 if request.temperature is None else request.temperature,
+                top_p=1.0 if request.top_p is None else request.top_p,
+                top_k=max(0, request.top_k or 0),
+                min_p=request.min_p or 0.0,
+                # Each of n choices gets its own seed, so they differ yet replay the same.
+                seed=None if request.seed is None else request.seed + choice,
+                stop=request.stop,
+                logprobs=logprobs,
+                ignore_eos=bool(request.ignore_eos),
+            )
+            self.engine.validate(prompt_ids, params)
+        except ContextLengthExceeded as error:
+            raise APIError.from_value_error(error, fields, renamed, code="context_length_exceeded") from error
+        except ValueError as error:
+            raise APIError.from_value_error(error, fields, renamed) from error
+        return params
+
+    # Tokenizer endpoints -----------------------------------------------------------------------------------
+
+    def tokenize(self, request: TokenizeRequest) -> dict:
+        self.check_model(request.model)
+        if (request.prompt is None) == (request.messages is None):
+            raise APIError(400, "prompt: give exactly one of prompt and messages", param="prompt")
+        text = request.prompt if request.prompt is not None else self.chat_prompt(request.messages)
+        add_special_tokens = request.add_special_tokens is not False
+        tokens = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return {"count": len(tokens), "max_model_len": self.engine.max_model_len, "tokens": tokens}
+
+    def detokenize(self, request: DetokenizeRequest) -> dict:
+        self.check_model(request.model)
+        bad = [t for t in request.tokens if not 0 <= t < self.tokenizer.vocab_size]
+        if bad:
+            raise APIError(400, f"tokens: {bad[:5]} are outside the vocabulary [0, {self.tokenizer.vocab_size})",
+                           param="tokens")
+        return {"prompt": self.tokenizer.decode(request.tokens)}

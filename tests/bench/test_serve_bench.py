@@ -1,0 +1,92 @@
+"""`carpool bench serve` against a scripted OpenAI-compatible stream whose timing is known, so the measured
+TTFT, ITL and token counts can be checked, plus the report files it writes."""
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from carpool.bench.serve import RequestResult, summarize
+from carpool.cli import main
+
+FIRST_TOKEN_DELAY = 0.05
+TOKEN_GAP = 0.02
+TOKENS = 4
+
+
+def scripted_app() -> Starlette:
+    """A role chunk at once (as some servers send), then TOKENS text chunks, the usage chunk and [DONE]."""
+
+    async def models(request):
+        return JSONResponse({"object": "list", "data": [{"id": "scripted", "object": "model"}]})
+
+    async def chat(request):
+        body = await request.json()
+        assert body["stream"] and body["temperature"] == 0 and body["messages"][0]["content"]
+
+        def event(choices, usage=None):
+            return f"data: {json.dumps({'object': 'chat.completion.chunk', 'choices': choices, 'usage': usage})}\n\n"
+
+        async def events():
+            yield event([{"index": 0, "delta": {"role": "assistant", "content": ""}}])
+            await asyncio.sleep(FIRST_TOKEN_DELAY)
+            for i in range(TOKENS):
+                if i:
+                    await asyncio.sleep(TOKEN_GAP)
+                yield event([{"index": 0, "delta": {"content": f"t{i}"}}])
+            yield event([], {"prompt_tokens": 3, "completion_tokens": TOKENS, "total_tokens": 3 + TOKENS})
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return Starlette(routes=[Route("/v1/models", models), Route("/v1/chat/completions", chat, methods=["POST"])])
+
+
+@pytest.fixture(scope="module")
+def scripted_url():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(scripted_app(), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def test_bench_serve_measures_and_reports(scripted_url, tmp_path, capsys):
+    prefix = tmp_path / "report"
+    assert main(["bench", "serve", "--url", scripted_url, "--concurrency", "1,3", "--num-requests", "3",
+                 "--max-tokens", "4", "--label", "scripted", "--out", str(prefix)]) == 0
+    report = json.loads(prefix.with_suffix(".json").read_text())
+    assert (report["model"], report["label"], report["max_tokens"]) == ("scripted", "scripted", 4)
+    assert [level["concurrency"] for level in report["levels"]] == [1, 3]
+    for level in report["levels"]:
+        assert (level["num_requests"], level["num_errors"], level["output_tokens"]) == (3, 0, 3 * TOKENS)
+        assert level["ttft_p50_s"] >= FIRST_TOKEN_DELAY  # the empty role chunk is not the first token
+        assert level["itl_p50_s"] >= TOKEN_GAP * 0.9
+        assert level["ttft_p99_s"] >= level["ttft_p50_s"] and level["itl_p99_s"] >= level["itl_p50_s"]
+        assert level["output_tokens_per_s"] == pytest.approx(level["output_tokens"] / level["duration_s"])
+    assert prefix.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = capsys.readouterr().out
+    assert "TTFT p50" in table and "scripted" in table
+
+
+def test_summary_statistics():
+    results = [RequestResult(ok=True, output_tokens=10, ttft=t, itls=[0.1] * 9) for t in (0.1, 0.2, 0.3, 0.4)]
+    results.append(RequestResult(ok=False, error="HTTP 500"))
+    level = summarize(8, results, duration=2.0)
+    assert (level.num_requests, level.num_errors, level.output_tokens) == (5, 1, 40)
+    assert level.output_tokens_per_s == 20.0
+    assert level.ttft_p50_s == pytest.approx(0.25) and level.ttft_p99_s == pytest.approx(0.397)
+    assert level.itl_p50_s == pytest.approx(0.1)

@@ -1,0 +1,114 @@
+"""Automatic prefix caching: same outputs as without it, shared blocks by reference, exact block accounting."""
+
+import pytest
+
+from carpool import LLM, SamplingParams
+from carpool.bench.datasets import conversations, first_human_turns
+
+REPLY = SamplingParams(max_tokens=8, temperature=0)
+
+
+def check_block_invariants(engine):
+    """Every block is exactly one of: empty-free, cached-unreferenced (free, hashed), referenced by live seqs."""
+    manager = engine.block_manager
+    holders: dict[int, int] = {}
+    for seq in engine.scheduler.running:
+        for block_id in seq.block_table:
+            holders[block_id] = holders.get(block_id, 0) + 1
+    for seq in engine.scheduler.waiting:
+        assert seq.block_table == []
+    for block in manager.blocks:
+        assert block.ref_count == holders.get(block.block_id, 0)
+        assert (block.ref_count == 0) == (block.block_id in manager.free_queue)
+        if block.block_hash is not None:
+            assert manager.cached[block.block_hash] == block.block_id
+    assert len(manager.cached) == sum(1 for b in manager.blocks if b.block_hash is not None)
+
+
+def replay(llm, chats, max_user_turns=2):
+    """Replay conversations turn by turn, the model's own replies becoming the next turn's history."""
+    histories = [[] for _ in chats]
+    replies = []
+    for turn in range(max_user_turns):
+        active = [i for i, chat in enumerate(chats) if 2 * turn < len(chat)]
+        for i in active:
+            histories[i].append({"role": "user", "content": chats[i][2 * turn]["content"][:200]})
+        prompts = [llm.chat_prompt(histories[i]) for i in active]
+        outputs = llm.generate(prompts, REPLY)
+        for i, output in zip(active, outputs):
+            histories[i].append({"role": "assistant", "content": output.text})
+            replies.append(output.token_ids)
+    return replies, outputs
+
+
+@pytest.fixture(scope="module")
+def chats():
+    every = list(conversations())
+    multi_turn = [c for c in every if len(c) >= 4]
+    return (multi_turn + [c for c in every if len(c) < 4])[:100]
+
+
+def test_outputs_identical_with_cache_on_and_off_over_100_conversations(llm, chats):
+    uncached = LLM(max_num_seqs=32, enable_prefix_caching=False)
+    expected, _ = replay(uncached, chats)
+    got, last_turn = replay(llm, chats)
+    assert got == expected
+    # The second turns re-sent their first turn's prompt and reply: most of it came from the cache.
+    assert sum(o.num_cached_tokens for o in last_turn) > 0.5 * sum(o.num_prompt_tokens for o in last_turn)
+    check_block_invariants(llm.engine)
+
+
+def test_shared_prefix_is_shared_by_reference_and_isolated_by_salt(llm, tokenizer):
+    engine = llm.engine
+    system = "You are a meticulous assistant. " * 12
+    prompts = [tokenizer.encode(system + f"Question {i}: what is {i} + {i}?") for i in range(3)]
+    first = engine.add_request("a", prompts[0], REPLY, cache_salt="tenant-1")
+    while first.num_computed_tokens < first.num_prompt_tokens:
+        engine.step()
+    same_tenant = engine.add_request("b", prompts[1], REPLY, cache_salt="tenant-1")
+    other_tenant = engine.add_request("c", prompts[2], REPLY, cache_salt="tenant-2")
+    engine.step()
+    shared = first.block_table[: same_tenant.num_cached_prompt_tokens // engine.block_manager.block_size]
+    assert same_tenant.num_cached_prompt_tokens >= len(tokenizer.encode(system)) - engine.block_manager.block_size
+    assert same_tenant.block_table[: len(shared)] == shared  # the same physical blocks, not copies
+    assert all(engine.block_manager.blocks[b].ref_count == 2 for b in shared)
+    assert other_tenant.num_cached_prompt_tokens == 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        check_block_invariants(engine)
+
+
+def test_waiting_requests_with_a_shared_uncached_prefix_let_one_compute_it(llm, tokenizer):
+    engine = llm.engine
+    system = "Answer in the style of a ship's log, with dates and bearings. " * 10
+    for i in range(4):
+        engine.add_request(f"s{i}", tokenizer.encode(system + f"Entry {i}."), REPLY, cache_salt="admission")
+    engine.step()
+    assert [s.request_id for s in engine.scheduler.running] == ["s0"]
+    outputs = {}
+    while engine.has_unfinished_requests():
+        outputs.update({o.request_id: o for o in engine.step()})
+    system_tokens = len(tokenizer.encode(system))
+    for i in range(1, 4):
+        assert outputs[f"s{i}"].num_cached_tokens >= system_tokens - engine.block_manager.block_size
+
+
+def test_accounting_exact_under_eviction_preemption_and_abort(tokenizer):
+    small = LLM(num_kv_blocks=24, max_num_seqs=8, max_num_batched_tokens=96)
+    engine = small.engine
+    base = "Shared context about the solar system and its planets. " * 4
+    own = first_human_turns(12, max_chars=300)
+    for i in range(12):
+        prompt = tokenizer.encode(base * (1 + i % 2) + own[i])  # a shared head, then a tail of its own
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=30, temperature=0.7, seed=i))
+    steps, preemptions = 0, 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+        preemptions += engine.last_step.num_preemptions
+        if steps == 4:
+            engine.abort("r3")
+        check_block_invariants(engine)
+    assert preemptions > 0
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    check_block_invariants(engine)

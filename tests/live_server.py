@@ -1,0 +1,106 @@
+"""A real `carpool serve` process on a free loopback port, with its own ledger and batch folder."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+import openai
+from prometheus_client.parser import text_string_to_metric_families
+
+STARTUP_SECONDS = 180
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class LiveServer:
+    def __init__(self, *args: str, api_key: str | None = None, home: str | None = None):
+        self.args, self.api_key = args, api_key
+        self.home = home or tempfile.mkdtemp(prefix="carpool-test-home-")
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        keys = ["--api-key", api_key] if api_key else []
+        env = {**os.environ, "CARPOOL_DB": os.path.join(self.home, "carpool.db"),
+               "CARPOOL_BATCH_DIR": os.path.join(self.home, "batches")}
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="carpool-serve-", suffix=".log")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "carpool.cli", "serve", "--port", str(self.port), "--log-level", "warning",
+             *keys, *args],
+            stdout=self.log, stderr=subprocess.STDOUT, env=env,
+        )
+        self._wait_ready()
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + STARTUP_SECONDS
+        while time.monotonic() < deadline and self.process.poll() is None:
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise AssertionError(f"carpool serve did not become healthy:\n{self.output()}")
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read()[-5000:]
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.log.close()
+
+    def kill(self) -> None:
+        """No shutdown of any kind: what a power cut or the OOM killer would do."""
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait()
+        self.log.close()
+
+    def restart(self) -> "LiveServer":
+        """A new process on the same ledger and batch folder."""
+        return LiveServer(*self.args, api_key=self.api_key, home=self.home)
+
+    def client(self, **options) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=self.api_key or "unused", max_retries=0, **options)
+
+    def http(self) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=60)
+
+    def metrics(self) -> dict[tuple[str, frozenset], float]:
+        """Every sample on /metrics, keyed by (name, labels other than model_name)."""
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        return {
+            (sample.name, frozenset((k, v) for k, v in sample.labels.items() if k != "model_name")): sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+        }
+
+    def wait_idle(self, timeout: float = 60) -> dict[tuple[str, frozenset], float]:
+        """The metrics once no request runs or waits and every KV block is back in the pool."""
+        idle = frozenset()
+        deadline = time.monotonic() + timeout
+        while True:
+            sample = self.metrics()
+            if (
+                sample[("carpool:num_requests_running", idle)] == 0
+                and sample[("carpool:num_requests_waiting", idle)] == 0
+                and sample[("carpool:kv_cache_usage_perc", idle)] == 0
+            ):
+                return sample
+            if time.monotonic() > deadline:
+                raise AssertionError(f"server not idle after {timeout}s: {sample}")
+            time.sleep(0.05)

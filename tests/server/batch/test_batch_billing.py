@@ -1,0 +1,54 @@
+"""Each batch request reaches the gate as one UsageRecord at tier `batch`, billed to the key that made the batch."""
+
+import json
+import time
+
+from fastapi.testclient import TestClient
+
+from carpool.engine.async_engine import AsyncEngine
+from carpool.engine.config import EngineConfig
+from carpool.server.app import create_app
+from carpool.server.gate import Principal
+
+CALLER = Principal(key_id="key-1", tenant="acme")
+
+
+class RecordingGate:
+    def __init__(self):
+        self.records = []
+
+    def authenticate(self, api_key):
+        return CALLER
+
+    def admit(self, principal, tier, estimated_tokens):
+        pass
+
+    def record(self, principal, usage):
+        self.records.append((principal, usage))
+
+
+def test_batch_requests_are_billed_at_the_batch_tier(tmp_path):
+    gate = RecordingGate()
+    app = create_app(AsyncEngine(EngineConfig(max_num_seqs=4, num_kv_blocks=64)), gate, "smol",
+                     batch_dir=str(tmp_path))
+    lines = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"prompt": f"{i}, {i + 1},", "max_tokens": 3, "temperature": 0}} for i in range(3)]
+    data = "".join(json.dumps(line) + "\n" for line in lines).encode()
+    with TestClient(app) as http:
+        file_id = http.post("/v1/files", files={"file": ("in.jsonl", data)}, data={"purpose": "batch"}).json()["id"]
+        batch = http.post("/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/completions",
+                                               "completion_window": "24h"}).json()
+        deadline = time.monotonic() + 60
+        while batch["status"] != "completed" and time.monotonic() < deadline:
+            time.sleep(0.05)
+            batch = http.get(f"/v1/batches/{batch['id']}").json()
+        assert batch["status"] == "completed", batch
+        output = http.get(f"/v1/files/{batch['output_file_id']}/content").text
+    bodies = [json.loads(line)["response"]["body"] for line in output.splitlines()]
+    bodies = {body["id"]: body for body in bodies}
+    assert len(gate.records) == 3
+    for principal, usage in gate.records:
+        assert (usage.tier, usage.key_id, usage.tenant, principal.key_id) == ("batch", "key-1", "acme", "key-1")
+        body = bodies[usage.request_id]
+        assert usage.output_tokens == body["usage"]["completion_tokens"] == 3
+        assert usage.prompt_tokens == body["usage"]["prompt_tokens"]

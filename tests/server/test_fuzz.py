@@ -1,0 +1,107 @@
+"""Fuzz the endpoints from the server's own OpenAPI schema: schema-valid bodies, the same with one field
+replaced by arbitrary JSON, arbitrary JSON, and raw bytes. No input may get a 5xx or take the server down."""
+
+import json
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+ENDPOINTS = {
+    "/v1/chat/completions": "ChatCompletionRequest",
+    "/v1/completions": "CompletionRequest",
+    "/tokenize": "TokenizeRequest",
+    "/detokenize": "DetokenizeRequest",
+}
+EXPECTED = {200, 400, 404, 413, 429}
+MAX_LIST = 3
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda children: st.lists(children, max_size=MAX_LIST) | st.dictionaries(st.text(max_size=8), children,
+                                                                              max_size=MAX_LIST),
+    max_leaves=8,
+)
+
+
+def from_schema(schema: dict, schemas: dict) -> st.SearchStrategy:
+    """A strategy for the JSON-schema subset pydantic emits."""
+    if "$ref" in schema:
+        name = schema["$ref"].rsplit("/", 1)[-1]
+        return st.deferred(lambda: from_schema(schemas[name], schemas))
+    if "const" in schema:
+        return st.just(schema["const"])
+    if "enum" in schema:
+        return st.sampled_from(schema["enum"])
+    if "anyOf" in schema:
+        return st.one_of([from_schema(option, schemas) for option in schema["anyOf"]])
+    kind = schema.get("type")
+    if kind == "object":
+        properties = {k: from_schema(v, schemas) for k, v in schema.get("properties", {}).items()}
+        required = set(schema.get("required", []))
+        return st.fixed_dictionaries({k: v for k, v in properties.items() if k in required},
+                                     optional={k: v for k, v in properties.items() if k not in required})
+    if kind == "array":
+        low = schema.get("minItems", 0)
+        return st.lists(from_schema(schema.get("items", {}), schemas), min_size=low,
+                        max_size=max(low, min(schema.get("maxItems", MAX_LIST), MAX_LIST)))
+    if kind == "string":
+        return st.text(min_size=schema.get("minLength", 0), max_size=40)
+    if kind == "integer":
+        low = schema.get("minimum", schema["exclusiveMinimum"] + 1 if "exclusiveMinimum" in schema else None)
+        return st.integers(min_value=low, max_value=schema.get("maximum"))
+    if kind == "number":
+        return st.floats(min_value=schema.get("minimum", schema.get("exclusiveMinimum")),
+                         max_value=schema.get("maximum"), exclude_min="exclusiveMinimum" in schema,
+                         allow_nan=False, allow_infinity=False)
+    if kind == "boolean":
+        return st.booleans()
+    if kind == "null":
+        return st.none()
+    return json_values
+
+
+def cheap(body, model: str, use_model: bool):
+    """Valid examples should cost a few tokens: cap lengths and choices, and mostly name the served model."""
+    if not isinstance(body, dict):
+        return body
+    for key, cap in (("max_tokens", 2), ("max_completion_tokens", 2), ("n", 2)):
+        if type(body.get(key)) is int and body[key] > cap:
+            body[key] = cap
+    if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+        body["max_tokens"] = 2  # chat's default is the rest of the context window
+    if use_model and "model" in body:
+        body["model"] = model
+    return body
+
+
+@pytest.fixture(scope="module")
+def openapi(server):
+    return httpx.get(f"{server.url}/openapi.json").json()
+
+
+@pytest.mark.parametrize("path", list(ENDPOINTS))
+def test_no_input_gets_a_server_error(server, model, openapi, path):
+    schemas = openapi["components"]["schemas"]
+    valid = from_schema(schemas[ENDPOINTS[path]], schemas)
+    field_names = st.sampled_from(sorted(schemas[ENDPOINTS[path]]["properties"])) | st.text(max_size=12)
+    one_field_broken = st.builds(lambda body, key, value: {**body, key: value}, valid, field_names, json_values)
+    bodies = st.one_of(valid, one_field_broken, json_values)
+
+    with server.http() as http:
+
+        @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+        @given(body=bodies | st.binary(max_size=64), use_model=st.booleans())
+        def check(body, use_model):
+            body = cheap(body, model, use_model)
+            content = body if isinstance(body, bytes) else json.dumps(body).encode()
+            response = http.post(path, content=content, headers={"Content-Type": "application/json"})
+            assert response.status_code in EXPECTED, (body, response.status_code, response.text)
+            if response.status_code != 200:
+                assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+            elif isinstance(body, dict) and body.get("stream") is True:
+                assert response.text.rstrip().endswith("data: [DONE]")
+
+        check()
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
