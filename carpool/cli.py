@@ -14,6 +14,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     defaults = EngineConfig()
     parser.add_argument("--model", default=None, help="GGUF file or safetensors directory (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--dtype", default=defaults.dtype, choices=["auto", "float32", "bfloat16"],
+                        help="weights, activations and KV cache (default: auto, bfloat16 where the hardware has "
+                             "native bf16 units; float32 reproduces the reference implementation exactly)")
     parser.add_argument("--block-size", type=int, default=defaults.block_size)
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--kv-cache-gb", type=float, default=defaults.kv_cache_gb)

@@ -2,9 +2,9 @@
 
 carpool gets all N prompts at once and batches them continuously; transformers gets them as one static,
 left-padded batch of the same size (what a user without a serving engine would write). Both decode greedily
-from the same GGUF weights in fp32, outputs capped at --max-tokens and ended by EOS. The figure of merit is
+from the same GGUF weights in the same dtype, outputs capped at --max-tokens and ended by EOS. The figure of merit is
 useful output tokens per second; carpool's prefill and decode throughput are reported separately, from the
-engine's own step timings.
+engine's own step timings (the same PhaseMeter the server exports).
 """
 
 import argparse
@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from carpool.bench.datasets import first_human_turns
+from carpool.economics.phase_meter import PhaseMeter
 from carpool.engine.config import EngineConfig
 from carpool.engine.llm_engine import LLMEngine
 from carpool.engine.sampling_params import SamplingParams
@@ -26,6 +27,8 @@ def add_parser(modes) -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--max-prompt-chars", type=int, default=2000)
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="for both carpool and transformers")
     parser.add_argument("--out", default="bench-results/offline.json")
     parser.set_defaults(func=main)
 
@@ -34,30 +37,25 @@ def run_carpool(engine: LLMEngine, prompts: list[str], max_tokens: int) -> dict:
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"bench-{i}", prompt, params)
-    prefill_s = decode_s = 0.0
-    prefill_tokens = decode_tokens = output_tokens = 0
+    meter, output_tokens = PhaseMeter(), 0
     start = time.perf_counter()
     while engine.has_unfinished_requests():
-        output_tokens += len(engine.step())
-        stats = engine.last_step
-        # A step with any prompt tokens is charged to prefill: its time is dominated by them.
-        if stats.num_prefill_tokens:
-            prefill_s += stats.duration
-            prefill_tokens += stats.num_prefill_tokens
-        else:
-            decode_s += stats.duration
-            decode_tokens += stats.num_decode_tokens
+        outputs = engine.step()
+        output_tokens += len(outputs)
+        meter(engine.last_step, outputs)
     elapsed = time.perf_counter() - start
+    phases = meter.totals()
     return {
         "seconds": elapsed,
         "output_tokens": output_tokens,
         "output_tokens_per_s": output_tokens / elapsed,
-        "prefill_tokens_per_s": prefill_tokens / prefill_s if prefill_s else None,
-        "decode_tokens_per_s": decode_tokens / decode_s if decode_s else None,
+        "prefill_tokens_per_s": phases.prefill_tokens / phases.prefill_seconds if phases.prefill_seconds else None,
+        "decode_tokens_per_s": phases.decode_tokens / phases.decode_seconds if phases.decode_seconds else None,
+        "phases": phases.as_dict(),
     }
 
 
-def load_transformers_model():
+def load_transformers_model(dtype: torch.dtype):
     import transformers
 
     from carpool.models.loader import default_model_path
@@ -65,7 +63,7 @@ def load_transformers_model():
     path = Path(default_model_path())
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     tokenizer.padding_side = "left"
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
     return model.eval(), tokenizer
 
 
@@ -96,10 +94,10 @@ def run_transformers(model, tokenizer, prompts: list[str], max_tokens: int) -> d
 
 
 def main(args: argparse.Namespace) -> int:
-    engine = LLMEngine(EngineConfig(max_num_seqs=max(args.num_prompts), enable_prefix_caching=False))
+    engine = LLMEngine(EngineConfig(max_num_seqs=max(args.num_prompts), enable_prefix_caching=False, dtype=args.dtype))
     texts = first_human_turns(max(args.num_prompts), max_chars=args.max_prompt_chars)
     chats = [engine.tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
-    hf = None if args.skip_transformers else load_transformers_model()
+    hf = None if args.skip_transformers else load_transformers_model(engine.dtype)
     results = []
     for n in args.num_prompts:
         row = {"num_prompts": n, "carpool": run_carpool(engine, chats[:n], args.max_tokens)}
@@ -112,7 +110,10 @@ def main(args: argparse.Namespace) -> int:
         print(_format_row(row), flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"max_tokens": args.max_tokens, "threads": torch.get_num_threads(), "results": results}, indent=2))
+    # "phases": the largest run's engine time split, which `carpool cost model --bench` prices.
+    summary = {"max_tokens": args.max_tokens, "dtype": str(engine.dtype), "threads": torch.get_num_threads(),
+               "phases": results[-1]["carpool"]["phases"], "results": results}
+    out.write_text(json.dumps(summary, indent=2))
     print(f"wrote {out}")
     return 0
 

@@ -47,7 +47,9 @@ class LevelReport:
 
 def add_parser(modes) -> None:
     parser = modes.add_parser("serve", help="load-test an OpenAI-compatible server with streaming chat requests")
-    parser.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
+    parser.add_argument("--url", action="append", default=None,
+                        help="a server's base URL; repeat to compare servers side by side in one run "
+                             "(default: http://127.0.0.1:8000)")
     parser.add_argument("--concurrency", type=_int_list, default=[1, 8, 32], help="comma-separated stream counts")
     parser.add_argument("--num-requests", type=int, default=None,
                         help="requests per level (default: the larger of 8 and twice the concurrency)")
@@ -56,9 +58,10 @@ def add_parser(modes) -> None:
                         help="skip longer prompts (for servers with small per-slot contexts)")
     parser.add_argument("--model", default=None, help="default: the first model the server lists")
     parser.add_argument("--api-key", default=None)
-    parser.add_argument("--label", default=None, help="the server's name in the report (default: the model)")
+    parser.add_argument("--label", action="append", default=None,
+                        help="each server's name in the report, in --url order (default: the model)")
     parser.add_argument("--out", default=None,
-                        help="path prefix of the .json and .png (default: bench-results/serve-LABEL)")
+                        help="path prefix of the .json and .png (default: bench-results/serve-LABELS)")
     parser.set_defaults(func=main)
 
 
@@ -70,19 +73,39 @@ def _int_list(text: str) -> list[int]:
 
 
 def main(args: argparse.Namespace) -> int:
-    report = asyncio.run(run(args))
-    label = report["label"]
-    prefix = Path(args.out or f"bench-results/serve-{re.sub(r'[^A-Za-z0-9_.-]+', '_', label)}")
+    urls = args.url or ["http://127.0.0.1:8000"]
+    labels = args.label or []
+    if len(labels) > len(urls):
+        raise ValueError("label: more --label than --url values")
+    reports = [asyncio.run(run(args, url, labels[i] if i < len(labels) else None)) for i, url in enumerate(urls)]
+    names = "-vs-".join(re.sub(r"[^A-Za-z0-9_.-]+", "_", r["label"]) for r in reports)
+    prefix = Path(args.out or f"bench-results/serve-{names}")
     prefix.parent.mkdir(parents=True, exist_ok=True)
     json_path, png_path = prefix.with_suffix(".json"), prefix.with_suffix(".png")
-    json_path.write_text(json.dumps(report, indent=2) + "\n")
-    plot(report, png_path)
-    print(table(report))
+    json_path.write_text(json.dumps(reports if len(reports) > 1 else reports[0], indent=2) + "\n")
+    plot(reports, png_path)
+    for report in reports:
+        print(table(report) + "\n")
+    if len(reports) > 1:
+        print(comparison(reports))
     print(f"\nwrote {json_path} and {png_path}")
     return 0
 
 
-async def run(args: argparse.Namespace) -> dict:
+def comparison(reports: list[dict]) -> str:
+    """The first server's figures as multiples of each other's, level by level."""
+    first = reports[0]
+    lines = []
+    for other in reports[1:]:
+        lines.append(f"{first['label']} / {other['label']}:")
+        for mine, theirs in zip(first["levels"], other["levels"]):
+            ratio = lambda key: (mine[key] / theirs[key]) if mine[key] and theirs[key] else float("nan")  # noqa: E731
+            lines.append(f"  {mine['concurrency']:>3} streams: output tokens/s x{ratio('output_tokens_per_s'):.2f}, "
+                         f"TTFT p50 x{ratio('ttft_p50_s'):.2f}, ITL p50 x{ratio('itl_p50_s'):.2f}")
+    return "\n".join(lines)
+
+
+async def run(args: argparse.Namespace, url: str, label: str | None) -> dict:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     levels = args.concurrency
     counts = [args.num_requests or max(8, 2 * c) for c in levels]
@@ -90,7 +113,7 @@ async def run(args: argparse.Namespace) -> dict:
     if len(prompts) < 1 + sum(counts):
         raise ValueError(f"num-requests: only {len(prompts)} prompts available, {1 + sum(counts)} needed")
     limits = httpx.Limits(max_connections=max(levels) + 1, max_keepalive_connections=max(levels) + 1)
-    async with httpx.AsyncClient(base_url=args.url, headers=headers, timeout=httpx.Timeout(600.0),
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=httpx.Timeout(600.0),
                                  limits=limits) as client:
         model = args.model or await _first_model(client)
         warmup = await _one_request(client, model, prompts.pop(0), args.max_tokens)
@@ -102,9 +125,9 @@ async def run(args: argparse.Namespace) -> dict:
             reports.append(await _run_level(client, model, level_prompts, concurrency, args.max_tokens))
             print(f"concurrency {concurrency}: {reports[-1].output_tokens_per_s:.1f} output tokens/s", flush=True)
     return {
-        "url": args.url,
+        "url": url,
         "model": model,
-        "label": args.label or model,
+        "label": label or model,
         "max_tokens": args.max_tokens,
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "levels": [asdict(r) for r in reports],
@@ -210,31 +233,36 @@ def table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(report: dict, path: Path) -> None:
+def plot(reports: list[dict], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    levels = report["levels"]
-    x = [level["concurrency"] for level in levels]
-
-    def series(key):
-        return [np.nan if level[key] is None else level[key] * 1000 for level in levels]
-
     figure, (throughput, ttft, itl) = plt.subplots(1, 3, figsize=(13, 4))
-    throughput.plot(x, [level["output_tokens_per_s"] for level in levels], marker="o")
+    for color, report in enumerate(reports):
+        style = {"color": f"C{color}", "marker": "o"}  # one colour per server; p99 dashed
+        levels = report["levels"]
+        x = [level["concurrency"] for level in levels]
+
+        def series(key):
+            return [np.nan if level[key] is None else level[key] * 1000 for level in levels]
+
+        throughput.plot(x, [level["output_tokens_per_s"] for level in levels], label=report["label"], **style)
+        for axis, name in ((ttft, "ttft"), (itl, "itl")):
+            axis.plot(x, series(f"{name}_p50_s"), label=f"{report['label']} p50", **style)
+            axis.plot(x, series(f"{name}_p99_s"), linestyle="--", label=f"{report['label']} p99", **style)
     throughput.set(title="output tokens/s", xlabel="concurrent streams")
-    for axis, name in ((ttft, "ttft"), (itl, "itl")):
-        axis.plot(x, series(f"{name}_p50_s"), marker="o", label="p50")
-        axis.plot(x, series(f"{name}_p99_s"), marker="o", label="p99")
-        axis.set(title=f"{name.upper()} (ms)", xlabel="concurrent streams")
-        axis.legend()
+    for axis, name in ((ttft, "TTFT"), (itl, "ITL")):
+        axis.set(title=f"{name} (ms)", xlabel="concurrent streams")
+    x = [level["concurrency"] for level in reports[0]["levels"]]
     for axis in (throughput, ttft, itl):
+        axis.legend(fontsize=7)
         axis.set_xscale("log", base=2)
         axis.set_xticks(x, [str(v) for v in x])
         axis.grid(alpha=0.3)
-    figure.suptitle(f"{report['label']}: streaming chat, max_tokens {report['max_tokens']}, greedy")
+    labels = " vs ".join(r["label"] for r in reports)
+    figure.suptitle(f"{labels}: streaming chat, max_tokens {reports[0]['max_tokens']}, greedy")
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)

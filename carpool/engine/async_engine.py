@@ -32,6 +32,7 @@ class EngineSnapshot:
 class AsyncEngine:
     def __init__(self, config: EngineConfig | None = None, engine: LLMEngine | None = None):
         self.engine = engine or LLMEngine(config or EngineConfig())
+        self.config = self.engine.config
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.max_model_len
         self._commands: queue.SimpleQueue = queue.SimpleQueue()

@@ -1,5 +1,21 @@
 from dataclasses import dataclass
 
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return DTYPES[name]
+    if device.type == "cuda":
+        return torch.bfloat16
+    try:
+        native_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    except (AttributeError, RuntimeError):
+        native_bf16 = False
+    return torch.bfloat16 if native_bf16 else torch.float32
+
 
 @dataclass
 class EngineConfig:
@@ -7,6 +23,10 @@ class EngineConfig:
 
     model: str | None = None  # GGUF file or safetensors directory; None = the embedded SmolLM2-135M-Instruct
     device: str | None = None  # None: cuda when available, else cpu
+    # float32 reproduces the reference implementation exactly; bfloat16 halves the bytes every decode step
+    # streams (weights and KV) and runs matmuls on bf16 units where the CPU has them (AVX512-BF16, AMX).
+    # "auto": bfloat16 where the hardware has such units (and on CUDA), else float32.
+    dtype: str = "auto"
     block_size: int = 16
     num_kv_blocks: int | None = None  # exact pool size; overrides kv_cache_gb
     kv_cache_gb: float = 1.0
@@ -31,5 +51,7 @@ class EngineConfig:
             raise ValueError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be > 0, got {self.max_model_len!r}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.priority_aging_seconds <= 0:
             raise ValueError(f"priority_aging_seconds must be > 0, got {self.priority_aging_seconds!r}")

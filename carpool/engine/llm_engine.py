@@ -1,12 +1,13 @@
 """The engine loop: schedule -> run -> postprocess, one iteration per call to `step()`."""
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
 import torch
 
 from carpool.engine.block_manager import BlockManager
-from carpool.engine.config import EngineConfig
+from carpool.engine.config import EngineConfig, resolve_dtype
 from carpool.engine.detokenizer import Detokenizer
 from carpool.engine.model_runner import ModelRunner
 from carpool.engine.outputs import RequestOutput
@@ -39,16 +40,17 @@ class LLMEngine:
         if self.config.num_threads:
             torch.set_num_threads(self.config.num_threads)
         self.device = torch.device(self.config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.model, self.tokenizer, self.model_config = load_model(self.config.model, self.device)
+        self.dtype = resolve_dtype(self.config.dtype, self.device)
+        self.model, self.tokenizer, self.model_config = load_model(self.config.model, self.device, self.dtype)
         self.max_model_len = min(
             self.config.max_model_len or self.model_config.max_position_embeddings,
             self.model_config.max_position_embeddings,
         )
-        block_bytes = ModelRunner.kv_bytes_per_block(self.model_config, self.config.block_size)
+        block_bytes = ModelRunner.kv_bytes_per_block(self.model_config, self.config.block_size, self.dtype)
         num_blocks = self.config.num_kv_blocks or max(1, int(self.config.kv_cache_gb * 2**30 // block_bytes))
         self.block_manager = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.block_manager)
-        self.runner = ModelRunner(self.model, num_blocks, self.config.block_size, self.device)
+        self.runner = ModelRunner(self.model, num_blocks, self.config.block_size, self.device, self.dtype)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.seqs: dict[str, Sequence] = {}
         self.last_step: StepStats | None = None
@@ -183,7 +185,7 @@ class LLMEngine:
             num_cached_tokens=seq.num_cached_prompt_tokens,
             num_cache_write_tokens=seq.num_cache_write_tokens,
             num_preemptions=seq.num_preemptions,
-            times=seq.times,
+            times=dataclasses.replace(seq.times),  # a snapshot: the server reads it on another thread
         )
 
     def _record_step(self, batch: ScheduledBatch, duration: float) -> None:

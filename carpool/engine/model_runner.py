@@ -11,17 +11,17 @@ from carpool.engine.scheduler import ScheduledBatch
 from carpool.engine.sequence import Sequence
 
 
-def _zeroed_pool(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+def _zeroed_pool(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """A zero-filled KV pool. On the CPU it is backed by anonymous mmap, whose pages the kernel zeroes on
     first touch: a GiB pool costs nothing at start instead of a second of memset."""
     if device.type != "cpu":
-        return torch.zeros(shape, dtype=torch.float32, device=device)
-    nbytes = 4 * math.prod(shape)
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.float32).view(shape)
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = dtype.itemsize * math.prod(shape)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
 
 
 class ModelRunner:
-    def __init__(self, model, num_blocks: int, block_size: int, device: torch.device):
+    def __init__(self, model, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype):
         self.model = model
         self.block_size = block_size
         self.device = device
@@ -29,15 +29,15 @@ class ModelRunner:
         # One pool for all layers: [layers, k/v, blocks, block_size, kv_heads, head_dim]. It must start zeroed:
         # padded attention positions read unused slots, and masked-out NaN garbage would still poison the sum.
         self.kv_cache = _zeroed_pool(
-            (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim), device
+            (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim), device, dtype
         )
         for i, layer in enumerate(model.layers):
             layer.self_attn.attn.k_cache = self.kv_cache[i, 0]
             layer.self_attn.attn.v_cache = self.kv_cache[i, 1]
 
     @staticmethod
-    def kv_bytes_per_block(config, block_size: int) -> int:
-        return config.num_layers * 2 * block_size * config.num_kv_heads * config.head_dim * 4
+    def kv_bytes_per_block(config, block_size: int, dtype: torch.dtype = torch.float32) -> int:
+        return config.num_layers * 2 * block_size * config.num_kv_heads * config.head_dim * dtype.itemsize
 
     def _slots(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
         positions = torch.arange(start, end)

@@ -11,8 +11,9 @@ from carpool.models.tokenizer import Tokenizer
 MODEL_CLASSES = {"LlamaForCausalLM": LlamaForCausalLM}
 
 
-def load_model(path: str | None, device: str = "cpu"):
-    """(model, tokenizer, config) for a GGUF file, a safetensors directory, or the default model when None."""
+def load_model(path: str | None, device: str = "cpu", dtype: torch.dtype = torch.float32):
+    """(model, tokenizer, config) for a GGUF file, a safetensors directory, or the default model when None.
+    Weights and activations run in `dtype`; norms, rotary tables and logits stay in fp32."""
     directory: Path = resolve_model_dir(path)
     config, state = load_weights(directory)
     model_class = MODEL_CLASSES.get(config.architecture)
@@ -21,7 +22,8 @@ def load_model(path: str | None, device: str = "cpu"):
     with torch.device("meta"):  # no random init: every weight is assigned from the file
         model = model_class(config)
     model.load_hf_weights(state)
-    return model.eval().to(device), Tokenizer.from_dir(directory), config
+    model = model.eval().to(device=device, dtype=dtype)
+    return model, Tokenizer.from_dir(directory), config
 
 
 __all__ = ["MODEL_CLASSES", "ModelConfig", "Tokenizer", "load_model"]

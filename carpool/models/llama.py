@@ -19,7 +19,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        # The statistics in fp32 whatever the model's dtype: bf16 sums of squares lose too much.
+        wide = x.float()
+        return (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
 
 class RotaryEmbedding(nn.Module):
@@ -108,7 +110,7 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        return self.lm_head(hidden).float()
 
     def load_hf_weights(self, state: dict[str, torch.Tensor]) -> None:
         """Load a state dict with Hugging Face names, fusing q/k/v and gate/up as this module stores them."""

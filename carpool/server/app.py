@@ -63,7 +63,9 @@ def create_app(
 
     app = FastAPI(title="carpool", summary="OpenAI-compatible LLM serving", lifespan=lifespan)
     install_error_handlers(app)
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    # A batch input file may be far larger than any single request (multipart overhead allowed for).
+    uploads = {"/v1/files": batches.limits.max_file_bytes + 2**20} if batches else {}
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes, path_limits=uploads)
     app.add_middleware(Authenticate, gate=gate)  # outermost: nobody unknown gets a body read
     if batches:
         app.include_router(batches.router)

@@ -57,10 +57,10 @@ def _validation_error(request: Request, exc: RequestValidationError) -> JSONResp
         return error_response(APIError(400, f"The request body is not valid JSON: {first.get('msg')}"))
     if not loc:
         return error_response(APIError(400, f"The request body must be a JSON object: {first.get('msg')}"))
-    return error_response(APIError(400, f"{_where(loc)}: {first.get('msg')}", param=str(loc[0])))
+    return error_response(APIError(400, f"{field_path(loc)}: {first.get('msg')}", param=str(loc[0])))
 
 
-def _where(loc: list) -> str:
+def field_path(loc: list) -> str:
     """`messages[0].content` from pydantic's error location, less the union members it tried (`str`,
     `list[int]`, `TextPart`): this API's field names are all snake_case and none is a type's name."""
     path = str(loc[0])

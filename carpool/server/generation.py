@@ -156,7 +156,7 @@ class Generation:
             prompt_tokens=self.prompt_tokens,
             cached_tokens=self.cached_tokens,
             cache_write_tokens=sum(
-                getattr(c.last, "num_cache_write_tokens", 0) for c in self.choices if c.bills_prompt and c.last
+                c.last.num_cache_write_tokens for c in self.choices if c.bills_prompt and c.last
             ),
             output_tokens=self.completion_tokens,
             queue_seconds=queue,

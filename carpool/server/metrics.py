@@ -61,12 +61,19 @@ class Metrics:
         self.running = gauge("num_requests_running", "Sequences in the running batch.")
         self.waiting = gauge("num_requests_waiting", "Sequences waiting to be scheduled.")
         self.kv_usage = gauge("kv_cache_usage_perc", "Share of KV blocks held by live sequences (0 to 1).")
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                      model).labels(model_name)
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.",
+                                   model).labels(model_name)
+        self.prefix_blocks = gauge("prefix_cache_blocks", "KV blocks holding a cached prefix (in use or not).")
+        self.prefix_hit_rate = gauge("prefix_cache_hit_rate", "prefix_cache_hits / prefix_cache_queries so far.")
         for tier in TIERS:  # every series exists from the start, so rates and "did it move" work from zero
             for family in (self.prompt_tokens, self.generation_tokens):
                 family.labels(model_name, tier)
             for reason in FINISH_REASONS:
                 self.request_success.labels(model_name, tier, reason)
         self._last_token_at: dict[str, float] = {}  # engine thread only
+        self._prefix_totals = [0, 0]  # prompt tokens queried, hit (event loop thread only)
 
     def on_step(self, stats: StepStats | None, outputs: list[RequestOutput]) -> None:
         """The engine's step listener (engine thread): batch shape, preemptions and inter-token gaps."""
@@ -86,6 +93,10 @@ class Metrics:
 
     def on_first_output(self, tier: str, output: RequestOutput) -> None:
         self.prompt_tokens.labels(self.model_name, tier).inc(output.num_prompt_tokens)
+        self.prefix_queries.inc(output.num_prompt_tokens)
+        self.prefix_hits.inc(output.num_cached_tokens)
+        self._prefix_totals[0] += output.num_prompt_tokens
+        self._prefix_totals[1] += output.num_cached_tokens
 
     def on_tokens(self, tier: str, count: int) -> None:
         self.generation_tokens.labels(self.model_name, tier).inc(count)
@@ -105,4 +116,7 @@ class Metrics:
         self.running.set(snapshot.num_running)
         self.waiting.set(snapshot.num_waiting)
         self.kv_usage.set(snapshot.kv_cache_usage)
+        self.prefix_blocks.set(snapshot.num_cached_blocks)
+        queries, hits = self._prefix_totals
+        self.prefix_hit_rate.set(hits / queries if queries else 0.0)
         return generate_latest(self.registry)

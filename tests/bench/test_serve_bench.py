@@ -90,3 +90,15 @@ def test_summary_statistics():
     assert level.output_tokens_per_s == 20.0
     assert level.ttft_p50_s == pytest.approx(0.25) and level.ttft_p99_s == pytest.approx(0.397)
     assert level.itl_p50_s == pytest.approx(0.1)
+
+
+def test_bench_serve_compares_servers_side_by_side(scripted_url, tmp_path, capsys):
+    prefix = tmp_path / "both"
+    assert main(["bench", "serve", "--url", scripted_url, "--url", scripted_url, "--label", "first",
+                 "--label", "second", "--concurrency", "2", "--num-requests", "2", "--max-tokens", "4",
+                 "--out", str(prefix)]) == 0
+    reports = json.loads(prefix.with_suffix(".json").read_text())
+    assert [r["label"] for r in reports] == ["first", "second"]
+    assert all(r["levels"][0]["output_tokens"] == 2 * TOKENS for r in reports)
+    out = capsys.readouterr().out
+    assert "first / second:" in out and "2 streams: output tokens/s x" in out

@@ -65,3 +65,19 @@ def test_tokenizer_matches_transformers_gguf_tokenizer(tokenizer):
     for text in texts:
         assert tokenizer.encode(text) == reference.encode(text, add_special_tokens=False)
         assert tokenizer.decode(tokenizer.encode(text)) == text
+
+
+def test_bfloat16_tracks_float32(llm):
+    """The bf16 path (the default where the CPU has bf16 units) stays close to the exact fp32 model."""
+    from carpool import LLM
+
+    fast = LLM(dtype="bfloat16", max_num_seqs=8)
+    prompts = [llm.tokenizer.encode(p) for p in PROMPTS]
+    params = SamplingParams(max_tokens=1, temperature=0, logprobs=5)
+    exact = llm.generate(prompts, params)
+    approx = fast.generate(prompts, params)
+    agree = sum(a.token_ids == b.token_ids for a, b in zip(exact, approx))
+    assert agree >= len(PROMPTS) - 1
+    for a, b in zip(exact, approx):
+        if a.token_ids == b.token_ids:
+            assert abs(a.logprobs[0].logprob - b.logprobs[0].logprob) < 0.1

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ValidationError
 from carpool.server.batch.runner import BatchEndpoint, Outcome
 from carpool.server.batch.store import new_id
 from carpool.server.batch.validation import InvalidBody
-from carpool.server.errors import APIError, _where, error_body
+from carpool.server.errors import APIError, error_body, field_path
 from carpool.server.gate import GateError, Principal
 from carpool.server.generation import GenerationFailed
 from carpool.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -72,7 +72,7 @@ class ServingEndpoint:
             loc = list(first.get("loc", ()))
             if not loc:
                 raise InvalidBody(f"body: {first.get('msg')}") from None
-            raise InvalidBody(f"{_where(loc)}: {first.get('msg')}", str(loc[0])) from None
+            raise InvalidBody(f"{field_path(loc)}: {first.get('msg')}", str(loc[0])) from None
 
 
 def serving_endpoints(serving: Serving) -> dict[str, BatchEndpoint]:

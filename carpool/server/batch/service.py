@@ -14,9 +14,9 @@ from carpool.server.serving import Serving
 class BatchService:
     def __init__(self, serving: Serving, gate: Gate, batch_dir: str | Path, limits: BatchLimits | None = None,
                  max_in_flight: int | None = None):
-        limits = limits or BatchLimits()
+        self.limits = limits = limits or BatchLimits()
         # Enough batch requests to fill every sequence slot the engine has; more would only wait in its queue.
-        max_in_flight = max_in_flight or serving.engine.engine.config.max_num_seqs
+        max_in_flight = max_in_flight or serving.engine.config.max_num_seqs
         self.store = BatchStore(batch_dir)
         self.runner = BatchRunner(self.store, serving_endpoints(serving), limits, max_in_flight)
         self.router = create_batch_router(self.store, self.runner, gate, limits)
