@@ -4,8 +4,9 @@ The model calls `PagedAttention(q, k, v)` per layer; everything about where the 
 cache slots, which sequences, how much context each has) travels beside the model call in
 `AttentionMetadata`, set once per step by the model runner.
 
-Token layout of a step: decode tokens first (one per sequence), then each prefill chunk as a contiguous run.
-Decodes are batched into one padded attention call; prefill chunks run one call each.
+Token layout of a step: decode tokens first (one per sequence, shortest context first), then each prefill
+chunk as a contiguous run. Decodes are batched into padded attention calls, one per group of similar context
+lengths so that short contexts are not padded to the longest; prefill chunks run one call each.
 """
 
 from contextlib import contextmanager
@@ -27,11 +28,17 @@ class PrefillSegment:
 
 
 @dataclass
+class DecodeGroup:
+    start: int  # first decode token of the group in the step's flat token list
+    end: int
+    block_tables: torch.Tensor  # [group size, max_blocks], padded with any block id
+    mask: torch.Tensor  # [group size, 1, 1, max_blocks * block_size] True for real context
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] cache slot each new key/value is written to
-    num_decode_tokens: int = 0
-    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks], padded with any block id
-    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size] True for context
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillSegment] = field(default_factory=list)
 
 
@@ -71,21 +78,20 @@ class PagedAttention(nn.Module):
         self.k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
         self.v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
-        if meta.num_decode_tokens:
-            out[: meta.num_decode_tokens] = self._decode(q[: meta.num_decode_tokens], meta)
+        for group in meta.decode_groups:
+            out[group.start : group.end] = self._decode(q[group.start : group.end], group)
         for segment in meta.prefills:
             out[segment.start : segment.end] = self._prefill(q, k, v, segment)
         return out.view(q.shape[0], -1)
 
-    def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
         # Grouped-query trick: fold the query heads that share a KV head into the query-length axis,
         # so one batched matmul serves all of them without repeating keys.
         batch = q.shape[0]
-        group = self.num_heads // self.num_kv_heads
-        q = q.view(batch, self.num_kv_heads, group, self.head_dim)
-        keys = self._gather(self.k_cache, meta.decode_block_tables).transpose(1, 2)  # [B, kv_heads, ctx, d]
-        values = self._gather(self.v_cache, meta.decode_block_tables).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=meta.decode_mask, scale=self.scale)
+        q = q.view(batch, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim)
+        keys = self._gather(self.k_cache, group.block_tables).transpose(1, 2)  # [B, kv_heads, ctx, d]
+        values = self._gather(self.v_cache, group.block_tables).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=group.mask, scale=self.scale)
         return out.reshape(batch, self.num_heads, self.head_dim)
 
     def _prefill(self, q, k, v, segment: PrefillSegment) -> torch.Tensor:

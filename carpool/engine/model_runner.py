@@ -6,7 +6,7 @@ import mmap
 
 import torch
 
-from carpool.engine.attention import AttentionMetadata, PrefillSegment, attention_metadata
+from carpool.engine.attention import AttentionMetadata, DecodeGroup, PrefillSegment, attention_metadata
 from carpool.engine.scheduler import ScheduledBatch
 from carpool.engine.sequence import Sequence
 
@@ -46,7 +46,9 @@ class ModelRunner:
 
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor | None, list[Sequence]]:
         """Forward the batch; returns logits [n, vocab] for the sequences that reached their last token."""
-        order = sorted(range(len(batch.seqs)), key=lambda i: batch.num_new_tokens[i] != 1)
+        order = sorted(
+            range(len(batch.seqs)), key=lambda i: (batch.num_new_tokens[i] != 1, batch.seqs[i].num_computed_tokens)
+        )
         input_ids, positions, slots, sampled_rows, sampling = [], [], [], [], []
         decode_seqs, prefills = [], []
         offset = 0
@@ -69,10 +71,9 @@ class ModelRunner:
                 sampled_rows.append(offset - 1)
                 sampling.append(seq)
         metadata = AttentionMetadata(
-            slot_mapping=torch.cat(slots).to(self.device), num_decode_tokens=len(decode_seqs), prefills=prefills
+            slot_mapping=torch.cat(slots).to(self.device), decode_groups=self._decode_groups(decode_seqs),
+            prefills=prefills,
         )
-        if decode_seqs:
-            metadata.decode_block_tables, metadata.decode_mask = self._decode_tables(decode_seqs)
         with attention_metadata(metadata):
             hidden = self.model(
                 torch.tensor(input_ids, dtype=torch.long, device=self.device),
@@ -82,6 +83,16 @@ class ModelRunner:
             return None, []
         rows = torch.tensor(sampled_rows, dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden[rows]), sampling
+
+    def _decode_groups(self, seqs: list[Sequence]) -> list[DecodeGroup]:
+        """Split decodes (sorted by context length) where the length doubles: padding every sequence to the
+        longest context would gather several times the KV that attention needs."""
+        groups, start = [], 0
+        for i in range(1, len(seqs) + 1):
+            if i == len(seqs) or seqs[i].num_computed_tokens > 2 * seqs[start].num_computed_tokens + self.block_size:
+                groups.append(DecodeGroup(start, i, *self._decode_tables(seqs[start:i])))
+                start = i
+        return groups
 
     def _decode_tables(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
         lengths = torch.tensor([s.num_computed_tokens + 1 for s in seqs])
