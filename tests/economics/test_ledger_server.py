@@ -54,3 +54,35 @@ def test_budget_revocation_report_and_cost_counter(tmp_path, capsys):
         assert cost > 0
     finally:
         server.stop()
+
+
+def test_fifty_concurrent_clients_lose_no_ledger_row(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    server = LiveServer(home=str(tmp_path))  # no keys: open, but every request is still on the ledger
+    try:
+        client = server.client()
+        model = client.models.list().data[0].id
+        before = server.wait_idle()
+
+        def ask(i):
+            messages = [{"role": "user", "content": f"Say the number {i}."}]
+            return client.chat.completions.create(model=model, messages=messages, max_tokens=3, temperature=0)
+
+        with ThreadPoolExecutor(50) as pool:
+            replies = list(pool.map(ask, range(50)))
+        after = server.wait_idle()
+        report = httpx.get(f"{server.url}/v1/usage", params={"group_by": "model"}, timeout=30).json()["total"]
+    finally:
+        server.stop()
+
+    def moved(name):
+        return sum(v for (n, labels), v in after.items() if n == name) - sum(
+            v for (n, labels), v in before.items() if n == name
+        )
+
+    assert report["requests"] == 50
+    assert report["output_tokens"] == sum(r.usage.completion_tokens for r in replies)
+    assert report["output_tokens"] == moved("carpool:generation_tokens_total")
+    prompt_tokens = report["uncached_prompt_tokens"] + report["cache_read_tokens"]
+    assert prompt_tokens == sum(r.usage.prompt_tokens for r in replies) == moved("carpool:prompt_tokens_total")
