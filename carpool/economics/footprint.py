@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 from carpool.engine.model_runner import ModelRunner
 from carpool.models.loader import (
-    _config_from_hf,
+    read_config,
     default_model_path,
     model_name,
     resolve_model_dir,
@@ -37,7 +37,7 @@ class ModelFootprint:
 
 def model_footprint(path: str | None = None) -> ModelFootprint:
     directory = resolve_model_dir(path)
-    config = _config_from_hf(directory)
+    config = read_config(directory)
     shapes = {}
     for file in sorted(Path(directory).glob("*.safetensors")):
         with safe_open(str(file), "pt") as weights:

@@ -140,7 +140,8 @@ class GGUFFile:
         return tensors
 
 
-def _config_from_hf(directory: Path) -> ModelConfig:
+def read_config(directory: Path) -> ModelConfig:
+    """The architecture of a model directory, from its config.json (no weights are read)."""
     raw = json.loads((directory / "config.json").read_text())
     arch = (raw.get("architectures") or ["?"])[0]
     if arch != "LlamaForCausalLM":
@@ -225,4 +226,4 @@ def load_weights(directory: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]
     state = {}
     for file in sorted(directory.glob("*.safetensors")):
         state.update({k: v.float() for k, v in load_file(str(file)).items()})
-    return _config_from_hf(directory), state
+    return read_config(directory), state
