@@ -91,3 +91,18 @@ def test_flex_waits_while_priority_requests_keep_the_slots():
     scheduler.add(request("priority", 0))
     step(scheduler)
     assert [s.request_id for s in scheduler.running] == ["priority"]
+
+
+def test_background_decodes_sit_out_steps_that_compute_a_foreground_prompt():
+    scheduler = make(max_num_seqs=4, budget=64)
+    background = [request(f"batch-{i}", 3) for i in range(2)]
+    for seq in background:
+        scheduler.add(seq)
+    step(scheduler)  # both prompts computed; both now decode
+    assert {s.request_id for s in step(scheduler).seqs} == {"batch-0", "batch-1"}
+    urgent = request("priority", 0, length=20)
+    scheduler.add(urgent)
+    batch = step(scheduler)
+    assert batch.seqs == [urgent]  # the interactive prompt gets the step to itself
+    batch = step(scheduler)  # now the priority request decodes too: everyone shares the step again
+    assert set(batch.seqs) == {urgent, *background}
