@@ -69,12 +69,11 @@ class AsyncEngine:
 
     def max_new_tokens(self, num_prompt_tokens: int) -> int:
         """The most tokens a prompt this long leaves room for: in the context window and in the whole KV pool."""
-        blocks = self.engine.block_manager
-        return min(self.max_model_len, blocks.num_blocks * blocks.block_size) - num_prompt_tokens
+        return self.engine.max_new_tokens(num_prompt_tokens)
 
     def validate(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         """Tokenize and check the request where it arrives, so bad input fails before it reaches the loop."""
-        token_ids = self.engine.tokenize_prompt(prompt)
+        token_ids = self.tokenize(prompt)
         self.engine.check_length(len(token_ids), params.max_tokens)
         return token_ids
 

@@ -71,21 +71,24 @@ class LLMEngine:
             raise ValueError("prompt must not be empty")
         return token_ids
 
+    @property
+    def max_request_tokens(self) -> int:
+        """Prompt plus output of one request: the context window, or the whole KV pool if that is smaller."""
+        return min(self.max_model_len, self.block_manager.num_blocks * self.block_manager.block_size)
+
+    def max_new_tokens(self, num_prompt_tokens: int) -> int:
+        return self.max_request_tokens - num_prompt_tokens
+
     def check_length(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        limit = self.max_model_len
-        if num_prompt_tokens >= limit:
+        if num_prompt_tokens >= self.max_request_tokens:
             raise ContextLengthExceeded(
-                f"prompt: {num_prompt_tokens} tokens do not fit the context window of {limit} tokens"
+                f"prompt: {num_prompt_tokens} tokens do not fit the {self.max_request_tokens} tokens a request may "
+                f"hold (context window {self.max_model_len})"
             )
-        if num_prompt_tokens + max_tokens > limit:
+        if max_tokens > self.max_new_tokens(num_prompt_tokens):
             raise ContextLengthExceeded(
-                f"max_tokens: {num_prompt_tokens} prompt tokens + {max_tokens} max_tokens exceed the context "
-                f"window of {limit} tokens"
-            )
-        capacity = self.block_manager.num_blocks * self.block_manager.block_size
-        if num_prompt_tokens + max_tokens > capacity:
-            raise ContextLengthExceeded(
-                f"max_tokens: {num_prompt_tokens + max_tokens} tokens exceed the KV cache's {capacity} token slots"
+                f"max_tokens: {num_prompt_tokens} prompt tokens + {max_tokens} max_tokens exceed the "
+                f"{self.max_request_tokens} tokens a request may hold (context window {self.max_model_len})"
             )
 
     def add_request(
@@ -173,7 +176,7 @@ class LLMEngine:
         settled = self.detokenizer.settled_length(seq)
         return RequestOutput(
             request_id=seq.request_id,
-            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
+            prompt_token_ids=seq.prompt_token_ids,
             token_ids=seq.output_token_ids,
             text=seq.output_text[:settled],
             finished=seq.is_finished,

@@ -51,6 +51,7 @@ class Sequence:
     ):
         self.seq_id = next(_counter)
         self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)  # shared, never copied, by every output of the request
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params

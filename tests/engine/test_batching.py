@@ -1,6 +1,7 @@
 """Continuous batching must not change anyone's output: alone, together, chunked, or preempted."""
 
 import pytest
+from block_invariants import check_block_invariants, run_with_aborts
 
 from carpool import LLM, SamplingParams
 from carpool.bench.datasets import first_human_turns
@@ -23,10 +24,9 @@ def alone(llm, prompts):
 
 
 def assert_pool_empty(engine):
-    manager = engine.block_manager
-    assert manager.num_free_blocks == manager.num_blocks
-    assert all(block.ref_count == 0 for block in manager.blocks)
     assert not engine.scheduler.running and not engine.scheduler.waiting
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    check_block_invariants(engine)
 
 
 def test_mixed_lengths_are_a_real_mix(prompts):
@@ -98,18 +98,7 @@ def test_new_request_joins_at_the_next_step(llm, prompts):
 
 def test_blocks_all_return_after_finish_abort_and_preemption(small_pool_llm, prompts):
     engine = small_pool_llm.engine
-    engine.block_manager.enable_prefix_caching = True
     for i, prompt in enumerate([p for p in prompts if len(p) < 200][:16]):
         engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=6 + i % 5, temperature=0.8, seed=i))
-    preempted, steps = 0, 0
-    while engine.has_unfinished_requests():
-        engine.step()
-        steps += 1
-        preempted += engine.last_step.num_preemptions
-        if steps == 3:
-            engine.abort("r2")
-            engine.abort("r5")
-        if steps == 6:
-            engine.abort("r9")
-    assert preempted > 0
+    assert run_with_aborts(engine, {3: ["r2", "r5"], 6: ["r9"]}) > 0  # preemptions happened
     assert_pool_empty(engine)

@@ -2,27 +2,12 @@
 
 import pytest
 
+from block_invariants import check_block_invariants, run_with_aborts
+
 from carpool import LLM, SamplingParams
 from carpool.bench.datasets import conversations, first_human_turns
 
 REPLY = SamplingParams(max_tokens=8, temperature=0)
-
-
-def check_block_invariants(engine):
-    """Every block is exactly one of: empty-free, cached-unreferenced (free, hashed), referenced by live seqs."""
-    manager = engine.block_manager
-    holders: dict[int, int] = {}
-    for seq in engine.scheduler.running:
-        for block_id in seq.block_table:
-            holders[block_id] = holders.get(block_id, 0) + 1
-    for seq in engine.scheduler.waiting:
-        assert seq.block_table == []
-    for block in manager.blocks:
-        assert block.ref_count == holders.get(block.block_id, 0)
-        assert (block.ref_count == 0) == (block.block_id in manager.free_queue)
-        if block.block_hash is not None:
-            assert manager.cached[block.block_hash] == block.block_id
-    assert len(manager.cached) == sum(1 for b in manager.blocks if b.block_hash is not None)
 
 
 def replay(llm, chats, max_user_turns=2):
@@ -101,14 +86,4 @@ def test_accounting_exact_under_eviction_preemption_and_abort(tokenizer):
     for i in range(12):
         prompt = tokenizer.encode(base * (1 + i % 2) + own[i])  # a shared head, then a tail of its own
         engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=30, temperature=0.7, seed=i))
-    steps, preemptions = 0, 0
-    while engine.has_unfinished_requests():
-        engine.step()
-        steps += 1
-        preemptions += engine.last_step.num_preemptions
-        if steps == 4:
-            engine.abort("r3")
-        check_block_invariants(engine)
-    assert preemptions > 0
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    check_block_invariants(engine)
+    assert run_with_aborts(engine, {4: ["r3"]}) > 0  # preemptions happened

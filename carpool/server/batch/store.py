@@ -151,19 +151,26 @@ class BatchStore:
     def list_files(
         self, owner: str | None, everyone: bool, purpose: str | None, after: str | None, limit: int, newest_first: bool
     ) -> tuple[list[dict], bool]:
+        filters = [("purpose = ?", purpose)] if purpose is not None else []
+        return self._page("files", owner, everyone, after, limit, newest_first, filters)
+
+    def _page(self, table: str, owner: str | None, everyone: bool, after: str | None, limit: int,
+              newest_first: bool, filters: list[tuple[str, object]] = ()) -> tuple[list[dict], bool]:
+        """One page of the caller's rows of `table` in creation order, starting after the row `after`;
+        and whether more rows follow."""
         where, args = ["1"], []
         if not everyone:
             where.append("owner IS ?")
             args.append(owner)
-        if purpose is not None:
-            where.append("purpose = ?")
-            args.append(purpose)
+        for clause, value in filters:
+            where.append(clause)
+            args.append(value)
         if after is not None:
-            where.append(f"seq {'<' if newest_first else '>'} COALESCE((SELECT seq FROM files WHERE id = ?), -1)")
+            where.append(f"seq {'<' if newest_first else '>'} COALESCE((SELECT seq FROM {table} WHERE id = ?), -1)")
             args.append(after)
         order = "DESC" if newest_first else "ASC"
         rows = self._query(
-            f"SELECT * FROM files WHERE {' AND '.join(where)} ORDER BY seq {order} LIMIT ?", (*args, limit + 1)
+            f"SELECT * FROM {table} WHERE {' AND '.join(where)} ORDER BY seq {order} LIMIT ?", (*args, limit + 1)
         )
         return rows[:limit], len(rows) > limit
 
@@ -221,17 +228,7 @@ class BatchStore:
 
     def list_batches(self, owner: str | None, everyone: bool, after: str | None, limit: int) -> tuple[list[dict], bool]:
         """Newest first, as OpenAI lists them."""
-        where, args = ["1"], []
-        if not everyone:
-            where.append("owner IS ?")
-            args.append(owner)
-        if after is not None:
-            where.append("seq < COALESCE((SELECT seq FROM batches WHERE id = ?), -1)")
-            args.append(after)
-        rows = self._query(
-            f"SELECT * FROM batches WHERE {' AND '.join(where)} ORDER BY seq DESC LIMIT ?", (*args, limit + 1)
-        )
-        return rows[:limit], len(rows) > limit
+        return self._page("batches", owner, everyone, after, limit, newest_first=True)
 
     def active_batch_ids(self) -> list[str]:
         marks = ",".join("?" * len(ACTIVE))
