@@ -6,6 +6,7 @@ import sys
 from carpool.bench.cli import add_bench_parser
 from carpool.economics.cli import add_cost_parser, add_keys_parser
 from carpool.engine.config import EngineConfig
+from carpool.models.quantization import QUANTIZATION_MODES
 from carpool.server.batch.cli import add_batch_parser
 from carpool.server.cli import add_serve_parser
 
@@ -17,6 +18,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=defaults.dtype, choices=["auto", "float32", "bfloat16"],
                         help="weights, activations and KV cache (default: auto, bfloat16 where the hardware has "
                              "native bf16 units; float32 reproduces the reference implementation exactly)")
+    parser.add_argument("--quantization", default=defaults.quantization, choices=list(QUANTIZATION_MODES),
+                        help="weight format: auto keeps a GGUF file's Q4_0/Q4_1/Q8_0 blocks (CPU kernels), none "
+                             "dequantizes to --dtype, q8_0/q4_1/q4_0 quantize at load (default: auto)")
     parser.add_argument("--block-size", type=int, default=defaults.block_size)
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--kv-cache-gb", type=float, default=defaults.kv_cache_gb)

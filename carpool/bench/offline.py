@@ -2,7 +2,8 @@
 
 carpool gets all N prompts at once and batches them continuously; transformers gets them as one static,
 left-padded batch of the same size (what a user without a serving engine would write). Both decode greedily
-from the same GGUF weights in the same dtype, outputs capped at --max-tokens and ended by EOS. The figure of merit is
+from the same GGUF weights with activations in the same dtype, outputs capped at --max-tokens and ended by EOS.
+transformers dequantizes the file's blocks; carpool keeps them (--quantization auto) unless told "none". The figure of merit is
 useful output tokens per second; carpool's prefill and decode throughput are reported separately, from the
 engine's own step timings (the same PhaseMeter the server exports).
 """
@@ -19,6 +20,7 @@ from carpool.economics.phase_meter import PhaseMeter
 from carpool.engine.config import EngineConfig
 from carpool.engine.llm_engine import LLMEngine
 from carpool.engine.sampling_params import SamplingParams
+from carpool.models.quantization import QUANTIZATION_MODES
 
 
 def add_parser(modes) -> None:
@@ -29,6 +31,8 @@ def add_parser(modes) -> None:
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                         help="for both carpool and transformers")
+    parser.add_argument("--quantization", default="auto", choices=list(QUANTIZATION_MODES),
+                        help="carpool's weight format (transformers always runs dense weights)")
     parser.add_argument("--out", default="bench-results/offline.json")
     parser.set_defaults(func=main)
 
@@ -94,7 +98,9 @@ def run_transformers(model, tokenizer, prompts: list[str], max_tokens: int) -> d
 
 
 def main(args: argparse.Namespace) -> int:
-    engine = LLMEngine(EngineConfig(max_num_seqs=max(args.num_prompts), enable_prefix_caching=False, dtype=args.dtype))
+    engine = LLMEngine(EngineConfig(
+        max_num_seqs=max(args.num_prompts), enable_prefix_caching=False, dtype=args.dtype, quantization=args.quantization
+    ))
     texts = first_human_turns(max(args.num_prompts), max_chars=args.max_prompt_chars)
     chats = [engine.tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
     hf = None if args.skip_transformers else load_transformers_model(engine.dtype)
@@ -111,7 +117,8 @@ def main(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     # "phases": the largest run's engine time split, which `carpool cost model --bench` prices.
-    summary = {"max_tokens": args.max_tokens, "dtype": str(engine.dtype), "threads": torch.get_num_threads(),
+    summary = {"max_tokens": args.max_tokens, "dtype": str(engine.dtype), "quantization": args.quantization,
+               "threads": torch.get_num_threads(),
                "phases": results[-1]["carpool"]["phases"], "results": results}
     out.write_text(json.dumps(summary, indent=2))
     print(f"wrote {out}")

@@ -5,8 +5,9 @@ cache slots, which sequences, how much context each has) travels beside the mode
 `AttentionMetadata`, set once per step by the model runner.
 
 Token layout of a step: decode tokens first (one per sequence, shortest context first), then each prefill
-chunk as a contiguous run. Decodes are batched into padded attention calls, one per group of similar context
-lengths so that short contexts are not padded to the longest; prefill chunks run one call each.
+chunk as a contiguous run. On the CPU decodes read the pool in place (`torch.ops.carpool.paged_decode_attention`);
+elsewhere they are gathered into padded SDPA calls, one per group of similar context lengths so that short
+contexts are not padded to the longest. Prefill chunks run one SDPA call each.
 """
 
 from contextlib import contextmanager
@@ -15,6 +16,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+import carpool.kernels  # noqa: F401  (registers torch.ops.carpool)
 
 
 @dataclass
@@ -32,7 +35,7 @@ class DecodeGroup:
     start: int  # first decode token of the group in the step's flat token list
     end: int
     block_tables: torch.Tensor  # [group size, max_blocks], padded with any block id
-    mask: torch.Tensor  # [group size, 1, 1, max_blocks * block_size] True for real context
+    context_lens: torch.Tensor  # [group size] keys each sequence attends to, its new token included
 
 
 @dataclass
@@ -85,13 +88,23 @@ class PagedAttention(nn.Module):
         return out.view(q.shape[0], -1)
 
     def _decode(self, q: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
+        if q.device.type == "cpu":
+            return torch.ops.carpool.paged_decode_attention(
+                q, self.k_cache, self.v_cache, group.block_tables, group.context_lens, self.scale
+            )
+        return self._decode_gathered(q, group)
+
+    def _decode_gathered(self, q: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
+        """The device-agnostic path: gather the group's blocks into padded copies, one masked SDPA call."""
         # Grouped-query trick: fold the query heads that share a KV head into the query-length axis,
         # so one batched matmul serves all of them without repeating keys.
         batch = q.shape[0]
         q = q.view(batch, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim)
         keys = self._gather(self.k_cache, group.block_tables).transpose(1, 2)  # [B, kv_heads, ctx, d]
         values = self._gather(self.v_cache, group.block_tables).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=group.mask, scale=self.scale)
+        positions = torch.arange(keys.shape[2], device=q.device)
+        mask = (positions < group.context_lens.unsqueeze(1)).view(batch, 1, 1, -1)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
         return out.reshape(batch, self.num_heads, self.head_dim)
 
     def _prefill(self, q, k, v, segment: PrefillSegment) -> torch.Tensor:

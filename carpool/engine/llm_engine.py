@@ -41,7 +41,9 @@ class LLMEngine:
             torch.set_num_threads(self.config.num_threads)
         self.device = torch.device(self.config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = resolve_dtype(self.config.dtype, self.device)
-        self.model, self.tokenizer, self.model_config = load_model(self.config.model, self.device, self.dtype)
+        self.model, self.tokenizer, self.model_config = load_model(
+            self.config.model, self.device, self.dtype, self.config.quantization
+        )
         self.max_model_len = min(
             self.config.max_model_len or self.model_config.max_position_embeddings,
             self.model_config.max_position_embeddings,

@@ -85,8 +85,11 @@ class ModelRunner:
         return self.model.compute_logits(hidden[rows]), sampling
 
     def _decode_groups(self, seqs: list[Sequence]) -> list[DecodeGroup]:
-        """Split decodes (sorted by context length) where the length doubles: padding every sequence to the
-        longest context would gather several times the KV that attention needs."""
+        """On the CPU all decodes go in one group: its kernel walks each block table in place. Elsewhere the
+        decodes (sorted by context length) split where the length doubles: the gathered, padded path would
+        otherwise copy several times the KV that attention needs."""
+        if self.device.type == "cpu":
+            return [DecodeGroup(0, len(seqs), *self._decode_tables(seqs))] if seqs else []
         groups, start = [], 0
         for i in range(1, len(seqs) + 1):
             if i == len(seqs) or seqs[i].num_computed_tokens > 2 * seqs[start].num_computed_tokens + self.block_size:
@@ -101,5 +104,4 @@ class ModelRunner:
         for row, seq in enumerate(seqs):
             table = seq.block_table[:max_blocks]
             tables[row, : len(table)] = torch.tensor(table, dtype=torch.long)
-        valid = torch.arange(max_blocks * self.block_size).unsqueeze(0) < lengths.unsqueeze(1)
-        return tables.to(self.device), valid.view(len(seqs), 1, 1, -1).to(self.device)
+        return tables.to(self.device), lengths.to(self.device)

