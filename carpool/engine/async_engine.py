@@ -3,6 +3,12 @@
 `generate()` yields a RequestOutput per step in which the request made progress; leaving the iteration early
 (a client that disconnects) aborts the request, and its blocks are back in the pool by the next step.
 All engine state is touched only by the engine thread; other threads send it commands.
+
+The engine thread is either a thread of its own (`start()`) or the caller's (`run()`, what `carpool serve` does
+with the main thread, the HTTP server on another). The main thread is faster for this: torch's OpenMP workers
+already serve it, and a second thread driving parallel regions oversubscribes a small machine, at which point
+libgomp stops spin-waiting between regions and every op pays a sleep/wake (a decode step took 27-30 ms on a
+thread of its own against 14-18 ms on the main thread, measured on 2 cores).
 """
 
 import asyncio
@@ -39,15 +45,27 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._step_listeners: list[Callable[[StepStats | None, list[RequestOutput]], None]] = []
         self._thread: threading.Thread | None = None
+        self._driven_by_caller = False
         self._stopped = threading.Event()
         self.error: BaseException | None = None
 
     # Lifecycle ---------------------------------------------------------------------------------------
 
     def start(self) -> None:
-        if self._thread is None:
+        """Run the engine loop on a thread of its own (no-op while `run()` drives it)."""
+        if self._thread is None and not self._driven_by_caller:
             self._thread = threading.Thread(target=self._loop, name="carpool-engine", daemon=True)
             self._thread.start()
+
+    def drive_from_caller(self) -> None:
+        """Announce that the caller will call `run()`: a `start()` that comes first (an app's startup hook on
+        another thread) then leaves the loop to it."""
+        self._driven_by_caller = True
+
+    def run(self) -> None:
+        """Run the engine loop on the calling thread until `stop()`."""
+        self.drive_from_caller()
+        self._loop()
 
     def stop(self) -> None:
         self._stopped.set()
@@ -145,7 +163,10 @@ class AsyncEngine:
         try:
             while not self._stopped.is_set():
                 if not self.engine.has_unfinished_requests():
-                    self._apply(self._commands.get())  # idle: sleep until something arrives
+                    try:  # idle: sleep until something arrives; the timeout lets signals reach a main thread
+                        self._apply(self._commands.get(timeout=1.0))
+                    except queue.Empty:
+                        continue
                 while True:
                     try:
                         self._apply(self._commands.get_nowait())

@@ -78,8 +78,11 @@ class PagedAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] -> [T, num_heads * head_dim]."""
         meta = _current
-        self.k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
-        self.v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
+        if q.device.type == "cpu":
+            torch.ops.carpool.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        else:
+            self.k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
+            self.v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
         for group in meta.decode_groups:
             out[group.start : group.end] = self._decode(q[group.start : group.end], group)

@@ -1,6 +1,8 @@
 """`carpool serve`: the OpenAI-compatible server on 127.0.0.1:8000 by default."""
 
 import argparse
+import signal
+import threading
 
 from carpool.economics.cli import add_gate_args
 from carpool.server import limits
@@ -58,9 +60,31 @@ def serve(args: argparse.Namespace, config) -> int:
     if ledger:
         ledger.register_metrics(registry)
         app.include_router(usage_router(ledger))
+    # The engine loop runs on this (the main) thread and HTTP on another: see AsyncEngine for why.
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
+    ))
+    engine.drive_from_caller()
+
+    def serve_http():
+        try:
+            server.run()
+        finally:  # however HTTP ends (shutdown, a port already in use), the engine loop ends with it
+            engine.stop()
+
+    http = threading.Thread(target=serve_http, name="carpool-http")
+
+    def shut_down(signum, frame):  # graceful: in-flight requests finish, then the app stops the engine
+        server.should_exit = True
+
+    signal.signal(signal.SIGINT, shut_down)
+    signal.signal(signal.SIGTERM, shut_down)
+    http.start()
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+        engine.run()
     finally:
+        server.should_exit = True
+        http.join()
         if ledger:
             ledger.close()
-    return 0
+    return 0 if server.started else 1

@@ -24,22 +24,40 @@ using carpool::round_to;
 using carpool::store16;
 #endif
 
+// One row's RMSNorm, 16 lanes at a time; false when the row does not split into 16-lane chunks.
+template <typename T>
+bool rms_norm_vector(const T* row, const T* weight, T* out, int64_t size, float eps) {
+#ifdef CARPOOL_AVX512
+  if constexpr (!std::is_same_v<T, double>) {
+    if (size % 16 != 0) return false;
+    __m512 squares = _mm512_setzero_ps();
+    for (int64_t i = 0; i < size; i += 16) {
+      const __m512 v = load16(row + i);
+      squares = _mm512_fmadd_ps(v, v, squares);
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(squares) / static_cast<float>(size) + eps));
+    for (int64_t i = 0; i < size; i += 16)
+      store16(out + i, _mm512_mul_ps(round_to(out, _mm512_mul_ps(load16(row + i), inv)), load16(weight + i)));
+    return true;
+  }
+#endif
+  return false;
+}
+
 template <typename T>
 void rms_norm_rows(const T* src, const T* weight, T* dst, int64_t rows, int64_t size, float eps) {
   at::parallel_for(0, rows, 64, [&](int64_t first, int64_t last) {
     for (int64_t r = first; r < last; ++r) {
       const T* row = src + r * size;
       T* out = dst + r * size;
+      if (rms_norm_vector(row, weight, out, size, eps)) continue;
       float squares = 0.0f;
-#pragma omp simd reduction(+ : squares)
       for (int64_t i = 0; i < size; ++i) squares += static_cast<float>(row[i]) * static_cast<float>(row[i]);
       const float inv = 1.0f / std::sqrt(squares / static_cast<float>(size) + eps);
-#pragma omp simd
       for (int64_t i = 0; i < size; ++i) out[i] = T(static_cast<float>(T(static_cast<float>(row[i]) * inv)) * static_cast<float>(weight[i]));
     }
   });
 }
-
 
 // The 16-wide part of a row; returns how many elements it did (none without AVX-512).
 template <typename T>

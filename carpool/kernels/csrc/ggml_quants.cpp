@@ -17,8 +17,9 @@
 #include <cstring>
 #include <vector>
 
+#include "vec.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__F16C__)
-#include <immintrin.h>
 #define CARPOOL_GGML_AVX512 1
 #endif
 
@@ -111,19 +112,6 @@ void dequantize_row(const uint8_t* row, int64_t K, T* out) {
   }
 }
 
-#ifdef CARPOOL_GGML_AVX512
-// Four horizontal sums at once: [sum(a), sum(b), sum(c), sum(d)].
-inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
-  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
-  const __m512d abd = _mm512_castps_pd(ab), cdd = _mm512_castps_pd(cd);
-  const __m512 abcd = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(abd, cdd)),
-                                    _mm512_castpd_ps(_mm512_unpackhi_pd(abd, cdd)));
-  const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(abcd),
-                                    _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(abcd), 1)));
-  return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
-}
-#endif
 
 // Register-blocked dot products: MR activation rows x four weight rows of the dequantized tile, out[m][r].
 // Each loaded x chunk feeds four weight rows and each weight chunk MR activation rows, so the loop runs on
@@ -142,7 +130,7 @@ inline void dot_tile(const float* x, const float* w, int64_t K, float* out) {
       for (int r = 0; r < kTileRows; ++r) acc[i][r] = _mm512_fmadd_ps(xv, wv[r], acc[i][r]);
     }
   }
-  for (int i = 0; i < MR; ++i) _mm_storeu_ps(out + i * kTileRows, reduce4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]));
+  for (int i = 0; i < MR; ++i) _mm_storeu_ps(out + i * kTileRows, carpool::reduce4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]));
 #else
   for (int i = 0; i < MR; ++i)
     for (int r = 0; r < kTileRows; ++r) {
@@ -172,7 +160,7 @@ inline void dot_tile(const c10::BFloat16* x, const c10::BFloat16* w, int64_t K, 
       for (int r = 0; r < kTileRows; ++r) acc[i][r] = _mm512_dpbf16_ps(acc[i][r], xv, wv[r]);
     }
   }
-  for (int i = 0; i < MR; ++i) _mm_storeu_ps(out + i * kTileRows, reduce4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]));
+  for (int i = 0; i < MR; ++i) _mm_storeu_ps(out + i * kTileRows, carpool::reduce4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]));
 #else
   for (int i = 0; i < MR; ++i)
     for (int r = 0; r < kTileRows; ++r) {

@@ -8,49 +8,80 @@
 #include <torch/library.h>
 
 #include "vec.h"
+#ifdef CARPOOL_AVX512
+#include <sleef.h>  // torch's vector exp, exported by libtorch_cpu
+#endif
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
 
 #ifdef CARPOOL_AVX512
-// One (sequence, KV head): scores for the group's query heads, softmax, weighted values; head_dim % 16 == 0.
-// Each key and value row is loaded (and widened from bf16) once for all the heads that share it.
+// One query head against its KV head's context (CHUNKS = head_dim / 16). `offsets` are the context's rows in
+// the pool, shared by K and V; `scores` is scratch of context floats. Keys are scored four at a time so their
+// horizontal sums share one reduction; the softmax uses torch's vector exp; the weighted sum of values stays in
+// registers.
+template <typename T, int CHUNKS>
+void attend_head(const float* query, const T* k_cache, const T* v_cache, const int64_t* offsets, int64_t context,
+                 float* scores, T* out) {
+  __m512 q[CHUNKS];
+  for (int c = 0; c < CHUNKS; ++c) q[c] = _mm512_loadu_ps(query + c * 16);
+  auto score = [&](int64_t t) {
+    const T* key = k_cache + offsets[t];
+    __m512 dot = _mm512_mul_ps(q[0], carpool::load16(key));
+    for (int c = 1; c < CHUNKS; ++c) dot = _mm512_fmadd_ps(q[c], carpool::load16(key + c * 16), dot);
+    return dot;
+  };
+  int64_t t = 0;
+  for (; t + 4 <= context; t += 4) _mm_storeu_ps(scores + t, carpool::reduce4(score(t), score(t + 1), score(t + 2), score(t + 3)));
+  for (; t < context; ++t) scores[t] = _mm512_reduce_add_ps(score(t));
+
+  float top = -std::numeric_limits<float>::infinity();
+  for (t = 0; t < context; ++t) top = std::max(top, scores[t]);
+  __m512 sums = _mm512_setzero_ps();
+  const __m512 top_v = _mm512_set1_ps(top);
+  for (t = 0; t + 16 <= context; t += 16) {
+    const __m512 e = Sleef_expf16_u10(_mm512_sub_ps(_mm512_loadu_ps(scores + t), top_v));
+    _mm512_storeu_ps(scores + t, e);
+    sums = _mm512_add_ps(sums, e);
+  }
+  float total = _mm512_reduce_add_ps(sums);
+  for (; t < context; ++t) total += (scores[t] = std::exp(scores[t] - top));
+
+  __m512 acc[CHUNKS];
+  for (int c = 0; c < CHUNKS; ++c) acc[c] = _mm512_setzero_ps();
+  for (t = 0; t < context; ++t) {
+    const T* value = v_cache + offsets[t];
+    const __m512 p = _mm512_set1_ps(scores[t]);
+    for (int c = 0; c < CHUNKS; ++c) acc[c] = _mm512_fmadd_ps(p, carpool::load16(value + c * 16), acc[c]);
+  }
+  const __m512 inv = _mm512_set1_ps(1.0f / total);
+  for (int c = 0; c < CHUNKS; ++c) carpool::store16(out + c * 16, _mm512_mul_ps(acc[c], inv));
+}
+
+// The vectorized path for the common head sizes; false when there is none for this one.
 template <typename T>
-void attend_vectorized(const float* query, const T* k_cache, const T* v_cache, const int64_t* table, int64_t context,
-                       int64_t group, int64_t head_dim, int64_t block_size, int64_t token_stride, int64_t kv_offset,
-                       float* scores, float* acc) {
-  const int64_t chunks = head_dim / 16;
-  for (int64_t t = 0; t < context; ++t) {
-    const T* key = k_cache + (table[t / block_size] * block_size + t % block_size) * token_stride + kv_offset;
-    for (int64_t g = 0; g < group; ++g) {
-      __m512 dot = _mm512_setzero_ps();
-      for (int64_t c = 0; c < chunks; ++c)
-        dot = _mm512_fmadd_ps(_mm512_loadu_ps(query + g * head_dim + c * 16), carpool::load16(key + c * 16), dot);
-      scores[g * context + t] = _mm512_reduce_add_ps(dot);
-    }
-  }
-  for (int64_t g = 0; g < group; ++g) {
-    float* row = scores + g * context;
-    const float top = *std::max_element(row, row + context);
-    float total = 0.0f;
-    for (int64_t t = 0; t < context; ++t) total += (row[t] = std::exp(row[t] - top));
-    const float inv = 1.0f / total;
-    for (int64_t t = 0; t < context; ++t) row[t] *= inv;
-  }
-  std::fill(acc, acc + group * head_dim, 0.0f);
-  for (int64_t t = 0; t < context; ++t) {
-    const T* value = v_cache + (table[t / block_size] * block_size + t % block_size) * token_stride + kv_offset;
-    for (int64_t c = 0; c < chunks; ++c) {
-      const __m512 v = carpool::load16(value + c * 16);
-      for (int64_t g = 0; g < group; ++g) {
-        float* out = acc + g * head_dim + c * 16;
-        _mm512_storeu_ps(out, _mm512_fmadd_ps(_mm512_set1_ps(scores[g * context + t]), v, _mm512_loadu_ps(out)));
-      }
+bool attend_vectorized(const float* query, const T* k_cache, const T* v_cache, const int64_t* offsets, int64_t context,
+                       int64_t group, int64_t head_dim, float* scores, T* out) {
+  if constexpr (std::is_same_v<T, double>) {
+    return false;
+  } else {
+    auto run = [&](auto head) {
+      for (int64_t g = 0; g < group; ++g)
+        attend_head<T, decltype(head)::value>(query + g * head_dim, k_cache, v_cache, offsets, context, scores,
+                                              out + g * head_dim);
+      return true;
+    };
+    switch (head_dim) {
+      case 64: return run(std::integral_constant<int, 4>{});
+      case 128: return run(std::integral_constant<int, 8>{});
+      default: return false;
     }
   }
 }
@@ -69,6 +100,7 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int6
   const int64_t token_stride = num_kv_heads * head_dim;  // between consecutive slots of the pool
   at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t first, int64_t last) {
     std::vector<float> query(group * head_dim), acc(group * head_dim), scores;
+    std::vector<int64_t> offsets;
     for (int64_t item = first; item < last; ++item) {
       const int64_t b = item / num_kv_heads, kv_head = item % num_kv_heads;
       const int64_t context = context_lens[b];
@@ -77,17 +109,14 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int6
         for (int64_t d = 0; d < head_dim; ++d)
           query[g * head_dim + d] = static_cast<float>(q[(b * num_heads + kv_head * group + g) * head_dim + d]) * scale;
       scores.resize(group * context);
-#ifdef CARPOOL_AVX512
-      if constexpr (!std::is_same_v<T, double>) {
-        if (head_dim % 16 == 0) {
-          attend_vectorized(query.data(), k_cache, v_cache, table, context, group, head_dim, block_size, token_stride,
-                            kv_head * head_dim, scores.data(), acc.data());
-          store_heads(acc.data(), out + (b * num_heads + kv_head * group) * head_dim, group * head_dim);
-          continue;
-        }
-      }
-#endif
       auto slot = [&](int64_t t) { return (table[t / block_size] * block_size + t % block_size) * token_stride + kv_head * head_dim; };
+#ifdef CARPOOL_AVX512
+      offsets.resize(context);
+      for (int64_t t = 0; t < context; ++t) offsets[t] = slot(t);
+      if (attend_vectorized(query.data(), k_cache, v_cache, offsets.data(), context, group, head_dim, scores.data(),
+                            out + (b * num_heads + kv_head * group) * head_dim))
+        continue;
+#endif
       for (int64_t t = 0; t < context; ++t) {
         const T* key = k_cache + slot(t);
         for (int64_t g = 0; g < group; ++g) {
@@ -144,10 +173,40 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   return out;
 }
 
+// Writes each new token's key and value rows into its cache slot: k, v [T, kv_heads, head_dim] (rows may be
+// strided views into the qkv projection), caches [blocks, block_size, kv_heads, head_dim], slot_mapping [T].
+void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
+                    const at::Tensor& slot_mapping) {
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.size(0) == slot_mapping.numel(), "k/v/slot_mapping: shapes");
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type(), "k/v: cache dtype");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "k_cache/v_cache: must be contiguous");
+  const int64_t row = k.size(1) * k.size(2);
+  TORCH_CHECK(k_cache.size(2) * k_cache.size(3) == row, "k/k_cache: head layout mismatch");
+  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 && v.stride(1) == v.size(2),
+              "k/v: each token's heads must be contiguous");
+  const at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const size_t bytes = row * k.element_size();
+  auto* k_dst = static_cast<char*>(k_cache.data_ptr());
+  auto* v_dst = static_cast<char*>(v_cache.data_ptr());
+  const auto* k_src = static_cast<const char*>(k.data_ptr());
+  const auto* v_src = static_cast<const char*>(v.data_ptr());
+  for (int64_t t = 0; t < k.size(0); ++t) {
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "slot_mapping: slot ", slot[t], " outside the pool");
+    std::memcpy(k_dst + slot[t] * bytes, k_src + t * k.stride(0) * k.element_size(), bytes);
+    std::memcpy(v_dst + slot[t] * bytes, v_src + t * v.stride(0) * v.element_size(), bytes);
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(carpool, m) {
+  m.def("write_kv_cache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(carpool, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
+TORCH_LIBRARY_IMPL(carpool, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("write_kv_cache", &write_kv_cache);
+}

@@ -4,8 +4,27 @@
 
 #include <c10/util/BFloat16.h>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__F16C__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
+
+namespace carpool {
+
+// Four horizontal sums at once: [sum(a), sum(b), sum(c), sum(d)].
+inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  const __m512d abd = _mm512_castps_pd(ab), cdd = _mm512_castps_pd(cd);
+  const __m512 abcd = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(abd, cdd)),
+                                    _mm512_castpd_ps(_mm512_unpackhi_pd(abd, cdd)));
+  const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(abcd),
+                                    _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(abcd), 1)));
+  return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
+}
+
+}  // namespace carpool
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__F16C__)
 #define CARPOOL_AVX512 1
 
 namespace carpool {
@@ -23,9 +42,9 @@ inline void store16(c10::BFloat16* p, __m512 v) {
 // Round to T and back: a value as torch would have stored it between two ops.
 inline __m512 round_to(float*, __m512 v) { return v; }
 inline __m512 round_to(c10::BFloat16*, __m512 v) {
-  alignas(64) c10::BFloat16 tmp[16];
-  store16(tmp, v);
-  return load16(tmp);
+  const __m256bh packed = _mm512_cvtneps_pbh(v);
+  const __m512i wide = _mm512_cvtepu16_epi32(reinterpret_cast<const __m256i&>(packed));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
 }  // namespace carpool
