@@ -43,6 +43,7 @@ class LevelReport:
     ttft_p99_s: float | None
     itl_p50_s: float | None
     itl_p99_s: float | None
+    errors: list[str]  # what the failed requests got back (distinct messages)
 
 
 def add_parser(modes) -> None:
@@ -208,6 +209,7 @@ def summarize(concurrency: int, results: list[RequestResult], duration: float) -
         ttft_p99_s=percentile(ttfts, 99),
         itl_p50_s=percentile(itls, 50),
         itl_p99_s=percentile(itls, 99),
+        errors=sorted({r.error for r in results if not r.ok and r.error}),
     )
 
 

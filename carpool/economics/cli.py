@@ -8,6 +8,8 @@ from contextlib import closing
 from datetime import datetime, timezone
 from pathlib import Path
 
+import torch
+
 from carpool.economics import keys as key_store
 from carpool.economics.cost_model import cost_model
 from carpool.economics.cost_model import render as render_cost_model
@@ -23,6 +25,8 @@ from carpool.economics.reports import (
     render,
     usage_summary,
 )
+from carpool.engine.config import DTYPES, resolve_dtype
+from carpool.models.quantization import QUANTIZATION_MODES
 
 
 def add_gate_args(parser: argparse.ArgumentParser) -> None:
@@ -88,6 +92,9 @@ def add_cost_parser(subparsers) -> None:
     model.add_argument("--model", default=None, help="the model served (default: SmolLM2-135M-Instruct)")
     model.add_argument("--prices", default=None, help="price sheet for the list-price columns (default: shipped)")
     model.add_argument("--device", default=None, help="where to measure bandwidth and FLOP/s (default: cuda if any)")
+    model.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="as served (default: auto)")
+    model.add_argument("--quantization", default="auto", choices=list(QUANTIZATION_MODES),
+                       help="weight format as served (default: auto)")
     model.add_argument("--format", choices=("table", "json"), default="table")
     model.set_defaults(func=_cost_model)
 
@@ -178,7 +185,9 @@ def _cost_model(args: argparse.Namespace) -> int:
         phases = PhaseTotals.from_dict(document["phases"])
     else:
         phases = totals_from_metrics_text(_read_metrics(args.metrics))
-    model = cost_model(phases, args.hourly_price, measure_hardware(args.device), model_footprint(args.model), prices)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    footprint = model_footprint(args.model, resolve_dtype(args.dtype, device), args.quantization)
+    model = cost_model(phases, args.hourly_price, measure_hardware(args.device), footprint, prices)
     sys.stdout.write(render_cost_model(model, args.format))
     return 0
 

@@ -1,24 +1,28 @@
 """What one token costs a model in bytes moved and FLOPs, from its config and its weight files' headers.
 
-Read without loading the weights. The engine holds weights and KV cache in fp32 (4 bytes) whatever the file's
-format, so that is the size counted here.
+Read without loading the weights. Bytes are counted in the format the engine runs: GGML blocks for the
+weights `quantization` keeps or makes in blocks (carpool.models.quantization), `dtype` for the rest and for
+the KV cache.
 """
 
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import gguf
+import torch
 from safetensors import safe_open
 
 from carpool.engine.model_runner import ModelRunner
 from carpool.models.loader import (
+    GGML_BLOCKS_FILE,
     read_config,
     default_model_path,
     model_name,
     resolve_model_dir,
 )
+from carpool.models.quantization import GGML_TYPES
 
-ENGINE_BYTES_PER_PARAMETER = 4
 EMBEDDING = "model.embed_tokens.weight"
 
 
@@ -35,14 +39,33 @@ class ModelFootprint:
         return 2 * self.matmul_parameters  # one multiply and one add per weight
 
 
-def model_footprint(path: str | None = None) -> ModelFootprint:
+def _header_shapes(path: Path) -> dict[str, list[int]]:
+    with safe_open(str(path), "pt") as weights:
+        return {name: weights.get_slice(name).get_shape() for name in weights.keys()}
+
+
+def model_footprint(
+    path: str | None = None, dtype: torch.dtype = torch.float32, quantization: str = "none"
+) -> ModelFootprint:
     directory = resolve_model_dir(path)
     config = read_config(directory)
     shapes = {}
     for file in sorted(Path(directory).glob("*.safetensors")):
-        with safe_open(str(file), "pt") as weights:
-            shapes.update({name: weights.get_slice(name).get_shape() for name in weights.keys()})
+        shapes.update(_header_shapes(file))
     sizes = {name: math.prod(shape) for name, shape in shapes.items()}
+    blocks = directory / GGML_BLOCKS_FILE
+    # uint8 [rows, bytes per row] for the tensors kept in the GGUF file's own blocks
+    kept = _header_shapes(blocks) if quantization == "auto" and blocks.exists() else {}
+
+    def weight_bytes(name: str) -> int:
+        if name in kept:
+            return math.prod(kept[name])
+        shape = shapes[name]
+        if quantization in GGML_TYPES and len(shape) == 2 and shape[1] % 32 == 0:
+            block_size, block_bytes = gguf.GGML_QUANT_SIZES[GGML_TYPES[quantization]]
+            return sizes[name] // block_size * block_bytes
+        return sizes[name] * dtype.itemsize
+
     parameters = sum(sizes.values())
     # A tied model's output projection multiplies by the embedding table, so that table is streamed after all.
     lookup_only = 0 if config.tie_word_embeddings else sizes.get(EMBEDDING, 0)
@@ -51,7 +74,7 @@ def model_footprint(path: str | None = None) -> ModelFootprint:
         name=model_name(path or default_model_path()),
         parameters=parameters,
         matmul_parameters=matrices - lookup_only,
-        streamed_bytes_per_step=(parameters - lookup_only) * ENGINE_BYTES_PER_PARAMETER,
-        kv_bytes_per_token=ModelRunner.kv_bytes_per_block(config, block_size=1),
+        streamed_bytes_per_step=sum(weight_bytes(name) for name in shapes) - (weight_bytes(EMBEDDING) if lookup_only else 0),
+        kv_bytes_per_token=ModelRunner.kv_bytes_per_block(config, block_size=1, dtype=dtype),
         attention_flops_per_context_token=4 * config.num_layers * config.num_heads * config.head_dim,
     )

@@ -144,6 +144,17 @@ class AsyncEngine:
             loop, stream = target
             loop.call_soon_threadsafe(stream.put_nowait, item)
 
+    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs in one hand-off per event loop: one wake-up a step, not one per request."""
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        for output in outputs:
+            target = self._streams.get(output.request_id)
+            if target is not None:
+                loop, stream = target
+                batches.setdefault(loop, []).append((stream, output))
+        for loop, items in batches.items():
+            loop.call_soon_threadsafe(_put_all, items)
+
     def _apply(self, command: tuple) -> None:
         kind = command[0]
         if kind == "add":
@@ -174,8 +185,7 @@ class AsyncEngine:
                         break
                 previous = self.engine.last_step
                 outputs = self.engine.step()
-                for output in outputs:
-                    self._deliver(output.request_id, output)
+                self._deliver_step(outputs)
                 if self.engine.last_step is not previous:
                     for listener in self._step_listeners:
                         listener(self.engine.last_step, outputs)
@@ -184,3 +194,8 @@ class AsyncEngine:
             for request_id in list(self._streams):
                 self._deliver(request_id, RuntimeError(f"engine failed: {error!r}"))
             raise
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for stream, output in items:
+        stream.put_nowait(output)

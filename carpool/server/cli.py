@@ -2,6 +2,7 @@
 
 import argparse
 import signal
+import sys
 import threading
 
 from carpool.economics.cli import add_gate_args
@@ -60,7 +61,10 @@ def serve(args: argparse.Namespace, config) -> int:
     if ledger:
         ledger.register_metrics(registry)
         app.include_router(usage_router(ledger))
-    # The engine loop runs on this (the main) thread and HTTP on another: see AsyncEngine for why.
+    # The engine loop runs on this (the main) thread and HTTP on another: see AsyncEngine for why. The two share
+    # the GIL; at Python's default 5 ms switch interval a thread that wants it can wait a third of a decode
+    # step. 1 ms: +15-20% output tokens/s at 8 and 32 streams here (carpool bench serve, 2 cores).
+    sys.setswitchinterval(0.001)
     server = uvicorn.Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
     ))

@@ -141,6 +141,24 @@ def test_footprint_counts_weights_streamed_and_flops(tmp_path, tied):
     assert footprint.matmul_flops_per_token() == 656
 
 
+def test_footprint_counts_the_weight_format_the_engine_runs():
+    """SmolLM2's GGUF: Q4_1 projections and a Q8_0 tied embedding/head, counted at their block sizes (read from
+    the GGUF file itself here), the fp32 norms at the serving dtype; KV at the serving dtype."""
+    import gguf
+
+    from carpool.models.loader import default_model_path
+
+    reader = gguf.GGUFReader(default_model_path())
+    blocks = sum(int(t.n_bytes) for t in reader.tensors if t.tensor_type != gguf.GGMLQuantizationType.F32)
+    norms = sum(int(t.n_elements) for t in reader.tensors if t.tensor_type == gguf.GGMLQuantizationType.F32)
+    served = model_footprint(None, torch.bfloat16, "auto")
+    assert served.streamed_bytes_per_step == blocks + 2 * norms
+    dense = model_footprint(None, torch.bfloat16, "none")
+    assert dense.streamed_bytes_per_step == 2 * dense.parameters  # tied: the table is streamed as the head
+    assert served.streamed_bytes_per_step < 0.4 * dense.streamed_bytes_per_step
+    assert served.kv_bytes_per_token == model_footprint(None).kv_bytes_per_token // 2
+
+
 def test_hardware_measurements_are_positive():
     cpu = torch.device("cpu")
     assert measure_bandwidth(cpu, 8 * 2**20, repeats=2) > 1e8

@@ -111,7 +111,7 @@ carpool:decode_step_context_tokens_total 8000000.0
 def measured(monkeypatch):
     """The cost model's measurements of this machine and model, replaced by the test's figures."""
     monkeypatch.setattr(economics_cli, "measure_hardware", lambda device: HARDWARE)
-    monkeypatch.setattr(economics_cli, "model_footprint", lambda path: FOOTPRINT)
+    monkeypatch.setattr(economics_cli, "model_footprint", lambda path, dtype, quantization: FOOTPRINT)
 
 
 @pytest.mark.parametrize("source", ["bench", "metrics"])

@@ -41,9 +41,10 @@ def test_rotary_in_place_matches_native(dtype):
     torch.testing.assert_close(rotated_k, expected_k, **tolerance)
 
 
+@pytest.mark.parametrize("head_dim", [64, 32])  # the vectorized path, and the portable loop for other sizes
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_paged_decode_attention_matches_gathered_sdpa(dtype):
-    heads, kv_heads, head_dim, block_size, num_blocks = 9, 3, 64, 16, 40
+def test_paged_decode_attention_matches_gathered_sdpa(dtype, head_dim):
+    heads, kv_heads, block_size, num_blocks = 9, 3, 16, 40
     attention = PagedAttention(heads, kv_heads, head_dim)
     attention.k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim).to(dtype)
     attention.v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim).to(dtype)
@@ -53,3 +54,19 @@ def test_paged_decode_attention_matches_gathered_sdpa(dtype):
     q = torch.randn(len(lengths), heads, head_dim).to(dtype)
     tolerance = {"rtol": 2e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-5}
     torch.testing.assert_close(attention._decode(q, group), attention._decode_gathered(q, group), **tolerance)
+
+
+def test_write_kv_cache_matches_index_copy():
+    cache = torch.zeros(8, 4, 3, 16)
+    expected = cache.clone()
+    qkv = torch.randn(5, 3 * 16 * 3)
+    k = qkv[:, 48:96].view(5, 3, 16)  # strided rows, as the qkv projection's split gives them
+    v = qkv[:, 96:].view(5, 3, 16)
+    slots = torch.tensor([0, 5, 6, 31, 17])
+    values = torch.zeros_like(cache)
+    torch.ops.carpool.write_kv_cache(k, v, cache, values, slots)
+    expected.view(-1, 3, 16).index_copy_(0, slots, k)
+    assert torch.equal(cache, expected)
+    assert torch.equal(values.view(-1, 3, 16)[slots], v)
+    with pytest.raises(RuntimeError, match="slot_mapping"):
+        torch.ops.carpool.write_kv_cache(k, v, cache, values, torch.tensor([0, 1, 2, 3, 32]))
