@@ -14,7 +14,7 @@ MODEL_CLASSES = {"LlamaForCausalLM": LlamaForCausalLM}
 def load_model(path: str | None, device: str = "cpu", dtype: torch.dtype = torch.float32, quantization: str = "none"):
     """(model, tokenizer, config) for a GGUF file, a safetensors directory, or the default model when None.
     Activations run in `dtype`, and weights too unless `quantization` keeps them in GGML blocks
-    (carpool.models.quantization); norms, rotary tables and logits stay in fp32."""
+    (carpool.models.quantization); RMSNorm statistics and logits are computed in fp32."""
     directory: Path = resolve_model_dir(path)
     config, state = load_weights(directory, quantization, torch.device(device))
     model_class = MODEL_CLASSES.get(config.architecture)

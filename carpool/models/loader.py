@@ -145,7 +145,7 @@ class GGUFFile:
                 raw = None if raw is None else _unpermute_rope(raw, heads)  # rows move whole, blocks and all
             dense[name] = torch.from_numpy(np.ascontiguousarray(array))
             if raw is not None:
-                blocks[name] = torch.from_numpy(np.ascontiguousarray(raw))
+                blocks[name] = torch.from_numpy(np.array(raw))  # a copy: the reader maps the file read-only
                 types[name] = tensor.tensor_type.name
         return dense, blocks, types
 
