@@ -15,6 +15,8 @@ import numpy as np
 import torch
 from torch import nn
 
+import carpool.kernels  # noqa: F401  (registers torch.ops.carpool)
+
 GGML_TYPES = {
     "q4_0": gguf.GGMLQuantizationType.Q4_0,
     "q4_1": gguf.GGMLQuantizationType.Q4_1,
@@ -109,8 +111,6 @@ def resolve_weights(state: dict, quantization: str, device: torch.device) -> dic
 def install_ggml_modules(model: nn.Module, state: dict, dtype: torch.dtype) -> dict:
     """Swap the Linear/Embedding modules whose weights are GGMLWeights for block-format modules; returns the
     dense rest of the state dict, for load_state_dict."""
-    import carpool.kernels  # noqa: F401  (registers torch.ops.carpool)
-
     dense = {}
     for name, value in state.items():
         if not isinstance(value, GGMLWeight):
