@@ -45,34 +45,61 @@ int64_t block_bytes(int64_t qtype) {
 inline float half_to_float(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, 2);
+#ifdef CARPOOL_GGML_AVX512
+  return _cvtsh_ss(bits);  // one F16C instruction; c10::Half's portable conversion is a dozen
+#else
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+#endif
 }
 
-// One block -> 32 floats. Nibble order: byte j holds weight j (low nibble) and weight j + 16 (high nibble).
-template <int64_t QT>
-inline void dequantize_block(const uint8_t* p, float* out) {
 #ifdef CARPOOL_GGML_AVX512
+// One block -> weights 0-15 in lo, 16-31 in hi. Nibble order: byte j holds weight j (low nibble) and j + 16
+// (high nibble). d * q (+ m) in two roundings, as gguf-py computes it.
+template <int64_t QT>
+inline void dequantize_block(const uint8_t* p, __m512& lo, __m512& hi) {
   const __m512 d = _mm512_set1_ps(half_to_float(p));
   if constexpr (QT == kQ8_0) {
     const __m128i* qs = reinterpret_cast<const __m128i*>(p + 2);
-    _mm512_storeu_ps(out, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qs)))));
-    _mm512_storeu_ps(out + 16, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qs + 1)))));
+    lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qs))));
+    hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qs + 1))));
   } else {
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + (QT == kQ4_1 ? 4 : 2)));
     const __m128i mask = _mm_set1_epi8(0x0F);
-    __m512i lo = _mm512_cvtepu8_epi32(_mm_and_si128(raw, mask));
-    __m512i hi = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), mask));
+    __m512i qlo = _mm512_cvtepu8_epi32(_mm_and_si128(raw, mask));
+    __m512i qhi = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), mask));
     if constexpr (QT == kQ4_0) {
       const __m512i eight = _mm512_set1_epi32(8);
-      _mm512_storeu_ps(out, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(lo, eight))));
-      _mm512_storeu_ps(out + 16, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(hi, eight))));
-    } else {
+      qlo = _mm512_sub_epi32(qlo, eight);
+      qhi = _mm512_sub_epi32(qhi, eight);
+    }
+    lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(qlo));
+    hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(qhi));
+    if constexpr (QT == kQ4_1) {
       const __m512 m = _mm512_set1_ps(half_to_float(p + 2));
-      _mm512_storeu_ps(out, _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(lo)), m));
-      _mm512_storeu_ps(out + 16, _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(hi)), m));
+      lo = _mm512_add_ps(lo, m);
+      hi = _mm512_add_ps(hi, m);
     }
   }
+}
+
+inline void store_block(__m512 lo, __m512 hi, float* out) {
+  _mm512_storeu_ps(out, lo);
+  _mm512_storeu_ps(out + 16, hi);
+}
+
+inline void store_block(__m512 lo, __m512 hi, c10::BFloat16* out) {
+#ifdef __AVX512BF16__
+  const __m512bh packed = _mm512_cvtne2ps_pbh(hi, lo);  // round to nearest even, as torch's .to(bfloat16)
+  _mm512_storeu_si512(out, reinterpret_cast<const __m512i&>(packed));
 #else
+  alignas(64) float wide[kBlock];
+  store_block(lo, hi, wide);
+  for (int i = 0; i < kBlock; ++i) out[i] = c10::BFloat16(wide[i]);
+#endif
+}
+#else
+template <int64_t QT>
+inline void dequantize_block(const uint8_t* p, float* out) {
   const float d = half_to_float(p);
   if constexpr (QT == kQ8_0) {
     for (int i = 0; i < 32; ++i) out[i] = d * static_cast<float>(static_cast<int8_t>(p[2 + i]));
@@ -86,32 +113,24 @@ inline void dequantize_block(const uint8_t* p, float* out) {
       out[i + 16] = QT == kQ4_1 ? d * hi + m : d * hi;
     }
   }
-#endif
 }
-
-inline void store_row(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
-
-inline void store_row(const float* src, c10::BFloat16* dst, int64_t n) {
-  int64_t i = 0;
-#if defined(CARPOOL_GGML_AVX512) && defined(__AVX512BF16__)
-  for (; i + 32 <= n; i += 32) {
-    const __m512bh packed = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + i + 16), _mm512_loadu_ps(src + i));
-    _mm512_storeu_si512(dst + i, reinterpret_cast<const __m512i&>(packed));
-  }
 #endif
-  for (; i < n; ++i) dst[i] = c10::BFloat16(src[i]);  // round to nearest even, as torch's .to(bfloat16)
-}
 
 // A weight row (K / 32 blocks) -> K values of T.
 template <int64_t QT, typename T>
 void dequantize_row(const uint8_t* row, int64_t K, T* out) {
-  alignas(64) float block[kBlock];
   for (int64_t b = 0; b < K / kBlock; ++b) {
+#ifdef CARPOOL_GGML_AVX512
+    __m512 lo, hi;
+    dequantize_block<QT>(row + b * block_bytes(QT), lo, hi);
+    store_block(lo, hi, out + b * kBlock);
+#else
+    float block[kBlock];
     dequantize_block<QT>(row + b * block_bytes(QT), block);
-    store_row(block, out + b * kBlock, kBlock);
+    for (int i = 0; i < kBlock; ++i) out[b * kBlock + i] = T(block[i]);
+#endif
   }
 }
-
 
 // Register-blocked dot products: MR activation rows x four weight rows of the dequantized tile, out[m][r].
 // Each loaded x chunk feeds four weight rows and each weight chunk MR activation rows, so the loop runs on
