@@ -132,62 +132,63 @@ void dequantize_row(const uint8_t* row, int64_t K, T* out) {
   }
 }
 
+#ifdef CARPOOL_GGML_AVX512
+// The vector step of the microkernel per activation dtype: fp32 FMAs over 16 weights, or (AVX512-BF16) pairs of
+// bf16 products accumulated in fp32, what oneDNN's bf16 GEMM computes, over 32.
+struct Fp32Lanes {
+  using Vec = __m512;
+  static constexpr int kStep = 16;
+  static Vec load(const float* p) { return _mm512_loadu_ps(p); }
+  static __m512 madd(__m512 acc, Vec x, Vec w) { return _mm512_fmadd_ps(x, w, acc); }
+};
+#ifdef __AVX512BF16__
+struct Bf16Lanes {
+  using Vec = __m512bh;
+  static constexpr int kStep = 32;
+  static Vec load(const c10::BFloat16* p) {
+    const __m512i v = _mm512_loadu_si512(p);
+    return reinterpret_cast<const __m512bh&>(v);
+  }
+  static __m512 madd(__m512 acc, Vec x, Vec w) { return _mm512_dpbf16_ps(acc, x, w); }
+};
+#endif
+template <typename T> struct LanesOf;
+template <> struct LanesOf<float> { using type = Fp32Lanes; };
+#ifdef __AVX512BF16__
+template <> struct LanesOf<c10::BFloat16> { using type = Bf16Lanes; };
+#endif
+#endif
+
 // Register-blocked dot products: MR activation rows x four weight rows of the dequantized tile, out[m][r].
 // Each loaded x chunk feeds four weight rows and each weight chunk MR activation rows, so the loop runs on
 // the FMA (or bf16 dot-product) units rather than on loads.
-template <int MR>
-inline void dot_tile(const float* x, const float* w, int64_t K, float* out) {
+template <int MR, typename T>
+inline void dot_tile(const T* x, const T* w, int64_t K, float* out) {
 #ifdef CARPOOL_GGML_AVX512
-  __m512 acc[MR][kTileRows];
-  for (int i = 0; i < MR; ++i)
-    for (int r = 0; r < kTileRows; ++r) acc[i][r] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 16) {
-    __m512 wv[kTileRows];
-    for (int r = 0; r < kTileRows; ++r) wv[r] = _mm512_loadu_ps(w + r * K + k);
-    for (int i = 0; i < MR; ++i) {
-      const __m512 xv = _mm512_loadu_ps(x + i * K + k);
-      for (int r = 0; r < kTileRows; ++r) acc[i][r] = _mm512_fmadd_ps(xv, wv[r], acc[i][r]);
+  if constexpr (requires { typename LanesOf<T>::type; }) {
+    using L = typename LanesOf<T>::type;
+    __m512 acc[MR][kTileRows];
+    for (int i = 0; i < MR; ++i)
+      for (int r = 0; r < kTileRows; ++r) acc[i][r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += L::kStep) {
+      typename L::Vec wv[kTileRows];
+      for (int r = 0; r < kTileRows; ++r) wv[r] = L::load(w + r * K + k);
+      for (int i = 0; i < MR; ++i) {
+        const typename L::Vec xv = L::load(x + i * K + k);
+        for (int r = 0; r < kTileRows; ++r) acc[i][r] = L::madd(acc[i][r], xv, wv[r]);
+      }
     }
+    for (int i = 0; i < MR; ++i)
+      _mm_storeu_ps(out + i * kTileRows, carpool::reduce4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]));
+    return;
   }
-  for (int i = 0; i < MR; ++i) _mm_storeu_ps(out + i * kTileRows, carpool::reduce4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]));
-#else
-  for (int i = 0; i < MR; ++i)
-    for (int r = 0; r < kTileRows; ++r) {
-      float sum = 0.0f;
-      for (int64_t k = 0; k < K; ++k) sum += x[i * K + k] * w[r * K + k];
-      out[i * kTileRows + r] = sum;
-    }
 #endif
-}
-
-template <int MR>
-inline void dot_tile(const c10::BFloat16* x, const c10::BFloat16* w, int64_t K, float* out) {
-#if defined(CARPOOL_GGML_AVX512) && defined(__AVX512BF16__)
-  // Pairs of bf16 products accumulated in fp32 (what oneDNN's bf16 GEMM computes), 32 weights an instruction.
-  auto load = [](const c10::BFloat16* p) {
-    const __m512i v = _mm512_loadu_si512(p);
-    return reinterpret_cast<const __m512bh&>(v);
-  };
-  __m512 acc[MR][kTileRows];
-  for (int i = 0; i < MR; ++i)
-    for (int r = 0; r < kTileRows; ++r) acc[i][r] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 32) {
-    __m512bh wv[kTileRows];
-    for (int r = 0; r < kTileRows; ++r) wv[r] = load(w + r * K + k);
-    for (int i = 0; i < MR; ++i) {
-      const __m512bh xv = load(x + i * K + k);
-      for (int r = 0; r < kTileRows; ++r) acc[i][r] = _mm512_dpbf16_ps(acc[i][r], xv, wv[r]);
-    }
-  }
-  for (int i = 0; i < MR; ++i) _mm_storeu_ps(out + i * kTileRows, carpool::reduce4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]));
-#else
   for (int i = 0; i < MR; ++i)
     for (int r = 0; r < kTileRows; ++r) {
       float sum = 0.0f;
       for (int64_t k = 0; k < K; ++k) sum += static_cast<float>(x[i * K + k]) * static_cast<float>(w[r * K + k]);
       out[i * kTileRows + r] = sum;
     }
-#endif
 }
 
 constexpr int kMaxMR = 4;  // activation rows per microkernel call: 16 accumulators of the 32 vector registers
