@@ -49,11 +49,12 @@ class ServingEndpoint:
                 break
             except (APIError, GateError) as refused:
                 error = refused if isinstance(refused, APIError) else APIError.from_gate_error(refused)
-                if error.code != "rate_limit_exceeded":
+                # A full queue or a key's rate limit means "not now": batch work waits its turn. A refusal with
+                # no retry time (a request larger than the key's per-minute limit) is "no" and answers the line.
+                if error.code != "rate_limit_exceeded" or error.retry_after is None:
                     return Outcome(error.status, error_body(error.status, error.message, error.param, error.code),
                                    new_id("req_"))
-                # A full queue or a key's rate limit means "not now", never "no": batch work can wait its turn.
-                await asyncio.sleep(error.retry_after or 1.0)
+                await asyncio.sleep(error.retry_after)
         try:
             await gen.wait()
         except GenerationFailed as error:

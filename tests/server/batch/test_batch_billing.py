@@ -8,7 +8,7 @@ from fastapi.testclient import TestClient
 from carpool.engine.async_engine import AsyncEngine
 from carpool.engine.config import EngineConfig
 from carpool.server.app import create_app
-from carpool.server.gate import Principal
+from carpool.server.gate import GateError, Principal
 
 CALLER = Principal(key_id="key-1", tenant="acme")
 
@@ -27,12 +27,20 @@ class RecordingGate:
         self.records.append((principal, usage))
 
 
-def test_batch_requests_are_billed_at_the_batch_tier(tmp_path):
-    gate = RecordingGate()
+class OverLimitGate(RecordingGate):
+    """Every batch request is larger than the key's tokens-per-minute limit: waiting will never admit it."""
+
+    def admit(self, principal, tier, estimated_tokens):
+        if estimated_tokens > 0:  # the batch itself is admitted (0 tokens); each of its requests is refused
+            raise GateError(429, "this request's tokens exceed the key's limit", "rate_limit_exceeded", retry_after=None)
+
+
+def run_batch(gate, tmp_path, num_lines: int = 3) -> list[dict]:
+    """Submit a small completions batch through the app, wait for it to complete, return its output lines."""
     app = create_app(AsyncEngine(EngineConfig(max_num_seqs=4, num_kv_blocks=64)), gate, "smol",
                      batch_dir=str(tmp_path))
     lines = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
-              "body": {"prompt": f"{i}, {i + 1},", "max_tokens": 3, "temperature": 0}} for i in range(3)]
+              "body": {"prompt": f"{i}, {i + 1},", "max_tokens": 3, "temperature": 0}} for i in range(num_lines)]
     data = "".join(json.dumps(line) + "\n" for line in lines).encode()
     with TestClient(app) as http:
         file_id = http.post("/v1/files", files={"file": ("in.jsonl", data)}, data={"purpose": "batch"}).json()["id"]
@@ -43,8 +51,14 @@ def test_batch_requests_are_billed_at_the_batch_tier(tmp_path):
             time.sleep(0.05)
             batch = http.get(f"/v1/batches/{batch['id']}").json()
         assert batch["status"] == "completed", batch
-        output = http.get(f"/v1/files/{batch['output_file_id']}/content").text
-    bodies = [json.loads(line)["response"]["body"] for line in output.splitlines()]
+        file_id = batch["output_file_id"] or batch["error_file_id"]
+        return [json.loads(line) for line in http.get(f"/v1/files/{file_id}/content").text.splitlines()]
+
+
+def test_batch_requests_are_billed_at_the_batch_tier(tmp_path):
+    gate = RecordingGate()
+    output = run_batch(gate, tmp_path)
+    bodies = [line["response"]["body"] for line in output]
     bodies = {body["id"]: body for body in bodies}
     assert len(gate.records) == 3
     for principal, usage in gate.records:
@@ -52,3 +66,12 @@ def test_batch_requests_are_billed_at_the_batch_tier(tmp_path):
         body = bodies[usage.request_id]
         assert usage.output_tokens == body["usage"]["completion_tokens"] == 3
         assert usage.prompt_tokens == body["usage"]["prompt_tokens"]
+
+
+def test_a_refusal_waiting_cannot_cure_answers_the_line(tmp_path):
+    """A rate-limit refusal with no retry time must not be retried forever: each line gets the 429."""
+    output = run_batch(OverLimitGate(), tmp_path, num_lines=2)
+    assert sorted(line["custom_id"] for line in output) == ["c0", "c1"]
+    for line in output:
+        assert line["response"]["status_code"] == 429
+        assert line["response"]["body"]["error"]["code"] == "rate_limit_exceeded"
