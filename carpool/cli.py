@@ -5,7 +5,7 @@ import sys
 
 from carpool.bench.cli import add_bench_parser
 from carpool.economics.cli import add_cost_parser, add_keys_parser
-from carpool.engine.config import EngineConfig
+from carpool.engine.config import DTYPES, EngineConfig
 from carpool.models.quantization import QUANTIZATION_MODES
 from carpool.server.batch.cli import add_batch_parser
 from carpool.server.cli import add_serve_parser
@@ -15,7 +15,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     defaults = EngineConfig()
     parser.add_argument("--model", default=None, help="GGUF file or safetensors directory (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    parser.add_argument("--dtype", default=defaults.dtype, choices=["auto", "float32", "bfloat16"],
+    parser.add_argument("--dtype", default=defaults.dtype, choices=["auto", *DTYPES],
                         help="weights, activations and KV cache (default: auto, bfloat16 where the hardware has "
                              "native bf16 units; float32 reproduces the reference implementation exactly)")
     parser.add_argument("--quantization", default=defaults.quantization, choices=list(QUANTIZATION_MODES),

@@ -21,7 +21,7 @@ from carpool.models.loader import (
     model_name,
     resolve_model_dir,
 )
-from carpool.models.quantization import GGML_TYPES
+from carpool.models.quantization import GGML_TYPES, quantizable
 
 EMBEDDING = "model.embed_tokens.weight"
 
@@ -60,8 +60,7 @@ def model_footprint(
     def weight_bytes(name: str) -> int:
         if name in kept:
             return math.prod(kept[name])
-        shape = shapes[name]
-        if quantization in GGML_TYPES and len(shape) == 2 and shape[1] % 32 == 0:
+        if quantization in GGML_TYPES and quantizable(shapes[name]):
             block_size, block_bytes = gguf.GGML_QUANT_SIZES[GGML_TYPES[quantization]]
             return sizes[name] // block_size * block_bytes
         return sizes[name] * dtype.itemsize

@@ -138,22 +138,17 @@ class AsyncEngine:
 
     # The engine thread -------------------------------------------------------------------------------
 
-    def _deliver(self, request_id: str, item) -> None:
-        target = self._streams.get(request_id)
-        if target is not None:
-            loop, stream = target
-            loop.call_soon_threadsafe(stream.put_nowait, item)
-
-    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
-        """A step's outputs in one hand-off per event loop: one wake-up a step, not one per request."""
+    def _deliver(self, items: list[tuple[str, object]]) -> None:
+        """(request id, output or error) pairs to their streams, one hand-off per event loop: a step's outputs
+        wake each loop once, not once per request."""
         batches: dict[asyncio.AbstractEventLoop, list] = {}
-        for output in outputs:
-            target = self._streams.get(output.request_id)
+        for request_id, item in items:
+            target = self._streams.get(request_id)
             if target is not None:
                 loop, stream = target
-                batches.setdefault(loop, []).append((stream, output))
-        for loop, items in batches.items():
-            loop.call_soon_threadsafe(_put_all, items)
+                batches.setdefault(loop, []).append((stream, item))
+        for loop, pairs in batches.items():
+            loop.call_soon_threadsafe(_put_all, pairs)
 
     def _apply(self, command: tuple) -> None:
         kind = command[0]
@@ -162,11 +157,11 @@ class AsyncEngine:
             try:
                 self.engine.add_request(request_id, token_ids, params, priority=priority, cache_salt=cache_salt)
             except ValueError as error:
-                self._deliver(request_id, error)
+                self._deliver([(request_id, error)])
         elif kind == "abort":
             output = self.engine.abort(command[1])
             if output is not None:
-                self._deliver(command[1], output)
+                self._deliver([(command[1], output)])
                 for listener in self._step_listeners:
                     listener(None, [output])
 
@@ -185,17 +180,17 @@ class AsyncEngine:
                         break
                 previous = self.engine.last_step
                 outputs = self.engine.step()
-                self._deliver_step(outputs)
+                self._deliver([(output.request_id, output) for output in outputs])
                 if self.engine.last_step is not previous:
                     for listener in self._step_listeners:
                         listener(self.engine.last_step, outputs)
         except BaseException as error:  # the loop must not die silently: fail every open stream
             self.error = error
             for request_id in list(self._streams):
-                self._deliver(request_id, RuntimeError(f"engine failed: {error!r}"))
+                self._deliver([(request_id, RuntimeError(f"engine failed: {error!r}"))])
             raise
 
 
-def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
-    for stream, output in items:
-        stream.put_nowait(output)
+def _put_all(pairs: list[tuple[asyncio.Queue, object]]) -> None:
+    for stream, item in pairs:
+        stream.put_nowait(item)

@@ -121,7 +121,7 @@ class PagedAttention(nn.Module):
             keys = self._gather(self.k_cache, segment.context_blocks)[:context]
             values = self._gather(self.v_cache, segment.context_blocks)[:context]
             # Query i sits at context position (context - chunk + i) and sees every key up to it.
-            mask = torch.ones(chunk, context, dtype=torch.bool).tril(diagonal=context - chunk)
+            mask = torch.ones(chunk, context, dtype=torch.bool, device=q.device).tril(diagonal=context - chunk)
             causal = False
         keys = keys.transpose(0, 1).unsqueeze(0)
         values = values.transpose(0, 1).unsqueeze(0)

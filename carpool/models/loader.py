@@ -237,7 +237,7 @@ def resolve_model_dir(path: str | None) -> Path:
 def load_weights(directory: Path, quantization: str = "none", device: torch.device = torch.device("cpu")):
     """Config and state dict (HF names) of a model directory: fp32 tensors, and GGMLWeights where
     `quantization` (see carpool.models.quantization) keeps or makes weights in GGML blocks."""
-    blocks = _read_ggml_blocks(directory) if quantization == "auto" and device.type == "cpu" else {}
+    blocks = _read_ggml_blocks(directory) if quantization == "auto" else {}  # resolve_weights decides per device
     state = dict(blocks)
     for file in sorted(directory.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as weights:

@@ -47,9 +47,10 @@ class GGMLWeight:
         return cls(qtype, torch.from_numpy(np.ascontiguousarray(gguf.quants.quantize(array, qtype))))
 
 
-def quantizable(weight: torch.Tensor) -> bool:
+def quantizable(shape) -> bool:
+    """A weight of this shape splits into GGML blocks along its rows (all supported formats block by 32)."""
     block_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_0][0]
-    return weight.dim() == 2 and weight.shape[1] % block_size == 0
+    return len(shape) == 2 and shape[1] % block_size == 0
 
 
 def concat_rows(weights: list) -> "torch.Tensor | GGMLWeight":
@@ -102,7 +103,7 @@ def resolve_weights(state: dict, quantization: str, device: torch.device) -> dic
         qtype = GGML_TYPES[quantization]
         return {
             k: GGMLWeight.quantize(v.dequantize() if isinstance(v, GGMLWeight) else v, qtype)
-            if isinstance(v, GGMLWeight) or quantizable(v) else v
+            if isinstance(v, GGMLWeight) or quantizable(v.shape) else v
             for k, v in state.items()
         }
     return state
