@@ -89,10 +89,14 @@ class AsyncEngine:
         """The most tokens a prompt this long leaves room for: in the context window and in the whole KV pool."""
         return self.engine.max_new_tokens(num_prompt_tokens)
 
+    def check_length(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """ContextLengthExceeded when the prompt plus max_tokens does not fit the context window or the pool."""
+        self.engine.check_length(num_prompt_tokens, max_tokens)
+
     def validate(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         """Tokenize and check the request where it arrives, so bad input fails before it reaches the loop."""
         token_ids = self.tokenize(prompt)
-        self.engine.check_length(len(token_ids), params.max_tokens)
+        self.check_length(len(token_ids), params.max_tokens)
         return token_ids
 
     async def generate(

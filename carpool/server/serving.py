@@ -133,7 +133,7 @@ class Serving:
                 logprobs=logprobs,
                 ignore_eos=bool(request.ignore_eos),
             )
-            self.engine.validate(prompt_ids, params)
+            self.engine.check_length(len(prompt_ids), params.max_tokens)  # the ids are already checked
         except ContextLengthExceeded as error:
             raise APIError.from_value_error(error, fields, renamed, code="context_length_exceeded") from error
         except ValueError as error:

@@ -75,7 +75,8 @@ def test_priority_preempts_when_max_num_seqs_is_full(small, model):
     assert response.choices[0].finish_reason == "length" and response.service_tier == "priority"
     assert small.metrics()[("carpool:num_preemptions_total", NO_LABELS)] > before
     for stream in flex:  # the preempted request resumes and keeps streaming
-        assert all(chunk.choices[0].finish_reason is None for chunk, _ in zip(stream, range(3)))
+        chunks = [chunk for chunk, _ in zip(stream, range(3))]
+        assert len(chunks) == 3 and all(chunk.choices[0].finish_reason is None for chunk in chunks)
         stream.close()
 
 

@@ -74,7 +74,7 @@ TIMESTAMPS = {
     "cancelling": "cancelling_at",
     "cancelled": "cancelled_at",
 }
-_UPDATABLE = {"total", "errors", "output_file_id", "error_file_id"}
+_UPDATABLE = {"total", "errors"}
 _COPY_CHUNK = 1 << 20
 
 
@@ -243,16 +243,20 @@ class BatchStore:
         unknown = set(fields) - _UPDATABLE
         if unknown:
             raise ValueError(f"not updatable: {sorted(unknown)}")
+        if "errors" in fields:
+            fields["errors"] = json.dumps(fields["errors"])
+        with self._lock, self._conn:
+            return self._set_status(batch_id, status, now, allowed_from, fields)
+
+    def _set_status(self, batch_id: str, status: str, now: int, allowed_from: tuple[str, ...], fields: dict) -> bool:
+        """The conditional status write itself; the caller holds the lock and the transaction."""
         columns = {"status": status, TIMESTAMPS[status]: now, **fields}
-        if "errors" in columns:
-            columns["errors"] = json.dumps(columns["errors"])
         assignments = ", ".join(f"{name} = ?" for name in columns)
         marks = ",".join("?" * len(allowed_from))
-        with self._lock, self._conn:
-            cursor = self._conn.execute(
-                f"UPDATE batches SET {assignments} WHERE id = ? AND status IN ({marks})",
-                (*columns.values(), batch_id, *allowed_from),
-            )
+        cursor = self._conn.execute(
+            f"UPDATE batches SET {assignments} WHERE id = ? AND status IN ({marks})",
+            (*columns.values(), batch_id, *allowed_from),
+        )
         return cursor.rowcount == 1
 
     # Results -------------------------------------------------------------------------------------------
@@ -295,26 +299,20 @@ class BatchStore:
         """
         batch = self.get_batch(batch_id)
         written = {ok: self._write_results(batch, ok, now) for ok in (True, False)}
-        columns = {"status": status, TIMESTAMPS[status]: now}
-        columns["output_file_id"] = written[True]["id"] if written[True] else None
-        columns["error_file_id"] = written[False]["id"] if written[False] else None
-        assignments = ", ".join(f"{name} = ?" for name in columns)
-        marks = ",".join("?" * len(allowed_from))
+        output, errors = written[True], written[False]
+        files = {"output_file_id": output and output["id"], "error_file_id": errors and errors["id"]}
         with self._lock, self._conn:
-            cursor = self._conn.execute(
-                f"UPDATE batches SET {assignments} WHERE id = ? AND status IN ({marks})",
-                (*columns.values(), batch_id, *allowed_from),
-            )
-            if cursor.rowcount == 1:
+            closed = self._set_status(batch_id, status, now, allowed_from, files)
+            if closed:
                 for row in filter(None, written.values()):
                     self._conn.execute(
                         "INSERT INTO files (id, owner, filename, purpose, bytes, created_at) VALUES (?, ?, ?, ?, ?, ?)",
                         (row["id"], row["owner"], row["filename"], row["purpose"], row["bytes"], row["created_at"]),
                     )
-        if cursor.rowcount != 1:
+        if not closed:
             for row in filter(None, written.values()):
                 self.file_path(row["id"]).unlink(missing_ok=True)
-        return cursor.rowcount == 1
+        return closed
 
     def _write_results(self, batch: dict, ok: bool, now: int) -> dict | None:
         """One results file (successes or errors) on disk, not yet registered; None if there is nothing to write."""
