@@ -1,30 +1,31 @@
-"""Readers for the real prompt sets in ../shared/data (see its README for sources and licenses)."""
+"""Readers for the real prompt sets shipped in carpool/bench/data (see its README for sources and licenses)."""
 
 import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
 
+SHIPPED = Path(__file__).resolve().parent / "data"
+
 
 def data_dir() -> Path:
-    """`CARPOOL_DATA_DIR`, else the `shared/data` folder beside the repository."""
+    """`CARPOOL_DATA_DIR`, else the prompt sets shipped with the package."""
     override = os.environ.get("CARPOOL_DATA_DIR")
-    if override:
-        return Path(override)
-    return Path(__file__).resolve().parents[3] / "shared" / "data"
+    return Path(override) if override else SHIPPED
 
 
 def _records(name: str) -> Iterator[dict]:
     path = data_dir() / name
     if not path.exists():
-        raise FileNotFoundError(f"{path} not found: set CARPOOL_DATA_DIR to the folder holding {name}")
+        raise FileNotFoundError(f"{path} not found: CARPOOL_DATA_DIR must name a folder holding {name}")
     with path.open(encoding="utf-8") as lines:
         for line in lines:
             yield json.loads(line)
 
 
 def conversations() -> Iterator[list[dict]]:
-    """Each chat in chat_prompts.jsonl as OpenAI-style messages (user/assistant alternating)."""
+    """Each chat in chat_prompts.jsonl as OpenAI-style messages (user/assistant alternating). The shipped file
+    keeps the answers of multi-turn chats only: a two-turn chat is its opening prompt alone."""
     roles = {"human": "user", "gpt": "assistant"}
     for record in _records("chat_prompts.jsonl"):
         yield [{"role": roles[turn["from"]], "content": turn["value"]} for turn in record["conversations"]]

@@ -2,8 +2,8 @@
 concurrent streams per level, and report output tokens/s, TTFT p50/p99 and ITL p50/p99 per level, as a table,
 a JSON file and a PNG plot.
 
-Prompts are the first human turns of ../shared/data/chat_prompts.jsonl, in file order, each used once in the
-whole run: a server with a prefix cache gets no free hits from a prompt it has already seen.
+Prompts are the first human turns of chat_prompts.jsonl (shipped in carpool/bench/data), in file order, each
+used once in the whole run: a server with a prefix cache gets no free hits from a prompt it has already seen.
 TTFT runs to the first chunk carrying text (some servers send an empty role chunk at once); ITL is the gap
 between consecutive text chunks; output tokens come from the usage chunk when the server sends one.
 """
