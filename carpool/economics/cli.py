@@ -90,6 +90,8 @@ def add_cost_parser(subparsers) -> None:
         "--bench", type=Path, help='a benchmark run\'s JSON file whose "phases" object holds PhaseMeter totals'
     )
     model.add_argument("--model", default=None, help="the model served (default: SmolLM2-135M-Instruct)")
+    model.add_argument("--served-model-name", default=None,
+                       help="with --metrics from a server of several models: the one whose totals to read")
     model.add_argument("--prices", default=None, help="price sheet for the list-price columns (default: shipped)")
     model.add_argument("--device", default=None, help="where to measure bandwidth and FLOP/s (default: cuda if any)")
     model.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="as served (default: auto)")
@@ -184,7 +186,7 @@ def _cost_model(args: argparse.Namespace) -> int:
             raise ValueError(f'{args.bench}: no "phases" object (the engine phase totals of the run)')
         phases = PhaseTotals.from_dict(document["phases"])
     else:
-        phases = totals_from_metrics_text(_read_metrics(args.metrics))
+        phases = totals_from_metrics_text(_read_metrics(args.metrics), args.served_model_name)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     footprint = model_footprint(args.model, resolve_dtype(args.dtype, device), args.quantization)
     model = cost_model(phases, args.hourly_price, measure_hardware(args.device), footprint, prices)

@@ -1,7 +1,8 @@
 """Where the engine's busy time goes: prefill or decode. The measured side of the self-hosting cost model.
 
-The server registers a PhaseMeter as an engine step listener and exports its totals in /metrics;
-`carpool cost model` reads them back (or the same totals from a `carpool bench` JSON). A step that mixes
+The server registers a PhaseMeter per served model as that engine's step listener and exports their totals in
+/metrics, labelled `model_name`; `carpool cost model` reads one model's back (or the same totals from a
+`carpool bench` JSON). A step that mixes
 prefill chunks with decodes is split by token count: with a prompt chunk in the batch the step is
 compute-bound, and every token in it costs about the same. Steps that only decode are also kept apart:
 their time per step is what the bandwidth and compute floors are compared with.
@@ -88,28 +89,50 @@ class PhaseMeter:
             return replace(self._totals)
 
     def register_metrics(self, registry: CollectorRegistry) -> None:
-        registry.register(self)
+        """Export these totals in `registry`, unlabelled (one engine, no server)."""
+        registry.register(_PhaseCollector({(): self}, []))
+
+
+def register_phase_metrics(registry: CollectorRegistry, meters: dict[str, PhaseMeter]) -> None:
+    """Export each served model's totals in `registry`, its series labelled `model_name`. One collector for all:
+    a second collector of the same families would repeat them in the exposition."""
+    registry.register(_PhaseCollector({(name,): meter for name, meter in meters.items()}, ["model_name"]))
+
+
+class _PhaseCollector:
+    def __init__(self, meters: dict[tuple[str, ...], PhaseMeter], label_names: list[str]):
+        self.meters, self.label_names = meters, label_names
 
     def collect(self):
         """The prometheus_client collector interface: read the totals at scrape time."""
-        totals = self.totals()
         families: dict[str, CounterMetricFamily] = {}
-        for family, phase, field in METRICS:
-            if family not in families:
-                families[family] = CounterMetricFamily(family, _HELP[family], labels=["phase"] if phase else None)
-            families[family].add_metric([phase] if phase else [], getattr(totals, field))
+        for label_values, meter in self.meters.items():
+            totals = meter.totals()
+            for family, phase, field in METRICS:
+                if family not in families:
+                    labels = self.label_names + (["phase"] if phase else [])
+                    families[family] = CounterMetricFamily(family, _HELP[family], labels=labels)
+                values = list(label_values) + ([phase] if phase else [])
+                families[family].add_metric(values, getattr(totals, field))
         yield from families.values()
 
 
-def totals_from_metrics_text(text: str) -> PhaseTotals:
-    """The totals a server exported in /metrics (Prometheus text format)."""
-    values = {}
+def totals_from_metrics_text(text: str, model_name: str | None = None) -> PhaseTotals:
+    """The totals a server exported in /metrics (Prometheus text format): those of `model_name`, which may be
+    left out when the server serves one model."""
+    by_model: dict[str | None, dict] = {}
     wanted = {(family + "_total", phase): field for family, phase, field in METRICS}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             field = wanted.get((sample.name, sample.labels.get("phase")))
             if field is not None:
-                values[field] = sample.value
+                by_model.setdefault(sample.labels.get("model_name"), {})[field] = sample.value
+    served = ", ".join(repr(name) for name in by_model if name is not None)
+    if model_name is None and len(by_model) > 1:
+        raise ValueError(f"metrics: the server serves several models ({served}): name the one to read")
+    if model_name is not None and model_name not in by_model:
+        raise ValueError(f"metrics: no phase totals for the model {model_name!r} (the server has: {served or 'none'})")
+    values = by_model.get(model_name, {}) if model_name is not None else next(iter(by_model.values()), {})
     try:
         return PhaseTotals.from_dict(values)
     except ValueError as error:

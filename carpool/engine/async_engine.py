@@ -8,7 +8,8 @@ The engine thread is either a thread of its own (`start()`) or the caller's (`ru
 with the main thread, the HTTP server on another). The main thread is faster for this: torch's OpenMP workers
 already serve it, and a second thread driving parallel regions oversubscribes a small machine, at which point
 libgomp stops spin-waiting between regions and every op pays a sleep/wake (a decode step took 27-30 ms on a
-thread of its own against 14-18 ms on the main thread, measured on 2 cores).
+thread of its own against 14-18 ms on the main thread, measured on 2 cores). For the same reason several
+engines (one per served model) share one EngineLoop, and so one thread, rather than each having its own.
 """
 
 import asyncio
@@ -32,27 +33,33 @@ class EngineSnapshot:
     kv_cache_usage: float
     num_free_blocks: int
     num_blocks: int
+    block_size: int
     num_cached_blocks: int
 
 
-class AsyncEngine:
-    def __init__(self, config: EngineConfig | None = None, engine: LLMEngine | None = None):
-        self.engine = engine or LLMEngine(config or EngineConfig())
-        self.config = self.engine.config
-        self.tokenizer = self.engine.tokenizer
-        self.max_model_len = self.engine.max_model_len
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._step_listeners: list[Callable[[StepStats | None, list[RequestOutput]], None]] = []
+class EngineLoop:
+    """The thread that steps engines: each AsyncEngine has one of its own unless given a shared one.
+
+    A shared loop steps, in turn, every engine that has work: one step each per round, so a long request on one
+    model cannot hold up another, and an idle engine costs one `has_unfinished_requests()` a round. With none
+    busy it sleeps on its command queue, so a server with every model idle uses no CPU.
+    """
+
+    def __init__(self):
+        self._engines: list[AsyncEngine] = []
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()  # (engine, command), or None to wake the loop
         self._thread: threading.Thread | None = None
         self._driven_by_caller = False
         self._stopped = threading.Event()
-        self.error: BaseException | None = None
 
-    # Lifecycle ---------------------------------------------------------------------------------------
+    def add(self, engine: "AsyncEngine") -> None:
+        self._engines.append(engine)
+
+    def send(self, engine: "AsyncEngine", command: tuple) -> None:
+        self._commands.put((engine, command))
 
     def start(self) -> None:
-        """Run the engine loop on a thread of its own (no-op while `run()` drives it)."""
+        """Run the loop on a thread of its own (no-op while it runs, or while `run()` drives it)."""
         if self._thread is None and not self._driven_by_caller:
             self._thread = threading.Thread(target=self._loop, name="carpool-engine", daemon=True)
             self._thread.start()
@@ -63,16 +70,70 @@ class AsyncEngine:
         self._driven_by_caller = True
 
     def run(self) -> None:
-        """Run the engine loop on the calling thread until `stop()`."""
+        """Run the loop on the calling thread until `stop()`."""
         self.drive_from_caller()
         self._loop()
 
     def stop(self) -> None:
         self._stopped.set()
-        self._commands.put(("wake",))
+        self._commands.put(None)
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
+
+    def _apply(self, item: tuple | None) -> None:
+        if item is not None:
+            engine, command = item
+            engine._apply(command)
+
+    def _apply_pending(self) -> None:
+        while True:
+            try:
+                self._apply(self._commands.get_nowait())
+            except queue.Empty:
+                return
+
+    def _loop(self) -> None:
+        try:
+            while not self._stopped.is_set():
+                if not any(engine.engine.has_unfinished_requests() for engine in self._engines):
+                    try:  # idle: sleep until something arrives; the timeout lets signals reach a main thread
+                        self._apply(self._commands.get(timeout=1.0))
+                    except queue.Empty:
+                        continue
+                for engine in self._engines:
+                    self._apply_pending()  # a request that arrived during the last step joins this one
+                    if engine.engine.has_unfinished_requests():
+                        engine._step()
+        except BaseException as error:  # the loop must not die silently: fail every open stream of every engine
+            for engine in self._engines:
+                engine._fail(error)
+            raise
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig | None = None, engine: LLMEngine | None = None,
+                 engine_loop: EngineLoop | None = None):
+        self.engine = engine or LLMEngine(config or EngineConfig())
+        self.config = self.engine.config
+        self.tokenizer = self.engine.tokenizer
+        self.max_model_len = self.engine.max_model_len
+        self.engine_loop = engine_loop or EngineLoop()
+        self.engine_loop.add(self)
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._step_listeners: list[Callable[[StepStats | None, list[RequestOutput]], None]] = []
+        self.error: BaseException | None = None
+
+    # Lifecycle: that of the engine loop, shared with the other engines on it ------------------------------
+
+    def start(self) -> None:
+        self.engine_loop.start()
+
+    def run(self) -> None:
+        self.engine_loop.run()
+
+    def stop(self) -> None:
+        self.engine_loop.stop()
 
     def add_step_listener(self, listener: Callable[[StepStats | None, list[RequestOutput]], None]) -> None:
         """Called on the engine thread after every step that ran (with its stats and outputs) and after every
@@ -112,7 +173,7 @@ class AsyncEngine:
             raise RuntimeError(f"engine stopped: {self.error!r}")
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
-        self._commands.put(("add", request_id, token_ids, params, priority, cache_salt))
+        self.engine_loop.send(self, ("add", request_id, token_ids, params, priority, cache_salt))
         finished = False
         try:
             while not finished:
@@ -127,7 +188,7 @@ class AsyncEngine:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
+        self.engine_loop.send(self, ("abort", request_id))
 
     def snapshot(self) -> EngineSnapshot:
         scheduler, blocks = self.engine.scheduler, self.engine.block_manager
@@ -137,6 +198,7 @@ class AsyncEngine:
             kv_cache_usage=blocks.usage(),
             num_free_blocks=blocks.num_free_blocks,
             num_blocks=blocks.num_blocks,
+            block_size=blocks.block_size,
             num_cached_blocks=blocks.num_cached_blocks,
         )
 
@@ -169,30 +231,17 @@ class AsyncEngine:
                 for listener in self._step_listeners:
                     listener(None, [output])
 
-    def _loop(self) -> None:
-        try:
-            while not self._stopped.is_set():
-                if not self.engine.has_unfinished_requests():
-                    try:  # idle: sleep until something arrives; the timeout lets signals reach a main thread
-                        self._apply(self._commands.get(timeout=1.0))
-                    except queue.Empty:
-                        continue
-                while True:
-                    try:
-                        self._apply(self._commands.get_nowait())
-                    except queue.Empty:
-                        break
-                previous = self.engine.last_step
-                outputs = self.engine.step()
-                self._deliver([(output.request_id, output) for output in outputs])
-                if self.engine.last_step is not previous:
-                    for listener in self._step_listeners:
-                        listener(self.engine.last_step, outputs)
-        except BaseException as error:  # the loop must not die silently: fail every open stream
-            self.error = error
-            for request_id in list(self._streams):
-                self._deliver([(request_id, RuntimeError(f"engine failed: {error!r}"))])
-            raise
+    def _step(self) -> None:
+        previous = self.engine.last_step
+        outputs = self.engine.step()
+        self._deliver([(output.request_id, output) for output in outputs])
+        if self.engine.last_step is not previous:
+            for listener in self._step_listeners:
+                listener(self.engine.last_step, outputs)
+
+    def _fail(self, error: BaseException) -> None:
+        self.error = error
+        self._deliver([(request_id, RuntimeError(f"engine failed: {error!r}")) for request_id in list(self._streams)])
 
 
 def _put_all(pairs: list[tuple[asyncio.Queue, object]]) -> None:

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP server: `create_app(engine, gate, model_name)` gives the ASGI app."""
+"""The OpenAI-compatible HTTP server: `create_app(engines, gate)` gives the ASGI app for one or more models."""
 
 import asyncio
 import json
@@ -21,7 +21,7 @@ from carpool.server.body_limit import BodyLimit
 from carpool.server.errors import APIError, error_body, install_error_handlers
 from carpool.server.gate import Gate, OpenGate, Principal
 from carpool.server.generation import Backends, Generation, GenerationFailed
-from carpool.server.metrics import Metrics
+from carpool.server.metrics import ServerMetrics
 from carpool.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from carpool.server.responses import ChatFormat, CompletionFormat
 from carpool.server.serving import Serving
@@ -37,29 +37,37 @@ Caller = Annotated[Principal, Depends(_principal)]
 
 
 def create_app(
-    engine: AsyncEngine,
+    engines: AsyncEngine | dict[str, AsyncEngine],
     gate: Gate | None = None,
     model_name: str = "carpool",
     max_queued_per_tier: int = limits.MAX_QUEUED_PER_TIER,
     max_body_bytes: int = limits.MAX_BODY_BYTES,
     batch_dir: str | None = None,
 ) -> FastAPI:
+    """`engines`: one engine, served as `model_name`, or {served name: engine} for several models, each with its
+    own tier queues (a flood on one model does not 429 another)."""
+    engines = {model_name: engines} if isinstance(engines, AsyncEngine) else engines
     gate = gate or OpenGate()
-    metrics = Metrics(model_name)
-    engine.add_step_listener(metrics.on_step)
-    serving = Serving(Backends(engine, gate, metrics, TierQueues(max_queued_per_tier), model_name))
+    metrics = ServerMetrics(list(engines))
+    backends = []
+    for name, engine in engines.items():
+        engine.add_step_listener(metrics.models[name].on_step)
+        backends.append(Backends(engine, gate, metrics.models[name], TierQueues(max_queued_per_tier), name))
+    serving = Serving(backends)
     batches = BatchService(serving, gate, batch_dir) if batch_dir else None  # the Batch API, if given a home
     started = int(time.time())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        engine.start()
+        for engine in engines.values():
+            engine.start()
         if batches:
             await batches.start()
         yield
         if batches:
             await batches.stop()
-        engine.stop()
+        for engine in engines.values():
+            engine.stop()
 
     app = FastAPI(title="carpool", summary="OpenAI-compatible LLM serving", lifespan=lifespan)
     install_error_handlers(app)
@@ -80,12 +88,12 @@ def create_app(
 
     @app.get("/v1/models")
     def list_models(caller: Caller) -> dict:
-        return {"object": "list", "data": [_model_card(model_name, started, engine.max_model_len)]}
+        return {"object": "list", "data": [_model_card(name, started, engine) for name, engine in engines.items()]}
 
     @app.get("/v1/models/{model}")
     def get_model(model: str, caller: Caller) -> dict:
-        serving.check_model(model)
-        return _model_card(model_name, started, engine.max_model_len)
+        serving.model(model)
+        return _model_card(model, started, engines[model])
 
     @app.post("/tokenize")
     def tokenize(body: TokenizeRequest, caller: Caller) -> dict:
@@ -97,21 +105,24 @@ def create_app(
 
     @app.get("/health")
     def health() -> Response:
-        if engine.error is not None:
-            return JSONResponse(error_body(503, f"The engine stopped: {engine.error!r}"), 503)
+        """Ok only while every model's engine runs."""
+        stopped = [f"{name!r}: {engine.error!r}" for name, engine in engines.items() if engine.error is not None]
+        if stopped:
+            return JSONResponse(error_body(503, f"The engine stopped: {'; '.join(stopped)}"), 503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
     def prometheus_metrics() -> Response:
-        return Response(metrics.render(engine.snapshot()), media_type=CONTENT_TYPE_LATEST)
+        snapshots = {name: engine.snapshot() for name, engine in engines.items()}
+        return Response(metrics.render(snapshots), media_type=CONTENT_TYPE_LATEST)
 
     app.state.metrics = metrics
     return app
 
 
-def _model_card(model_name: str, created: int, max_model_len: int) -> dict:
+def _model_card(model_name: str, created: int, engine: AsyncEngine) -> dict:
     return {"id": model_name, "object": "model", "created": created, "owned_by": "carpool",
-            "max_model_len": max_model_len}
+            "max_model_len": engine.max_model_len}
 
 
 async def _respond(request: Request, gen: Generation, fmt: ChatFormat | CompletionFormat, stream: bool | None,

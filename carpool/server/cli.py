@@ -1,4 +1,8 @@
-"""`carpool serve`: the OpenAI-compatible server on 127.0.0.1:8000 by default."""
+"""`carpool serve`: the OpenAI-compatible server on 127.0.0.1:8000 by default, for one model or several.
+
+`--model A --model B` serves both, each with an engine and KV pool of its own; the per-model flags below are
+matched to the models by position, and one value applies to every model.
+"""
 
 import argparse
 import signal
@@ -6,86 +10,149 @@ import sys
 import threading
 
 from carpool.economics.cli import add_gate_args
+from carpool.engine.config import EngineConfig
 from carpool.server import limits
+
+# Flags that take a value per --model (dest, the EngineConfig field or None, whether one value may serve all).
+PER_MODEL_FLAGS = (
+    ("served_model_name", None, False),
+    ("kv_cache_gb", "kv_cache_gb", True),
+    ("num_kv_blocks", "num_kv_blocks", True),
+    ("max_num_seqs", "max_num_seqs", True),
+)
 
 
 def add_serve_parser(subparsers, add_engine_args, engine_config) -> None:
-    parser = subparsers.add_parser("serve", help="serve the OpenAI-compatible API over HTTP")
+    defaults = EngineConfig()
+    # "resolve": the per-model flags below replace the single-valued ones add_engine_args defines.
+    parser = subparsers.add_parser("serve", help="serve the OpenAI-compatible API over HTTP",
+                                   conflict_handler="resolve")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", action="append", default=[],
                         help="accept only these keys, with no ledger (repeatable; default: the key store in --db, "
                              "open to everyone while it holds no keys)")
-    parser.add_argument("--served-model-name", default=None,
-                        help="the name clients pass as `model` (default: the model file's name)")
     parser.add_argument("--max-queued-per-tier", type=int, default=limits.MAX_QUEUED_PER_TIER,
-                        help="requests waiting for their first token, per service tier, before 429s")
+                        help="requests waiting for their first token, per model and service tier, before 429s")
     parser.add_argument("--max-body-bytes", type=int, default=limits.MAX_BODY_BYTES)
     parser.add_argument("--batch-dir", default=None,
                         help="where batches and files live (default: $CARPOOL_BATCH_DIR or ~/.cache/carpool/batches)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_gate_args(parser)
     add_engine_args(parser)
-    parser.set_defaults(func=lambda args: serve(args, engine_config(args)))
+    parser.add_argument("--model", action="append", default=None,
+                        help="a model to serve: GGUF file, safetensors directory or short name (repeatable: one "
+                             "engine and KV pool per model; default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--served-model-name", action="append", default=None,
+                        help="the name clients pass as `model`, one per --model in order (default: the model's "
+                             "own name)")
+    parser.add_argument("--kv-cache-gb", type=float, action="append", default=None,
+                        help=f"KV pool per model, one value for all or one per --model (default: {defaults.kv_cache_gb})")
+    parser.add_argument("--num-kv-blocks", type=int, action="append", default=None,
+                        help="exact KV pool per model in blocks, overrides --kv-cache-gb (one for all or one per "
+                             "--model)")
+    parser.add_argument("--max-num-seqs", type=int, action="append", default=None,
+                        help=f"sequence slots per model, one for all or one per --model (default: "
+                             f"{defaults.max_num_seqs})")
+    parser.set_defaults(func=lambda args: serve(args, model_configs(args, engine_config)))
 
 
-def serve(args: argparse.Namespace, config) -> int:
+def default_served_name(model: str | None) -> str:
+    """What clients call a model served without --served-model-name."""
+    from carpool.models.loader import default_model_path, model_name
+
+    return model_name(model or default_model_path())
+
+
+def model_configs(args: argparse.Namespace, engine_config) -> dict:
+    """{served name: EngineConfig} for each --model in order, with its per-model flags applied; ValueError
+    naming the flag when the counts do not match the models or two models would share a name."""
+    models = args.model or [None]
+    per_model = {dest: _values_per_model(args, dest, broadcast, len(models)) for dest, _, broadcast in PER_MODEL_FLAGS}
+    shared = {key: value for key, value in vars(args).items() if key not in per_model and key != "model"}
+    configs = {}
+    for index, model in enumerate(models):
+        name = per_model["served_model_name"][index] or default_served_name(model)
+        if name in configs:
+            raise ValueError(f"--served-model-name: two models would be served as {name!r}; give each --model a "
+                             "--served-model-name of its own")
+        overrides = {field: per_model[dest][index] for dest, field, _ in PER_MODEL_FLAGS if field is not None}
+        overrides = {field: value for field, value in overrides.items() if value is not None}
+        configs[name] = engine_config(argparse.Namespace(**shared, model=model, **overrides))
+    return configs
+
+
+def _values_per_model(args: argparse.Namespace, dest: str, broadcast: bool, num_models: int) -> list:
+    values = getattr(args, dest)
+    if not values:
+        return [None] * num_models
+    if broadcast and len(values) == 1:
+        return values * num_models
+    if len(values) != num_models:
+        flag = "--" + dest.replace("_", "-")
+        allowed = "one per --model" if not broadcast else "one for every model or one per --model"
+        raise ValueError(f"{flag}: {len(values)} values for {num_models} models; give {allowed}")
+    return values
+
+
+def serve(args: argparse.Namespace, configs: dict) -> int:
     import uvicorn
 
     from carpool.economics.gate import open_ledger_gate
-    from carpool.economics.phase_meter import PhaseMeter
+    from carpool.economics.phase_meter import PhaseMeter, register_phase_metrics
     from carpool.economics.routes import usage_router
-    from carpool.engine.async_engine import AsyncEngine
-    from carpool.models.loader import default_model_path, model_name
+    from carpool.engine.async_engine import AsyncEngine, EngineLoop
     from carpool.server.app import create_app
     from carpool.server.batch.limits import default_batch_dir
     from carpool.server.gate import OpenGate
 
-    served_name = args.served_model_name or model_name(config.model or default_model_path())
     # A fixed key list means no ledger; otherwise the key store, budgets and ledger in --db. Opened before the
-    # model loads, so a bad price sheet fails at once.
-    ledger = None if args.api_key else open_ledger_gate(args.db, args.prices, served_models=(served_name,))
-    engine = AsyncEngine(config)  # loads the model before the port opens, so /health answers only when ready
+    # models load, so a bad price sheet, or one that prices no served model, fails at once.
+    ledger = None if args.api_key else open_ledger_gate(args.db, args.prices, served_models=tuple(configs))
+    # One loop steps every model's engine, on this (the main) thread: see AsyncEngine for why. The models load
+    # before the port opens, so /health answers only when all are ready.
+    engine_loop = EngineLoop()
+    engines = {name: AsyncEngine(config, engine_loop=engine_loop) for name, config in configs.items()}
     app = create_app(
-        engine,
+        engines,
         ledger or OpenGate(args.api_key),
-        model_name=served_name,
         max_queued_per_tier=args.max_queued_per_tier,
         max_body_bytes=args.max_body_bytes,
         batch_dir=str(args.batch_dir or default_batch_dir()),
     )
     registry = app.state.metrics.registry
-    phases = PhaseMeter()
-    engine.add_step_listener(phases)
-    phases.register_metrics(registry)
+    phases = {name: PhaseMeter() for name in engines}
+    for name, engine in engines.items():
+        engine.add_step_listener(phases[name])
+    register_phase_metrics(registry, phases)
     if ledger:
         ledger.register_metrics(registry)
         app.include_router(usage_router(ledger))
-    # The engine loop runs on this (the main) thread and HTTP on another: see AsyncEngine for why. The two share
-    # the GIL; at Python's default 5 ms switch interval a thread that wants it can wait a third of a decode
-    # step. 1 ms: +15-20% output tokens/s at 8 and 32 streams here (carpool bench serve, 2 cores).
+    # The engine loop and HTTP share the GIL; at Python's default 5 ms switch interval a thread that wants it can
+    # wait a third of a decode step. 1 ms: +15-20% output tokens/s at 8 and 32 streams here (carpool bench
+    # serve, 2 cores).
     sys.setswitchinterval(0.001)
     server = uvicorn.Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
     ))
-    engine.drive_from_caller()
+    engine_loop.drive_from_caller()
 
     def serve_http():
         try:
             server.run()
         finally:  # however HTTP ends (shutdown, a port already in use), the engine loop ends with it
-            engine.stop()
+            engine_loop.stop()
 
     http = threading.Thread(target=serve_http, name="carpool-http")
 
-    def shut_down(signum, frame):  # graceful: in-flight requests finish, then the app stops the engine
+    def shut_down(signum, frame):  # graceful: in-flight requests finish, then the app stops the engine loop
         server.should_exit = True
 
     signal.signal(signal.SIGINT, shut_down)
     signal.signal(signal.SIGTERM, shut_down)
     http.start()
     try:
-        engine.run()
+        engine_loop.run()
     finally:
         server.should_exit = True
         http.join()

@@ -1,7 +1,8 @@
 """Prometheus metrics under vLLM's names with a `carpool:` prefix, so existing vLLM dashboards port over.
 
-Per-request series carry the service tier; per-step series (batch sizes, inter-token gaps, preemptions) are
-observed on the engine thread by a step listener, where every step's exact timing is known.
+Every series carries the served model's name (`model_name`, as vLLM's do), so one server's models read apart;
+per-request series also carry the service tier. Per-step series (batch sizes, inter-token gaps, preemptions)
+are observed on the engine thread by a step listener, where every step's exact timing is known.
 """
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -23,10 +24,11 @@ TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 SEQ_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
-class Metrics:
-    def __init__(self, model_name: str):
+class ServerMetrics:
+    """The server's registry, with one `Metrics` per served model (`models[name]`)."""
+
+    def __init__(self, model_names: list[str]):
         self.registry = CollectorRegistry()
-        self.model_name = model_name
         tiered = ["model_name", "tier"]
         model = ["model_name"]
 
@@ -36,42 +38,65 @@ class Metrics:
         def counter(name, doc, labels):
             return Counter(f"carpool:{name}", doc, labels, registry=self.registry)
 
-        def gauge(name, doc):
-            return Gauge(f"carpool:{name}", doc, model, registry=self.registry).labels(model_name)
+        def gauge(name, doc, labels=model):
+            return Gauge(f"carpool:{name}", doc, labels, registry=self.registry)
 
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.", tiered, LATENCY_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Gap between consecutive tokens of a request.",
-                             model, ITL_BUCKETS).labels(model_name)
+                             model, ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.", tiered, REQUEST_BUCKETS)
         self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduled.", tiered, REQUEST_BUCKETS)
         self.prefill = histogram("request_prefill_time_seconds", "First scheduled to first token.", tiered,
                                  REQUEST_BUCKETS)
         self.decode = histogram("request_decode_time_seconds", "First token to last token.", tiered, REQUEST_BUCKETS)
-        self.iteration_tokens = histogram("iteration_tokens", "Tokens per engine step.", model,
-                                          TOKEN_BUCKETS).labels(model_name)
-        self.iteration_seqs = histogram("iteration_seqs", "Sequences per engine step.", model,
-                                        SEQ_BUCKETS).labels(model_name)
+        self.iteration_tokens = histogram("iteration_tokens", "Tokens per engine step.", model, TOKEN_BUCKETS)
+        self.iteration_seqs = histogram("iteration_seqs", "Sequences per engine step.", model, SEQ_BUCKETS)
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that reached their first token.",
                                      tiered)
         self.generation_tokens = counter("generation_tokens", "Generated tokens.", tiered)
         self.request_success = counter("request_success", "Finished requests by finish reason.",
                                        tiered + ["finished_reason"])
-        self.preemptions = counter("num_preemptions", "Sequences preempted (to be recomputed).",
-                                   model).labels(model_name)
+        self.preemptions = counter("num_preemptions", "Sequences preempted (to be recomputed).", model)
         self.running = gauge("num_requests_running", "Sequences in the running batch.")
         self.waiting = gauge("num_requests_waiting", "Sequences waiting to be scheduled.")
         self.kv_usage = gauge("kv_cache_usage_perc", "Share of KV blocks held by live sequences (0 to 1).")
-        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                                      model).labels(model_name)
-        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.",
-                                   model).labels(model_name)
+        # vLLM's cache_config_info: the pool each model was given, as labels on a constant 1.
+        self.cache_config = gauge("cache_config_info", "The KV cache each model was given (value 1).",
+                                  ["model_name", "block_size", "num_blocks"])
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", model)
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.", model)
         self.prefix_blocks = gauge("prefix_cache_blocks", "KV blocks holding a cached prefix (in use or not).")
         self.prefix_hit_rate = gauge("prefix_cache_hit_rate", "prefix_cache_hits / prefix_cache_queries so far.")
+        self.models = {name: Metrics(self, name) for name in model_names}
+
+    def render(self, snapshots: dict[str, EngineSnapshot]) -> bytes:
+        """The Prometheus text, with each model's gauges read from its engine's snapshot."""
+        for name, snapshot in snapshots.items():
+            self.models[name].set_gauges(snapshot)
+        return generate_latest(self.registry)
+
+
+class Metrics:
+    """One served model's series."""
+
+    def __init__(self, families: ServerMetrics, model_name: str):
+        self.families, self.model_name = families, model_name
+        self.itl = families.itl.labels(model_name)
+        self.iteration_tokens = families.iteration_tokens.labels(model_name)
+        self.iteration_seqs = families.iteration_seqs.labels(model_name)
+        self.preemptions = families.preemptions.labels(model_name)
+        self.prefix_queries = families.prefix_queries.labels(model_name)
+        self.prefix_hits = families.prefix_hits.labels(model_name)
+        self.running = families.running.labels(model_name)
+        self.waiting = families.waiting.labels(model_name)
+        self.kv_usage = families.kv_usage.labels(model_name)
+        self.prefix_blocks = families.prefix_blocks.labels(model_name)
+        self.prefix_hit_rate = families.prefix_hit_rate.labels(model_name)
         for tier in TIERS:  # every series exists from the start, so rates and "did it move" work from zero
-            for family in (self.prompt_tokens, self.generation_tokens):
+            for family in (families.prompt_tokens, families.generation_tokens):
                 family.labels(model_name, tier)
             for reason in FINISH_REASONS:
-                self.request_success.labels(model_name, tier, reason)
+                families.request_success.labels(model_name, tier, reason)
         self._last_token_at: dict[str, float] = {}  # engine thread only
         self._prefix_totals = [0, 0]  # prompt tokens queried, hit (event loop thread only)
 
@@ -92,31 +117,32 @@ class Metrics:
                 self._last_token_at[output.request_id] = token_at
 
     def on_first_output(self, tier: str, output: RequestOutput) -> None:
-        self.prompt_tokens.labels(self.model_name, tier).inc(output.num_prompt_tokens)
+        self.families.prompt_tokens.labels(self.model_name, tier).inc(output.num_prompt_tokens)
         self.prefix_queries.inc(output.num_prompt_tokens)
         self.prefix_hits.inc(output.num_cached_tokens)
         self._prefix_totals[0] += output.num_prompt_tokens
         self._prefix_totals[1] += output.num_cached_tokens
 
     def on_tokens(self, tier: str, count: int) -> None:
-        self.generation_tokens.labels(self.model_name, tier).inc(count)
+        self.families.generation_tokens.labels(self.model_name, tier).inc(count)
 
     def on_finished(self, tier: str, reason: str, output: RequestOutput | None) -> None:
-        self.request_success.labels(self.model_name, tier, reason).inc()
+        families = self.families
+        families.request_success.labels(self.model_name, tier, reason).inc()
         times = output.times if output is not None else None
         if reason in ("stop", "length") and times is not None and times.finished is not None:
             labels = (self.model_name, tier)
-            self.ttft.labels(*labels).observe(times.first_token - times.arrival)
-            self.e2e.labels(*labels).observe(times.finished - times.arrival)
-            self.queue.labels(*labels).observe(times.first_scheduled - times.arrival)
-            self.prefill.labels(*labels).observe(times.first_token - times.first_scheduled)
-            self.decode.labels(*labels).observe(times.finished - times.first_token)
+            families.ttft.labels(*labels).observe(times.first_token - times.arrival)
+            families.e2e.labels(*labels).observe(times.finished - times.arrival)
+            families.queue.labels(*labels).observe(times.first_scheduled - times.arrival)
+            families.prefill.labels(*labels).observe(times.first_token - times.first_scheduled)
+            families.decode.labels(*labels).observe(times.finished - times.first_token)
 
-    def render(self, snapshot: EngineSnapshot) -> bytes:
+    def set_gauges(self, snapshot: EngineSnapshot) -> None:
         self.running.set(snapshot.num_running)
         self.waiting.set(snapshot.num_waiting)
         self.kv_usage.set(snapshot.kv_cache_usage)
         self.prefix_blocks.set(snapshot.num_cached_blocks)
+        self.families.cache_config.labels(self.model_name, str(snapshot.block_size), str(snapshot.num_blocks)).set(1)
         queries, hits = self._prefix_totals
         self.prefix_hit_rate.set(hits / queries if queries else 0.0)
-        return generate_latest(self.registry)

@@ -1,5 +1,5 @@
-"""From a validated request body to a running Generation: model and tier checks, prompts to token ids, sampling
-parameters per choice, context-length checks, then the tier's queue and the gate's admission."""
+"""From a validated request body to a running Generation: the model it names, tier checks, prompts to token ids,
+sampling parameters per choice, context-length checks, then the model's tier queue and the gate's admission."""
 
 import uuid
 
@@ -24,16 +24,48 @@ TIER_BY_PRIORITY = ("priority", "default", "flex")
 
 
 class Serving:
+    """Every served model by name, in the order served. A request goes to the model its `model` names; one that
+    names none goes to the first, as in vLLM."""
+
+    def __init__(self, models: list[Backends]):
+        self.models = {backends.model_name: ModelServing(backends) for backends in models}
+        self.default = next(iter(self.models.values()))
+
+    def model(self, name: str | None) -> "ModelServing":
+        if name is None:
+            return self.default
+        if name not in self.models:
+            served = ", ".join(repr(served) for served in self.models)
+            raise APIError(404, f"The model {name!r} does not exist; this server serves {served}.", param="model",
+                           code="model_not_found")
+        return self.models[name]
+
+    @property
+    def max_num_seqs(self) -> int:
+        """Sequence slots across every model's engine."""
+        return sum(serving.engine.config.max_num_seqs for serving in self.models.values())
+
+    def start_chat(self, request: ChatCompletionRequest, principal: Principal) -> tuple[Generation, ChatFormat]:
+        return self.model(request.model).start_chat(request, principal)
+
+    def start_completion(self, request: CompletionRequest, principal: Principal) -> tuple[Generation, CompletionFormat]:
+        return self.model(request.model).start_completion(request, principal)
+
+    def tokenize(self, request: TokenizeRequest) -> dict:
+        return self.model(request.model).tokenize(request)
+
+    def detokenize(self, request: DetokenizeRequest) -> dict:
+        return self.model(request.model).detokenize(request)
+
+
+class ModelServing:
+    """One served model: its engine's tokenizer and chat template, its tier queues, its metrics."""
+
     def __init__(self, backends: Backends):
         self.backends = backends
         self.engine, self.gate, self.queues = backends.engine, backends.gate, backends.queues
         self.model_name = backends.model_name
         self.tokenizer = backends.engine.tokenizer
-
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"The model {model!r} does not exist; this server serves {self.model_name!r}.",
-                           param="model", code="model_not_found")
 
     def chat_prompt(self, messages: list[ChatMessage]) -> str:
         turns = [{"role": "system" if m.role == "developer" else m.role, "content": m.text} for m in messages]
@@ -46,7 +78,6 @@ class Serving:
     # Generation -----------------------------------------------------------------------------------------
 
     def start_chat(self, request: ChatCompletionRequest, principal: Principal) -> tuple[Generation, ChatFormat]:
-        self.check_model(request.model)
         renamed = {"prompt": "messages"}
         if request.max_completion_tokens is not None:
             renamed["max_tokens"] = "max_completion_tokens"
@@ -59,7 +90,6 @@ class Serving:
         return gen, ChatFormat(self.tokenizer, logprobs is not None)
 
     def start_completion(self, request: CompletionRequest, principal: Principal) -> tuple[Generation, CompletionFormat]:
-        self.check_model(request.model)
         prompt = request.prompt
         prompts = prompt if isinstance(prompt, list) and not isinstance(prompt[0], int) else [prompt]
         prompt_ids = [self._tokenize(p, request) for p in prompts]
@@ -143,7 +173,6 @@ class Serving:
     # Tokenizer endpoints -----------------------------------------------------------------------------------
 
     def tokenize(self, request: TokenizeRequest) -> dict:
-        self.check_model(request.model)
         if (request.prompt is None) == (request.messages is None):
             raise APIError(400, "prompt: give exactly one of prompt and messages", param="prompt")
         text = request.prompt if request.prompt is not None else self.chat_prompt(request.messages)
@@ -152,7 +181,6 @@ class Serving:
         return {"count": len(tokens), "max_model_len": self.engine.max_model_len, "tokens": tokens}
 
     def detokenize(self, request: DetokenizeRequest) -> dict:
-        self.check_model(request.model)
         bad = [t for t in request.tokens if not 0 <= t < self.tokenizer.vocab_size]
         if bad:
             raise APIError(400, f"tokens: {bad[:5]} are outside the vocabulary [0, {self.tokenizer.vocab_size})",

@@ -15,8 +15,8 @@ class BatchService:
     def __init__(self, serving: Serving, gate: Gate, batch_dir: str | Path, limits: BatchLimits | None = None,
                  max_in_flight: int | None = None):
         self.limits = limits = limits or BatchLimits()
-        # Enough batch requests to fill every sequence slot the engine has; more would only wait in its queue.
-        max_in_flight = max_in_flight or serving.engine.config.max_num_seqs
+        # Enough batch requests to fill every sequence slot the engines have; more would only wait in their queues.
+        max_in_flight = max_in_flight or serving.max_num_seqs
         self.store = BatchStore(batch_dir)
         self.runner = BatchRunner(self.store, serving_endpoints(serving), limits, max_in_flight)
         self.router = create_batch_router(self.store, self.runner, gate, limits)
