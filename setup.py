@@ -1,21 +1,57 @@
-"""Builds carpool's C++ CPU kernels (a torch extension) at install; everything else is in pyproject.toml."""
+"""Builds carpool's C++ CPU kernels (torch extensions) at install; everything else is in pyproject.toml."""
 
+import os
+import platform
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import Extension, setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
-# -march=native: the package is built on the machine that serves, like llama.cpp's default native build,
-# so the kernels use whatever vector units this CPU has (AVX-512, AVX512-BF16) and stay portable C++ elsewhere.
+CSRC = Path("carpool/kernels/csrc")
+FEATURE_PROBE = CSRC / "cpu_features.cpp"  # its own module: it must load on every CPU, before any kernels
+KERNEL_SOURCES = sorted(str(p) for p in CSRC.glob("*.cpp") if p != FEATURE_PROBE)
+
+# The same kernels once per instruction-set path, so one build serves every x86-64 CPU: carpool.kernels picks
+# at import the best one the CPU has all the features of (carpool/kernels/isa.py lists them per path).
+# x86-64-v4 is AVX-512 F/BW/CD/DQ/VL (with v3's AVX2, FMA, F16C); v3 is AVX2, FMA, F16C, BMI; plain x86-64 is
+# SSE2. Elsewhere (aarch64) only the portable build, for whatever the compiler's default target is.
+if platform.machine().lower() in ("x86_64", "amd64"):
+    ISA_FLAGS = {
+        "avx512": ["-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"],
+        "avx2": ["-march=x86-64-v3"],
+        "portable": ["-march=x86-64"],
+    }
+else:
+    ISA_FLAGS = {"portable": []}
+
 # -ffp-contract=off: no silent FMA contraction, so the portable loops round where gguf-py and torch round.
+COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-std=c++20"]
+
+
+class BuildEachIsaApart(BuildExtension):
+    """One object folder per extension: the ISA builds compile the same sources with different flags, and a
+    shared folder would make each build overwrite (and then recompile) the previous one's objects."""
+
+    def build_extension(self, ext):
+        shared, self.build_temp = self.build_temp, os.path.join(self.build_temp, ext.name)
+        try:
+            super().build_extension(ext)
+        finally:
+            self.build_temp = shared
+
+
 setup(
     ext_modules=[
-        CppExtension(
-            "carpool.kernels._C",
-            sorted(str(p) for p in Path("carpool/kernels/csrc").glob("*.cpp")),
-            extra_compile_args=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-std=c++20"],
-            extra_link_args=["-fopenmp"],
-        )
+        Extension("carpool.kernels._cpu_features", [str(FEATURE_PROBE)], extra_compile_args=["-O2", "-std=c++20"]),
+        *(
+            CppExtension(
+                f"carpool.kernels._C_{isa}",
+                KERNEL_SOURCES,
+                extra_compile_args=[*COMMON_FLAGS, *flags],
+                extra_link_args=["-fopenmp"],
+            )
+            for isa, flags in ISA_FLAGS.items()
+        ),
     ],
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=False)},
+    cmdclass={"build_ext": BuildEachIsaApart},
 )

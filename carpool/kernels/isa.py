@@ -1,0 +1,59 @@
+"""Which build of the kernels a CPU can run.
+
+setup.py compiles the same sources once per instruction-set path, each as its own module
+(`carpool.kernels._C_<path>`); a path runs only where the CPU has every feature its compiler flags let the
+compiler use, so a wheel built anywhere never dies with an illegal instruction. Best first.
+"""
+
+import os
+from dataclasses import dataclass
+
+X86_64_V2 = ("cx16", "lahf_lm", "popcnt", "sse3", "ssse3", "sse4_1", "sse4_2")
+X86_64_V3 = (*X86_64_V2, "avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "lzcnt", "movbe", "xsave")
+X86_64_V4 = (*X86_64_V3, "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")
+
+# path -> the features its flags (setup.py's ISA_FLAGS) assume.
+REQUIRED_FEATURES = {
+    "avx512": (*X86_64_V4, "avx512_bf16", "avx512_vnni"),
+    "avx2": X86_64_V3,
+    "portable": (),
+}
+PATHS = tuple(REQUIRED_FEATURES)  # best first
+
+ENV_VAR = "CARPOOL_KERNEL_ISA"
+
+
+@dataclass(frozen=True)
+class Choice:
+    path: str
+    forced: bool  # named by CARPOOL_KERNEL_ISA rather than chosen
+
+
+def missing_features(path: str, features: set[str]) -> list[str]:
+    return [name for name in REQUIRED_FEATURES[path] if name not in features]
+
+
+def choose_path(features: set[str], built: set[str], forced: str | None = None) -> Choice:
+    """The best built path the CPU has every feature of, or `forced` after checking the CPU can run it.
+
+    `forced` is CARPOOL_KERNEL_ISA's value; a path the CPU cannot run or this install did not build is a
+    ValueError naming what is missing rather than a crash at the first kernel call.
+    """
+    if forced:
+        if forced not in REQUIRED_FEATURES:
+            raise ValueError(f"{ENV_VAR}: unknown kernel path {forced!r} (choose from {', '.join(PATHS)})")
+        if forced not in built:
+            raise ValueError(f"{ENV_VAR}: kernel path {forced!r} is not built in this install (built: "
+                             f"{', '.join(p for p in PATHS if p in built) or 'none'})")
+        missing = missing_features(forced, features)
+        if missing:
+            raise ValueError(f"{ENV_VAR}: this CPU cannot run the {forced} kernels, it lacks {', '.join(missing)}")
+        return Choice(forced, forced=True)
+    for path in PATHS:
+        if path in built and not missing_features(path, features):
+            return Choice(path, forced=False)
+    raise ValueError("no kernel build of carpool can run on this CPU (reinstall carpool to build the portable one)")
+
+
+def forced_path() -> str | None:
+    return os.environ.get(ENV_VAR, "").strip().lower() or None
