@@ -90,7 +90,7 @@ def create_app(
     def list_models(caller: Caller) -> dict:
         return {"object": "list", "data": [_model_card(name, started, engine) for name, engine in engines.items()]}
 
-    @app.get("/v1/models/{model}")
+    @app.get("/v1/models/{model:path}")  # served names may hold a slash (`Qwen/Qwen2.5-Coder-0.5B`)
     def get_model(model: str, caller: Caller) -> dict:
         serving.model(model)
         return _model_card(model, started, engines[model])
