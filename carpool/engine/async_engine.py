@@ -154,10 +154,15 @@ class AsyncEngine:
         """ContextLengthExceeded when the prompt plus max_tokens does not fit the context window or the pool."""
         self.engine.check_length(num_prompt_tokens, max_tokens)
 
+    def check_params(self, params: SamplingParams) -> None:
+        """ValueError naming the field when params name a token outside the model's vocabulary."""
+        self.engine.check_params(params)
+
     def validate(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         """Tokenize and check the request where it arrives, so bad input fails before it reaches the loop."""
         token_ids = self.tokenize(prompt)
         self.check_length(len(token_ids), params.max_tokens)
+        self.check_params(params)
         return token_ids
 
     async def generate(

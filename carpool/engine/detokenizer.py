@@ -11,7 +11,8 @@ class Detokenizer:
     def update(self, seq: Sequence) -> bool:
         """Refresh seq.output_text; True when a stop string ended the sequence (the text is cut before it)."""
         text = self.tokenizer.decode(seq.output_token_ids)
-        stops = seq.params.stop_strings
+        # Like EOS, stop strings end nothing before min_tokens (vLLM's rule); text from then on is searched.
+        stops = seq.params.stop_strings if seq.num_output_tokens >= seq.params.min_tokens else []
         if stops:
             longest = max(map(len, stops))
             search_from = max(0, len(seq.output_text) - longest)

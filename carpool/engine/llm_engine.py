@@ -1,6 +1,7 @@
 """The engine loop: schedule -> run -> postprocess, one iteration per call to `step()`."""
 
 import dataclasses
+import functools
 import time
 from dataclasses import dataclass
 
@@ -12,7 +13,7 @@ from carpool.engine.detokenizer import Detokenizer
 from carpool.engine.model_runner import ModelRunner
 from carpool.engine.outputs import RequestOutput
 from carpool.engine.sampler import sample
-from carpool.engine.sampling_params import SamplingParams
+from carpool.engine.sampling_params import SamplingParams, check_text
 from carpool.engine.scheduler import ScheduledBatch, Scheduler
 from carpool.engine.sequence import Sequence
 from carpool.models import load_model
@@ -54,6 +55,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config, self.block_manager)
         self.runner = ModelRunner(self.model, num_blocks, self.config.block_size, self.device, self.dtype)
         self.detokenizer = Detokenizer(self.tokenizer)
+        # The n choices of a request (and its retries) share their bad words: each list is tokenized once.
+        self._bad_words_token_ids = functools.lru_cache(maxsize=256)(self._spell_bad_words)
         self.seqs: dict[str, Sequence] = {}
         self.last_step: StepStats | None = None
 
@@ -61,6 +64,7 @@ class LLMEngine:
 
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
+            check_text("prompt", prompt)
             token_ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             token_ids = list(prompt)
@@ -72,6 +76,23 @@ class LLMEngine:
         if not token_ids:
             raise ValueError("prompt must not be empty")
         return token_ids
+
+    def check_params(self, params: SamplingParams) -> list[list[int]]:
+        """ValueError naming the field when params name a token this model does not have; params.bad_words as
+        the token sequences to ban: each word as the tokenizer spells it alone and after a space."""
+        vocab = self.model_config.vocab_size
+        for name, ids in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids or ())):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise ValueError(f"{name}: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        return self._bad_words_token_ids(tuple(params.bad_words or ()))
+
+    def _spell_bad_words(self, words: tuple[str, ...]) -> list[list[int]]:
+        spellings = {
+            tuple(self.tokenizer.encode(prefix + word.lstrip(), add_special_tokens=False))
+            for word in words for prefix in ("", " ")
+        }
+        return [list(ids) for ids in spellings if ids]
 
     @property
     def max_request_tokens(self) -> int:
@@ -107,7 +128,9 @@ class LLMEngine:
             raise ValueError("params must be a SamplingParams")
         token_ids = self.tokenize_prompt(prompt)
         self.check_length(len(token_ids), params.max_tokens)
-        seq = Sequence(request_id, token_ids, params, priority=priority, cache_salt=cache_salt)
+        bad_words = self.check_params(params)
+        seq = Sequence(request_id, token_ids, params, priority=priority, cache_salt=cache_salt,
+                       bad_words_token_ids=bad_words)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
         return seq
@@ -132,7 +155,7 @@ class LLMEngine:
         if not batch:
             return []
         logits, sampling = self.runner.run(batch)
-        tokens, logprobs = sample(logits, sampling) if sampling else ([], [])
+        tokens, logprobs = sample(logits, sampling, self.tokenizer.eos_token_id) if sampling else ([], [])
         outputs = self._postprocess(batch, dict(zip(map(id, sampling), zip(tokens, logprobs))))
         self._record_step(batch, time.monotonic() - start)
         return outputs
@@ -149,7 +172,9 @@ class LLMEngine:
             emitted_before = self.detokenizer.settled_length(seq)
             seq.token_ids.append(token)
             if logprob is not None:
-                seq.logprobs.append(logprob)
+                seq.cumulative_logprob += logprob.logprob
+                if seq.params.logprobs is not None:
+                    seq.logprobs.append(logprob)
             seq.times.first_token = seq.times.first_token or now
             seq.times.last_token = now
             reason = self._finish_reason(seq, token)
@@ -187,6 +212,7 @@ class LLMEngine:
             delta_token_ids=seq.output_token_ids[seq.num_output_tokens - num_new_tokens :] if num_new_tokens else [],
             delta_logprobs=seq.logprobs[-num_new_tokens:] if num_new_tokens and seq.logprobs else [],
             logprobs=seq.logprobs if seq.params.logprobs is not None else None,
+            cumulative_logprob=seq.cumulative_logprob if seq.params.logprobs is not None or seq.params.ranked else None,
             num_cached_tokens=seq.num_cached_prompt_tokens,
             num_cache_write_tokens=seq.num_cache_write_tokens,
             num_preemptions=seq.num_preemptions,

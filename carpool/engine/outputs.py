@@ -17,6 +17,7 @@ class RequestOutput:
     delta_token_ids: list[int] = field(default_factory=list)
     delta_logprobs: list[TokenLogprob] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
+    cumulative_logprob: float | None = None  # when params.logprobs or params.ranked asked for it
     num_cached_tokens: int = 0
     num_cache_write_tokens: int = 0
     num_preemptions: int = 0
@@ -25,3 +26,8 @@ class RequestOutput:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+
+def best_of(outputs: list[RequestOutput], n: int = 1) -> list[RequestOutput]:
+    """The n outputs with the highest cumulative logprob, best first (outputs of params.ranked requests)."""
+    return sorted(outputs, key=lambda output: output.cumulative_logprob, reverse=True)[:n]

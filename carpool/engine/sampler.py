@@ -1,8 +1,10 @@
 """Next-token selection per request: greedy, or temperature / top-k / top-p / min-p sampling from the
-request's own seeded stream, plus logprobs of the sampled token and the top alternatives."""
+request's own seeded stream, after the request's penalties, biases and bans; plus logprobs of the sampled token
+and the top alternatives (from the model's own logits, as vLLM reports them)."""
 
 import torch
 
+from carpool.engine.logits_processors import adjust_logits
 from carpool.engine.sequence import Sequence, TokenLogprob
 
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -16,7 +18,9 @@ def _token_seed(seq: Sequence) -> int:
 
 def _filtered_logits(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
     params = seq.params
-    logits = logits / params.temperature
+    # Shifting by the maximum first keeps the division finite for any temperature the params accept (>= 1e-5):
+    # the best token lands on 0 and the rest on finite negatives or -inf, never inf - inf.
+    logits = (logits - logits.max()) / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -25,15 +29,20 @@ def _filtered_logits(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
         logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
     if params.top_p < 1:
         sorted_logits, order = torch.sort(logits, descending=True)
-        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
-        # Drop a token when the tokens ranked above it already reach top_p; the best token always stays.
-        drop = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= params.top_p
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)
+        # Drop a token when the tokens ranked above it already reach top_p. The best token always stays: a top_p
+        # below float32's smallest number (1e-320) rounds to 0, and "above it reach 0" would drop it too.
+        drop = (sorted_probs.cumsum(-1) - sorted_probs) >= params.top_p
+        drop[0] = False
         logits = logits.masked_fill(drop.scatter(0, order, drop), float("-inf"))
     return logits
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprob | None]]:
-    logits = logits.float()
+def sample(
+    logits: torch.Tensor, seqs: list[Sequence], eos_token_id: int | None = None
+) -> tuple[list[int], list[TokenLogprob | None]]:
+    raw = logits.float()
+    logits = adjust_logits(raw, seqs, eos_token_id)
     tokens = logits.argmax(dim=-1).tolist()
     for row, seq in enumerate(seqs):
         if seq.params.greedy:
@@ -44,9 +53,9 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[
         noise = torch.empty_like(probs).exponential_(generator=generator)
         tokens[row] = int((probs / noise).argmax())
     logprobs: list[TokenLogprob | None] = [None] * len(seqs)
-    wanted = [row for row, seq in enumerate(seqs) if seq.params.logprobs is not None]
+    wanted = [row for row, seq in enumerate(seqs) if seq.params.logprobs is not None or seq.params.ranked]
     if wanted:
-        log_probs = torch.log_softmax(logits[wanted], dim=-1)
+        log_probs = torch.log_softmax(raw[wanted], dim=-1)
         for i, row in enumerate(wanted):
             k = seqs[row].params.logprobs
             top = torch.topk(log_probs[i], k) if k else None

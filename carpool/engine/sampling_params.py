@@ -1,11 +1,25 @@
+import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value, either sign
+MAX_PENALTY = 2.0  # OpenAI's range for presence_penalty and frequency_penalty, either sign
+# Below this temperature sampling is greedy (vLLM's threshold): the softmax of logits / 1e-5 is already one-hot
+# to float32, and dividing by 1e-45 or 1e-320 (zero once in float32) turned every row into NaN.
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass
 class SamplingParams:
-    """How to pick each next token and when to stop. Invalid values raise ValueError naming the field."""
+    """How to pick each next token and when to stop. Invalid values raise ValueError naming the field.
+
+    Penalties follow OpenAI (presence_penalty, frequency_penalty: over the generated tokens) and vLLM/HF
+    (repetition_penalty: over prompt and generated tokens, positive logits divided by it, negative multiplied).
+    logit_bias maps token id -> a value in [-100, 100] added to its logit. min_tokens holds back EOS and
+    stop_token_ids (and stop strings) until that many tokens are out. bad_words: a token that would complete
+    one of these words (as the tokenizer spells it, with or without a leading space) is never picked.
+    best_of: generate this many candidates and keep the one with the highest cumulative logprob.
+    """
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -17,45 +31,107 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     logprobs: int | None = None  # None: no logprobs; 0: the sampled token's; k: plus the top k alternatives
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
+    bad_words: list[str] | None = None
+    best_of: int = 1
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self):
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+        if not _is_int(self.max_tokens) or self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not _is_number(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not _is_finite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+        if not _is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+        if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        if self.stop is None:
-            self.stop_strings = []
-        elif isinstance(self.stop, str):
-            self.stop_strings = [self.stop]
-        elif isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) for s in self.stop):
-            self.stop_strings = list(self.stop)
-        else:
-            raise ValueError(f"stop must be a string or a list of strings, got {type(self.stop).__name__}")
+        self.stop_strings = _strings("stop", self.stop)
         if any(s == "" for s in self.stop_strings):
             raise ValueError("stop strings must not be empty")
-        if self.stop_token_ids is not None and not (
-            isinstance(self.stop_token_ids, (list, tuple))
-            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids)
-        ):
+        if self.stop_token_ids is not None and not _token_ids(self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
-        if self.logprobs is not None and (
-            isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS
-        ):
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise ValueError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value!r}")
+        if not _is_finite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+        if self.logit_bias is not None:
+            self._check_logit_bias()
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
+                             f"got {self.min_tokens!r}")
+        self.bad_words = _strings("bad_words", self.bad_words) or None
+        if any(not word.strip() for word in self.bad_words or ()):
+            raise ValueError("bad_words must not be empty or blank")
+        if not _is_int(self.best_of) or self.best_of < 1:
+            raise ValueError(f"best_of must be a positive integer, got {self.best_of!r}")
+
+    def _check_logit_bias(self) -> None:
+        if not isinstance(self.logit_bias, dict) or not _token_ids(list(self.logit_bias)):
+            raise ValueError("logit_bias must map non-negative integer token ids to numbers")
+        for token, bias in self.logit_bias.items():
+            if not _is_number(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias: the bias of token {token} must be in "
+                                 f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias!r}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
+
+    @property
+    def ranked(self) -> bool:
+        """Whether the engine must keep the output's cumulative logprob (to pick the best of several)."""
+        return self.best_of > 1
+
+
+def check_text(name: str, text: str) -> None:
+    """ValueError naming `name` when `text` is not valid Unicode (a lone UTF-16 surrogate, such as JSON's
+    "\\ud800", survives json.loads but no tokenizer or UTF-8 encoder accepts it)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(f"{name}: contains a lone UTF-16 surrogate ({text[error.start]!a}) at character "
+                         f"{error.start}, which is not valid Unicode text") from None
+
+
+def _strings(name: str, value) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = [value]
+    elif not (isinstance(value, (list, tuple)) and all(isinstance(s, str) for s in value)):
+        raise ValueError(f"{name} must be a string or a list of strings, got {type(value).__name__}")
+    for text in value:
+        check_text(name, text)
+    return list(value)
+
+
+def _token_ids(values) -> bool:
+    return isinstance(values, (list, tuple)) and all(_is_int(t) and t >= 0 for t in values)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+
+
+def _is_finite(value) -> bool:
+    return _is_number(value) and math.isfinite(value)

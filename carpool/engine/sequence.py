@@ -48,6 +48,7 @@ class Sequence:
         params: SamplingParams,
         priority: int = 1,
         cache_salt: str | None = None,
+        bad_words_token_ids: list[list[int]] | None = None,
     ):
         self.seq_id = next(_counter)
         self.request_id = request_id
@@ -57,6 +58,7 @@ class Sequence:
         self.params = params
         self.priority = priority
         self.cache_salt = cache_salt
+        self.bad_words_token_ids = bad_words_token_ids or []  # params.bad_words as token ids (see LLMEngine)
         # Every request samples from its own seeded stream, so its tokens don't depend on its batch-mates
         # or on being preempted and recomputed.
         self.sampling_seed = params.seed if params.seed is not None else random.getrandbits(62)
@@ -69,6 +71,7 @@ class Sequence:
         self.num_preemptions = 0
         self.finish_reason: str | None = None
         self.logprobs: list[TokenLogprob] = []
+        self.cumulative_logprob = 0.0  # of the output tokens, kept when params.logprobs or params.ranked ask
         self.output_text = ""
         self.times = SequenceTimes()
 
