@@ -30,9 +30,13 @@ from carpool.models.quantization import QUANTIZATION_MODES
 
 
 def add_gate_args(parser: argparse.ArgumentParser) -> None:
-    """`--db` and `--prices` for `carpool serve`; pass them to `open_ledger_gate(args.db, args.prices, ...)`."""
+    """`--db`, `--prices` and `--metrics-tenants` for `carpool serve`: pass the first two to
+    `open_ledger_gate(args.db, args.prices, ...)`, the last to `register_metrics`."""
     _add_db_arg(parser)
     parser.add_argument("--prices", default=None, help="price sheet TOML (default: the shipped one)")
+    parser.add_argument("--metrics-tenants", action="store_true",
+                        help="label carpool:cost on /metrics by tenant too (/metrics needs no key, so tenant names "
+                             "and their spend are shown only with this flag)")
 
 
 def add_keys_parser(subparsers) -> None:

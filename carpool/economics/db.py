@@ -1,7 +1,8 @@
 """The economics database: one SQLite file holding API keys and the ledger.
 
 WAL mode lets the reporting side (CLI, /v1/usage) read while the server's ledger writer appends, and lets
-`carpool keys revoke` take effect on a running server at its next request.
+`carpool keys revoke` take effect on a running server at its next request. Any failure to open or check the file
+is a DatabaseUnusable naming the path and the cause in one line.
 """
 
 import os
@@ -53,12 +54,52 @@ def default_db_path() -> Path:
     return Path(override) if override else cache_dir() / "carpool.db"
 
 
+class DatabaseUnusable(ValueError):
+    """The database cannot be opened, read or written, or is not carpool's: `<path>: <cause>`."""
+
+
 def connect(path: str | Path) -> sqlite3.Connection:
     """A connection with the schema in place. Waits up to 30 s for a lock rather than failing a write."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    conn = sqlite3.connect(path, timeout=30, check_same_thread=False)
-    conn.row_factory = sqlite3.Row
-    conn.execute("PRAGMA journal_mode=WAL")
-    conn.executescript(SCHEMA)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        conn = sqlite3.connect(path, timeout=30, check_same_thread=False)
+        conn.row_factory = sqlite3.Row
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.executescript(SCHEMA)
+    except (sqlite3.Error, OSError) as error:
+        raise DatabaseUnusable(f"{path}: {_cause(error)}") from None
     return conn
+
+
+def check_database(conn: sqlite3.Connection, path: str | Path) -> None:
+    """What a server checks before it serves: the file is sound, its tables are the ones this code writes, and
+    it can be written. A damaged keys table otherwise passes /health and fails every keyed request with a 500."""
+    try:
+        problems = [row[0] for row in conn.execute("PRAGMA quick_check")]
+        if problems != ["ok"]:
+            raise DatabaseUnusable(f"{path}: failed its integrity check: {problems[0]}")
+        expected = sqlite3.connect(":memory:")
+        expected.executescript(SCHEMA)
+        for (table,) in expected.execute("SELECT name FROM sqlite_master WHERE type = 'table'"):
+            if _columns(conn, table) != _columns(expected, table):
+                raise DatabaseUnusable(f"{path}: table {table} is not the one carpool writes (columns "
+                                       f"{', '.join(_columns(conn, table)) or 'none'})")
+        # A write rolled back: a read-only file opens and reads fine, and fails only at its first write.
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            conn.execute("CREATE TABLE carpool_write_check (x)")
+        finally:
+            conn.execute("ROLLBACK")
+    except sqlite3.Error as error:
+        raise DatabaseUnusable(f"{path}: {_cause(error)}") from None
+
+
+def _columns(conn: sqlite3.Connection, table: str) -> list[str]:
+    return [f"{row[1]} {row[2]}" for row in conn.execute(f"PRAGMA table_info({table})")]
+
+
+def _cause(error: Exception) -> str:
+    if isinstance(error, OSError):
+        return error.strerror or str(error)
+    return str(error)

@@ -2,20 +2,23 @@
 
 Admission is the only point of enforcement: a request that got in runs to the end, whatever its tenant spends
 meanwhile. Budgets are checked against spend already recorded, so requests admitted together may overshoot a
-budget by what they cost; the next request is refused.
+budget by what they cost; the next request is refused. Admission reads the key as it stands now, so a batch
+line is held to its key's current state (revoked, new limits, budget spent), even after a restart; and
+everything billable is refused while the ledger cannot write.
 """
 
 import dataclasses
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from carpool.economics.db import connect, default_db_path
-from carpool.economics.keys import ANONYMOUS, ApiKey, find_key, has_keys
-from carpool.economics.ledger import LedgerWriter
+from carpool.economics.db import check_database, connect, default_db_path
+from carpool.economics.keys import ANONYMOUS, ApiKey, find_key, has_keys, lookup_key
+from carpool.economics.ledger import RETRY_SECONDS, LedgerWriter
 from carpool.economics.prices import PriceSheet, PriceSheetError, load_price_sheet
 from carpool.economics.rate_limit import RateLimiter, RateLimitExceeded
 from carpool.economics.reports import UsageSummary, usage_summary
@@ -31,12 +34,13 @@ class LedgerGate:
         self.clock = clock
         # Key lookups run on the server's threads; one connection behind a lock is enough for an indexed read.
         self._conn = connect(db_path)
+        check_database(self._conn, db_path)
         self._conn_lock = threading.Lock()
         self._spend = SpendTracker(self._conn, clock())
         self._limiter = RateLimiter()
-        self._keys: dict[str, ApiKey] = {}  # as of each key's latest authentication
         self._writer = LedgerWriter(db_path)
         self._cost_counter: Counter | None = None
+        self._cost_by_tenant = False
 
     # The Gate protocol ----------------------------------------------------------------------------------
 
@@ -48,15 +52,17 @@ class LedgerGate:
             key = find_key(self._conn, api_key) if api_key else None
         if key is None or key.revoked is not None:
             raise GateError(401, "Incorrect, revoked or missing API key.", "invalid_api_key")
-        self._keys[key.key_id] = key
         return Principal(key_id=key.key_id, tenant=key.tenant, allowed_tiers=key.allowed_tiers, is_admin=key.is_admin)
 
     def admit(self, principal: Principal, tier: str, estimated_tokens: int) -> None:
-        if principal.allowed_tiers is not None and tier not in principal.allowed_tiers:
-            raise GateError(403, f"service_tier {tier!r} is not allowed for this key", "tier_not_allowed")
-        key = self._keys.get(principal.key_id) if principal.key_id is not None else None
+        if self._writer.problem is not None:
+            raise GateError(503, f"Billable requests are refused while {self._writer.problem}.", "ledger_unavailable",
+                            retry_after=RETRY_SECONDS)
+        key = self._current_key(principal.key_id)
         if key is None:
-            return
+            return  # no keys configured: the server is open
+        if key.allowed_tiers is not None and tier not in key.allowed_tiers:
+            raise GateError(403, f"service_tier {tier!r} is not allowed for this key", "tier_not_allowed")
         now = self.clock()
         if key.budget is not None:
             spent = self._spend.spent(key.key_id, key.budget_period, now)
@@ -71,24 +77,55 @@ class LedgerGate:
         except RateLimitExceeded as limited:
             raise GateError(429, limited.message, "rate_limit_exceeded", retry_after=limited.retry_after) from None
 
-    def record(self, principal: Principal, usage: UsageRecord) -> None:
-        """Price the request, count it against its key's budget now, and queue its ledger row. Never waits."""
+    def _current_key(self, key_id: str | None) -> ApiKey | None:
+        """The principal's key as the database has it now (one indexed read): a batch line runs long after its
+        batch was made, possibly in another process, with the key revoked or its limits changed since."""
+        if key_id is None:
+            return None
+        with self._conn_lock:
+            key = lookup_key(self._conn, key_id)
+        if key is None or key.revoked is not None:
+            raise GateError(401, "This API key was revoked.", "invalid_api_key")
+        return key
+
+    def record(self, principal: Principal, usage: UsageRecord) -> Future:
+        """Price the request, count it against its key's budget now, and queue its ledger row. Never waits; the
+        Future resolves once the row is committed, or fails with the 503 to answer instead."""
         usage = dataclasses.replace(
             usage, key_id=usage.key_id or principal.key_id, tenant=usage.tenant or principal.tenant
         )
         cost = self.prices.cost(usage)
         self._spend.add(usage.key_id, cost, usage.created)
         if self._cost_counter is not None:
-            self._cost_counter.labels(tenant=usage.tenant or ANONYMOUS, tier=usage.tier).inc(cost)
-        self._writer.submit(usage, cost)
+            tenant = {"tenant": usage.tenant or ANONYMOUS} if self._cost_by_tenant else {}
+            self._cost_counter.labels(tier=usage.tier, **tenant).inc(cost)
+        durable: Future = Future()
+
+        def settle(written: Future) -> None:
+            if written.exception() is None:
+                durable.set_result(None)
+            else:
+                durable.set_exception(GateError(503, f"The request ran, but {written.exception()}; its result "
+                                                     "is withheld.", "ledger_unavailable", retry_after=RETRY_SECONDS))
+
+        self._writer.submit(usage, cost).add_done_callback(settle)
+        return durable
+
+    def health(self) -> str | None:
+        return self._writer.problem
 
     # For the server -------------------------------------------------------------------------------------
 
-    def register_metrics(self, registry: CollectorRegistry) -> Counter:
-        """Export `carpool:cost` (dollars, labels tenant and tier) in `registry`; `record` increments it."""
-        self._cost_counter = Counter(
-            "carpool:cost", "Dollars charged, by tenant and service tier", ["tenant", "tier"], registry=registry
-        )
+    def register_metrics(self, registry: CollectorRegistry, per_tenant: bool = False) -> Counter:
+        """Export `carpool:cost` (dollars by tier, and by tenant too when `per_tenant`: /metrics needs no key,
+        so tenant names and spend are shown only when asked for) and `carpool:ledger_healthy` in `registry`."""
+        self._cost_by_tenant = per_tenant
+        labels = ["tenant", "tier"] if per_tenant else ["tier"]
+        self._cost_counter = Counter("carpool:cost", "Dollars charged, by service tier (and tenant, if enabled)",
+                                     labels, registry=registry)
+        healthy = Gauge("carpool:ledger_healthy", "1 while the usage ledger can write; 0 while it cannot (billable "
+                        "requests are refused)", registry=registry)
+        healthy.set_function(lambda: float(self._writer.problem is None))
         return self._cost_counter
 
     def usage(self, group_by: str, start: float | None = None, end: float | None = None) -> list[UsageSummary]:

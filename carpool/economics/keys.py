@@ -82,10 +82,15 @@ def create_key(
 
 
 def get_key(conn: sqlite3.Connection, key_id: str) -> ApiKey:
-    row = conn.execute("SELECT * FROM keys WHERE key_id = ?", (key_id,)).fetchone()
-    if row is None:
+    key = lookup_key(conn, key_id)
+    if key is None:
         raise ValueError(f"no key with id {key_id!r}")
-    return ApiKey.from_row(row)
+    return key
+
+
+def lookup_key(conn: sqlite3.Connection, key_id: str) -> ApiKey | None:
+    row = conn.execute("SELECT * FROM keys WHERE key_id = ?", (key_id,)).fetchone()
+    return ApiKey.from_row(row) if row is not None else None
 
 
 def find_key(conn: sqlite3.Connection, secret: str) -> ApiKey | None:

@@ -19,10 +19,11 @@ from carpool.server.auth import Authenticate
 from carpool.server.batch.service import BatchService
 from carpool.server.body_limit import BodyLimit
 from carpool.server.errors import APIError, error_body, install_error_handlers
-from carpool.server.gate import Gate, OpenGate, Principal
+from carpool.server.gate import Gate, GateError, OpenGate, Principal
 from carpool.server.generation import Backends, Generation, GenerationFailed
 from carpool.server.metrics import ServerMetrics
 from carpool.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from carpool.server.request_id import RequestId
 from carpool.server.responses import ChatFormat, CompletionFormat
 from carpool.server.serving import Serving
 
@@ -74,7 +75,8 @@ def create_app(
     # A batch input file may be far larger than any single request (multipart overhead allowed for).
     uploads = {"/v1/files": batches.limits.max_file_bytes + 2**20} if batches else {}
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes, path_limits=uploads)
-    app.add_middleware(Authenticate, gate=gate)  # outermost: nobody unknown gets a body read
+    app.add_middleware(Authenticate, gate=gate)  # before the body limit: nobody unknown gets a body read
+    app.add_middleware(RequestId)  # outermost: every response carries x-request-id, a 401 or 413 too
     if batches:
         app.include_router(batches.router)
 
@@ -105,10 +107,12 @@ def create_app(
 
     @app.get("/health")
     def health() -> Response:
-        """Ok only while every model's engine runs."""
+        """Ok only while every model's engine runs and the gate works (its ledger can write)."""
         stopped = [f"{name!r}: {engine.error!r}" for name, engine in engines.items() if engine.error is not None]
         if stopped:
             return JSONResponse(error_body(503, f"The engine stopped: {'; '.join(stopped)}"), 503)
+        if (problem := gate.health()) is not None:
+            return JSONResponse(error_body(503, f"Billable requests are refused: {problem}"), 503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
@@ -152,6 +156,8 @@ async def _events(gen: Generation, fmt: ChatFormat | CompletionFormat, include_u
             yield _event(fmt.usage_chunk(gen))
     except GenerationFailed as error:
         yield _event(error_body(500, f"The engine failed while generating: {error}"))
+    except GateError as error:  # the usage could not be made durable: the stream must not end as a success
+        yield _event(error_body(error.status, error.message, code=error.code))
     finally:
         gen.cancel()
     yield "data: [DONE]\n\n"

@@ -1,11 +1,15 @@
-"""The gate's first question, asked before a request body is even read: who is calling? (401 if nobody known.)"""
+"""The gate's first question, asked before a request body is even read: who is calling? (401 if nobody known.)
+
+Only /health and /metrics answer without a key. The API's schema and its pages (/openapi.json, /docs, /redoc)
+need one whenever the gate does: they are open exactly when the API is.
+"""
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from carpool.server.errors import APIError, error_response
 from carpool.server.gate import Gate, GateError
 
-OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
+OPEN_PATHS = frozenset({"/health", "/metrics"})
 
 
 class Authenticate:

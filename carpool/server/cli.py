@@ -36,7 +36,8 @@ def add_serve_parser(subparsers, add_engine_args, engine_config) -> None:
                         help="requests waiting for their first token, per model and service tier, before 429s")
     parser.add_argument("--max-body-bytes", type=int, default=limits.MAX_BODY_BYTES)
     parser.add_argument("--batch-dir", default=None,
-                        help="where batches and files live (default: $CARPOOL_BATCH_DIR or ~/.cache/carpool/batches)")
+                        help="where batches and files live, for this --db only (default: $CARPOOL_BATCH_DIR, else "
+                             "<db>.batches beside the database)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_gate_args(parser)
     add_engine_args(parser)
@@ -98,17 +99,22 @@ def _values_per_model(args: argparse.Namespace, dest: str, broadcast: bool, num_
 def serve(args: argparse.Namespace, configs: dict) -> int:
     import uvicorn
 
+    from carpool.economics.db import default_db_path
     from carpool.economics.gate import open_ledger_gate
     from carpool.economics.phase_meter import PhaseMeter, register_phase_metrics
     from carpool.economics.routes import usage_router
     from carpool.engine.async_engine import AsyncEngine, EngineLoop
     from carpool.server.app import create_app
-    from carpool.server.batch.limits import default_batch_dir
+    from carpool.server.batch.home import claim_batch_dir, default_batch_dir
     from carpool.server.gate import OpenGate
 
     # A fixed key list means no ledger; otherwise the key store, budgets and ledger in --db. Opened before the
     # models load, so a bad price sheet, or one that prices no served model, fails at once.
     ledger = None if args.api_key else open_ledger_gate(args.db, args.prices, served_models=tuple(configs))
+    # So is the batch dir (created, writable, and this database's), so no store fails after minutes of loading.
+    db_path = args.db or default_db_path()
+    batch_dir = args.batch_dir or default_batch_dir(db_path)
+    claim_batch_dir(batch_dir, db_path)
     # One loop steps every model's engine, on this (the main) thread: see AsyncEngine for why. The models load
     # before the port opens, so /health answers only when all are ready.
     engine_loop = EngineLoop()
@@ -118,7 +124,7 @@ def serve(args: argparse.Namespace, configs: dict) -> int:
         ledger or OpenGate(args.api_key),
         max_queued_per_tier=args.max_queued_per_tier,
         max_body_bytes=args.max_body_bytes,
-        batch_dir=str(args.batch_dir or default_batch_dir()),
+        batch_dir=str(batch_dir),
     )
     registry = app.state.metrics.registry
     phases = {name: PhaseMeter() for name in engines}
@@ -126,7 +132,7 @@ def serve(args: argparse.Namespace, configs: dict) -> int:
         engine.add_step_listener(phases[name])
     register_phase_metrics(registry, phases)
     if ledger:
-        ledger.register_metrics(registry)
+        ledger.register_metrics(registry, per_tenant=args.metrics_tenants)
         app.include_router(usage_router(ledger))
     # The engine loop and HTTP share the GIL; at Python's default 5 ms switch interval a thread that wants it can
     # wait a third of a decode step. 1 ms: +15-20% output tokens/s at 8 and 32 streams here (carpool bench

@@ -1,5 +1,6 @@
 """Every failure leaves as OpenAI's error body, `{"error": {"message", "type", "param", "code"}}`, so the SDKs
-raise their usual exception classes. Validation failures are 400 naming the parameter (not FastAPI's 422)."""
+raise their usual exception classes. Validation failures are 400 naming the parameter (not FastAPI's 422), and
+/openapi.json documents them so."""
 
 import logging
 import re
@@ -12,6 +13,8 @@ from starlette.exceptions import HTTPException
 from carpool.server.gate import GateError
 
 log = logging.getLogger("carpool.server")
+
+REQUEST_ID_HEADER = "x-request-id"
 
 _TYPE_NAMES = {"str", "int", "float", "bool", "none"}
 _TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
@@ -51,7 +54,7 @@ def error_response(error: APIError) -> JSONResponse:
 
 
 def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    first = exc.errors()[0]
+    first = _most_telling(exc.errors())
     loc = [part for part in first.get("loc", ()) if part != "body"]
     if first.get("type") == "json_invalid":
         return error_response(APIError(400, f"The request body is not valid JSON: {first.get('msg')}"))
@@ -66,6 +69,18 @@ def field_path(loc: list) -> str:
     path = str(loc[0])
     for part in loc[1:]:
         if isinstance(part, int):
+def _most_telling(errors: list[dict]) -> dict:
+    """The error to report. A value that fits none of a field's types gets one error per type; a constraint the
+    right type broke (`stop` with 5 strings: "at most 4 items") says more than "Input should be a valid string"."""
+    first = errors[0]
+    field = [part for part in first.get("loc", ()) if part != "body"][:1]
+    for error in errors:
+        same_field = [part for part in error.get("loc", ()) if part != "body"][:1] == field
+        if same_field and not error.get("type", "").endswith("_type"):
+            return error
+    return first
+
+
             path += f"[{part}]"
         elif re.fullmatch(r"[a-z_]+", part) and part not in _TYPE_NAMES:
             path += f".{part}"
@@ -78,7 +93,10 @@ def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
 
 def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    return JSONResponse(error_body(500, "The server had an error while processing your request."), 500)
+    # Answered outside every middleware, so the request id is added here.
+    request_id = request.scope.get("state", {}).get("request_id")
+    headers = {REQUEST_ID_HEADER: request_id} if request_id else None
+    return JSONResponse(error_body(500, "The server had an error while processing your request."), 500, headers)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -87,3 +105,41 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected)
+    _document_validation_as_400(app)
+
+
+_ERROR_SCHEMA = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {"error": {"type": "object", "properties": {
+        "message": {"type": "string"},
+        "type": {"type": "string"},
+        "param": {"type": ["string", "null"]},
+        "code": {"type": ["string", "null"]},
+    }}},
+}
+
+
+def _document_validation_as_400(app: FastAPI) -> None:
+    """FastAPI documents a 422 on every route that validates input; this server answers those with a 400."""
+    generate = app.openapi
+
+    def openapi() -> dict:
+        fresh = app.openapi_schema is None
+        schema = generate()
+        if fresh:
+            for operations in schema.get("paths", {}).values():
+                for operation in operations.values():
+                    responses = operation.get("responses", {})
+                    if responses.pop("422", None) is not None:
+                        responses["400"] = {
+                            "description": "Invalid request: the error's `param` names the field",
+                            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
+                        }
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for unused in ("HTTPValidationError", "ValidationError"):
+                components.pop(unused, None)
+            components["Error"] = _ERROR_SCHEMA
+        return schema
+
+    app.openapi = openapi

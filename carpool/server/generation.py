@@ -3,10 +3,12 @@
 Bookkeeping (the tier's queue slot, metrics, the gate's usage record) hangs on the tasks' completion callbacks
 rather than on `finally` blocks, so it happens exactly once even for a request cancelled before its first step.
 Cancelling the tasks aborts their engine requests: the blocks are back in the pool by the next engine step.
+A generation is `done` only once the gate has made its usage durable, so no response ends before its ledger row.
 """
 
 import asyncio
 import time
+from concurrent.futures import Future
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from functools import partial
@@ -17,7 +19,7 @@ from carpool.engine.outputs import RequestOutput
 from carpool.engine.sampling_params import SamplingParams
 from carpool.engine.sequence import SequenceTimes
 from carpool.server.admission import TierQueues
-from carpool.server.gate import Gate, Principal
+from carpool.server.gate import Gate, GateError, Principal
 from carpool.server.metrics import Metrics
 from carpool.server.protocol import TIERS
 
@@ -61,7 +63,9 @@ class Generation:
         self.created = int(time.time())
         self.arrival = time.monotonic()
         self.error: BaseException | None = None
+        self.unrecorded: GateError | None = None  # the gate could not make the usage durable: answer this instead
         self.done = asyncio.Event()
+        self._recording: asyncio.Task | None = None
         # Only a stream reads outputs one by one; a whole response is built from each choice's last output.
         self._events: asyncio.Queue | None = asyncio.Queue() if streaming else None
         self._open = len(choices)
@@ -99,21 +103,40 @@ class Generation:
         self._open -= 1
         if self._open == 0:
             try:
-                self.gate.record(self.principal, self.usage_record())
-            finally:  # a gate that fails to record must not leave the caller waiting forever
+                durable = self.gate.record(self.principal, self.usage_record())
+            except Exception as error:  # a gate that fails to record must not leave the caller waiting forever
+                durable = Future()
+                durable.set_exception(error)
+            if durable is None:
                 self.done.set()
+            else:
+                self._recording = asyncio.ensure_future(self._await_durable(durable))
+
+    async def _await_durable(self, durable: Future) -> None:
+        try:
+            await asyncio.wrap_future(durable)
+        except Exception as error:
+            self.unrecorded = error if isinstance(error, GateError) else GateError(
+                503, f"The request ran, but its usage could not be recorded ({error}); its result is withheld.",
+                "usage_not_recorded")
+        finally:
+            self.done.set()
 
     def cancel(self) -> None:
         for task in self._tasks:
             task.cancel()
 
     async def wait(self) -> None:
+        """Until every choice is done and the usage is durable: GenerationFailed, or the gate's GateError."""
         await self.done.wait()
         if self.error is not None:
             raise GenerationFailed(repr(self.error))
+        if self.unrecorded is not None:
+            raise self.unrecorded
 
     async def stream(self) -> AsyncIterator[tuple[Choice, RequestOutput]]:
-        """(choice, output) for every output of every choice, in arrival order, until all choices are done."""
+        """(choice, output) for every output of every choice, in arrival order, until all choices are done and
+        the usage is durable (so what the caller sends after it, usage and [DONE], follows the ledger row)."""
         open_choices = len(self.choices)
         while open_choices:
             choice, output = await self._events.get()
@@ -123,6 +146,7 @@ class Generation:
             open_choices -= 1
             if self.error is not None:
                 raise GenerationFailed(repr(self.error))
+        await self.wait()
 
     # Usage ---------------------------------------------------------------------------------------------
 

@@ -2,7 +2,7 @@ import sqlite3
 
 import pytest
 from economics_helpers import TEST_SHEET, usage
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 
 from carpool.economics.db import connect
 from carpool.economics.gate import LedgerGate, open_ledger_gate
@@ -128,7 +128,7 @@ def test_rate_limits_answer_429_with_retry_after(gate, db_path, clock):
 
 def test_record_fills_key_and_tenant_from_principal_and_counts_cost(gate, db_path):
     registry = CollectorRegistry()
-    gate.register_metrics(registry)
+    gate.register_metrics(registry, per_tenant=True)
     key, secret = new_key(db_path, tenant="acme")
     principal = gate.authenticate(secret)
     gate.record(principal, usage(tier="priority"))
@@ -141,6 +141,19 @@ def test_record_fills_key_and_tenant_from_principal_and_counts_cost(gate, db_pat
         0.006
     )
     assert registry.get_sample_value("carpool:cost_total", {"tenant": "acme", "tier": "batch"}) == pytest.approx(0.0009)
+
+
+def test_metrics_show_no_tenant_unless_asked(gate, db_path):
+    """/metrics needs no key: by default it shows spend by tier only, never who spent it."""
+    registry = CollectorRegistry()
+    gate.register_metrics(registry)
+    _, secret = new_key(db_path, tenant="acme-secret-project")
+    record = usage(tier="priority")
+    gate.record(gate.authenticate(secret), record)
+    assert gate.flush(timeout=30)
+    assert registry.get_sample_value("carpool:cost_total", {"tier": "priority"}) == pytest.approx(gate.prices.cost(record))
+    assert registry.get_sample_value("carpool:ledger_healthy") == 1
+    assert "acme-secret-project" not in generate_latest(registry).decode()
 
 
 def test_ledger_row_has_every_issue_field(gate, db_path):

@@ -24,7 +24,7 @@ def test_budget_revocation_report_and_cost_counter(tmp_path, capsys):
     db = tmp_path / "carpool.db"  # LiveServer points CARPOOL_DB at home/carpool.db
     spender, spender_id = create_key(capsys, db, "--tenant", "acme", "--budget", "0.0000001", "--budget-period", "day")
     admin, _ = create_key(capsys, db, "--tenant", "ops", "--admin")
-    server = LiveServer(home=str(tmp_path))
+    server = LiveServer("--metrics-tenants", home=str(tmp_path))
     try:
         url = f"{server.url}/v1"
         acme = openai.OpenAI(base_url=url, api_key=spender, max_retries=0)

@@ -4,11 +4,13 @@ import time
 
 import pytest
 from economics_helpers import usage
+from ledger_faults import fill_disk
 from prometheus_client import CollectorRegistry
 
 from carpool.economics.db import connect
 from carpool.economics.gate import LedgerGate
 from carpool.economics.keys import create_key
+from carpool.server.gate import GateError
 
 CLIENTS = 50
 REQUESTS_PER_CLIENT = 40
@@ -86,3 +88,45 @@ def test_close_commits_what_is_queued(db_path, prices):
         gate.record(gate.authenticate(None), usage(request_id=str(i)))
     gate.close()
     assert sqlite3.connect(db_path).execute("SELECT COUNT(*) FROM ledger").fetchone()[0] == 20
+
+
+def test_record_resolves_only_once_the_row_is_committed(gate, db_path):
+    """The server holds a response's last byte on this Future: it must not resolve before the commit."""
+    blocker = sqlite3.connect(db_path, isolation_level=None, check_same_thread=False)
+    blocker.execute("BEGIN IMMEDIATE")  # the writer cannot commit until this lets go
+    durable = gate.record(gate.authenticate(None), usage(request_id="held"))
+    time.sleep(0.2)
+    assert not durable.done()
+    blocker.execute("COMMIT")
+    assert durable.result(timeout=30) is None
+    assert sqlite3.connect(db_path).execute("SELECT request_id FROM ledger").fetchall() == [("held",)]
+
+
+def test_a_ledger_that_cannot_write_refuses_billable_work_until_it_can(monkeypatch, db_path, prices):
+    full_disk = fill_disk(monkeypatch)
+    gate = LedgerGate(db_path, prices)
+    try:
+        registry = CollectorRegistry()
+        gate.register_metrics(registry)
+        principal = gate.authenticate(None)
+        gate.admit(principal, "default", 10)
+        with pytest.raises(GateError) as withheld:  # the request ran, but its client must not hear "success"
+            gate.record(principal, usage(request_id="ran")).result(timeout=30)
+        assert (withheld.value.status, withheld.value.code) == (503, "ledger_unavailable")
+        assert "database or disk is full" in withheld.value.message
+        assert "database or disk is full" in gate.health()
+        assert registry.get_sample_value("carpool:ledger_healthy") == 0
+        with pytest.raises(GateError) as refused:
+            gate.admit(principal, "default", 10)
+        assert (refused.value.status, refused.value.code) == (503, "ledger_unavailable")
+        assert refused.value.retry_after is not None
+
+        full_disk.full = False  # space again: the next retry writes the held row and admission reopens
+        deadline = time.monotonic() + 30
+        while gate.health() is not None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert gate.health() is None and registry.get_sample_value("carpool:ledger_healthy") == 1
+        gate.admit(principal, "default", 10)
+        assert sqlite3.connect(db_path).execute("SELECT request_id FROM ledger").fetchall() == [("ran",)]
+    finally:
+        gate.close()

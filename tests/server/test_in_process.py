@@ -33,6 +33,9 @@ class RecordingGate:
     def record(self, principal, usage):
         self.records.append((principal, usage))
 
+    def health(self):
+        return None
+
 
 @pytest.fixture
 def engine(llm):

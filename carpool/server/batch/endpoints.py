@@ -20,6 +20,9 @@ from carpool.server.protocol import ChatCompletionRequest, CompletionRequest
 from carpool.server.serving import Serving
 
 BATCH_TIER = "batch"
+# Refusals that mean "not now" when they come with a retry time: a full queue or a key's rate limit, and a
+# ledger that cannot write for the moment. Batch work waits its turn; every other refusal answers the line.
+WAIT_CODES = ("rate_limit_exceeded", "ledger_unavailable")
 
 
 class ServingEndpoint:
@@ -46,9 +49,8 @@ class ServingEndpoint:
                 break
             except (APIError, GateError) as refused:
                 error = refused if isinstance(refused, APIError) else APIError.from_gate_error(refused)
-                # A full queue or a key's rate limit means "not now": batch work waits its turn. A refusal with
-                # no retry time (a request larger than the key's per-minute limit) is "no" and answers the line.
-                if error.code != "rate_limit_exceeded" or error.retry_after is None:
+                # A refusal with no retry time (a request larger than the key's per-minute limit) is "no".
+                if error.code not in WAIT_CODES or error.retry_after is None:
                     return Outcome(error.status, error_body(error.status, error.message, error.param, error.code),
                                    new_id("req_"))
                 await asyncio.sleep(error.retry_after)
@@ -56,6 +58,8 @@ class ServingEndpoint:
             await gen.wait()
         except GenerationFailed as error:
             return Outcome(500, error_body(500, f"The engine failed while generating: {error}"), gen.request_id)
+        except GateError as error:  # the usage could not be made durable: the line must not read as a success
+            return Outcome(error.status, error_body(error.status, error.message, code=error.code), gen.request_id)
         finally:
             if not gen.done.is_set():
                 gen.cancel()  # the batch was cancelled or expired, or the server is stopping

@@ -1,10 +1,6 @@
-"""What a batch may be, and where batches live on disk."""
+"""What a batch may be."""
 
-import os
 from dataclasses import dataclass
-from pathlib import Path
-
-from carpool.models.loader import cache_dir
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 COMPLETION_WINDOWS = {"24h": 24 * 3600}  # the only window OpenAI offers; seconds
@@ -19,8 +15,3 @@ class BatchLimits:
     # A file that is wrong everywhere would otherwise produce a batch object as big as the file itself.
     max_reported_errors: int = 1000
 
-
-def default_batch_dir() -> Path:
-    """`CARPOOL_BATCH_DIR`, else batches/ in carpool's cache folder (`CARPOOL_CACHE_DIR`, ~/.cache/carpool)."""
-    override = os.environ.get("CARPOOL_BATCH_DIR")
-    return Path(override) if override else cache_dir() / "batches"

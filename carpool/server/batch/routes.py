@@ -6,6 +6,7 @@ admin keys see everyone's. Someone else's object answers 404, as if it did not e
 
 import asyncio
 import time
+from pathlib import PurePosixPath
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, File, Form, Query, Request, UploadFile
@@ -44,7 +45,7 @@ def create_batch_router(store: BatchStore, runner: BatchRunner, gate: Gate, limi
                            param="purpose", code="invalid_value")
         owner = _owner(_caller(request))
         try:
-            row = await asyncio.to_thread(store.save_file, owner, file.filename or "upload.jsonl", purpose, file.file,
+            row = await asyncio.to_thread(store.save_file, owner, upload_name(file.filename), purpose, file.file,
                                           limits.max_file_bytes, int(time.time()))
         except FileTooLarge as error:
             raise APIError(400, f"file: {error}", param="file", code="file_too_large") from None
@@ -146,6 +147,13 @@ def create_batch_router(store: BatchStore, runner: BatchRunner, gate: Gate, limi
         return row
 
     return router
+
+
+def upload_name(filename: str | None) -> str:
+    """An upload's name without its folders (`../../x.jsonl` is `x.jsonl`, Windows' separators too): the name is
+    echoed in the file object and in Content-Disposition, where a path has no business."""
+    name = PurePosixPath((filename or "").replace("\\", "/")).name
+    return name if name not in ("", ".", "..") else "upload.jsonl"
 
 
 def _caller(request: Request) -> Principal:

@@ -9,6 +9,7 @@ results at the end, written beside the database and registered in the same trans
 import json
 import secrets
 import sqlite3
+import tempfile
 import threading
 from pathlib import Path
 from typing import BinaryIO
@@ -103,6 +104,18 @@ class BatchStore:
     def close(self) -> None:
         with self._lock:
             self._conn.close()
+
+    def check_writable(self) -> None:
+        """Raise (OSError, sqlite3.Error) unless both the files folder and the database take writes: a read-only
+        store opens and reads fine, and would fail only at its first upload."""
+        with tempfile.TemporaryFile(dir=self.files_dir):
+            pass
+        with self._lock:
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                self._conn.execute("CREATE TABLE carpool_write_check (x)")
+            finally:
+                self._conn.execute("ROLLBACK")
 
     def _query(self, sql: str, args: tuple = ()) -> list[dict]:
         with self._lock:

@@ -26,6 +26,9 @@ class RecordingGate:
     def record(self, principal, usage):
         self.records.append((principal, usage))
 
+    def health(self):
+        return None
+
 
 class OverLimitGate(RecordingGate):
     """Every batch request is larger than the key's tokens-per-minute limit: waiting will never admit it."""

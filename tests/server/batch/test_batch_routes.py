@@ -40,6 +40,9 @@ class KeyedGate:
     def record(self, principal, usage):
         pass
 
+    def health(self):
+        return None
+
 
 @pytest.fixture
 def app(tmp_path):
