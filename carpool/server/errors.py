@@ -63,12 +63,6 @@ def _validation_error(request: Request, exc: RequestValidationError) -> JSONResp
     return error_response(APIError(400, f"{field_path(loc)}: {first.get('msg')}", param=str(loc[0])))
 
 
-def field_path(loc: list) -> str:
-    """`messages[0].content` from pydantic's error location, less the union members it tried (`str`,
-    `list[int]`, `TextPart`): this API's field names are all snake_case and none is a type's name."""
-    path = str(loc[0])
-    for part in loc[1:]:
-        if isinstance(part, int):
 def _most_telling(errors: list[dict]) -> dict:
     """The error to report. A value that fits none of a field's types gets one error per type; a constraint the
     right type broke (`stop` with 5 strings: "at most 4 items") says more than "Input should be a valid string"."""
@@ -81,6 +75,12 @@ def _most_telling(errors: list[dict]) -> dict:
     return first
 
 
+def field_path(loc: list) -> str:
+    """`messages[0].content` from pydantic's error location, less the union members it tried (`str`,
+    `list[int]`, `TextPart`): this API's field names are all snake_case and none is a type's name."""
+    path = str(loc[0])
+    for part in loc[1:]:
+        if isinstance(part, int):
             path += f"[{part}]"
         elif re.fullmatch(r"[a-z_]+", part) and part not in _TYPE_NAMES:
             path += f".{part}"
