@@ -45,6 +45,9 @@ class APIError(Exception):
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
     kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    # A message may quote the caller's input, which can hold a lone surrogate that no JSON encoder writes as UTF-8.
+    message, param = (text if text is None else text.encode("utf-8", "backslashreplace").decode()
+                      for text in (message, param))
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
@@ -60,6 +63,9 @@ def _validation_error(request: Request, exc: RequestValidationError) -> JSONResp
         return error_response(APIError(400, f"The request body is not valid JSON: {first.get('msg')}"))
     if not loc:
         return error_response(APIError(400, f"The request body must be a JSON object: {first.get('msg')}"))
+    if first.get("type") == "extra_forbidden":  # OpenAI's words for a field it does not know
+        path = f"{field_path(loc[:-1])}.{loc[-1]}" if len(loc) > 1 else str(loc[0])
+        return error_response(APIError(400, f"Unrecognized request argument supplied: {path}", param=str(loc[0])))
     return error_response(APIError(400, f"{field_path(loc)}: {first.get('msg')}", param=str(loc[0])))
 
 

@@ -10,12 +10,12 @@ import asyncio
 import time
 from concurrent.futures import Future
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 from carpool.economics.usage import UsageRecord
 from carpool.engine.async_engine import AsyncEngine
-from carpool.engine.outputs import RequestOutput
+from carpool.engine.outputs import RequestOutput, best_of
 from carpool.engine.sampling_params import SamplingParams
 from carpool.engine.sequence import SequenceTimes
 from carpool.server.admission import TierQueues
@@ -30,6 +30,8 @@ class Choice:
     prompt_ids: list[int]
     params: SamplingParams
     bills_prompt: bool  # the first choice of each prompt: n choices share one prompt, billed once
+    prompt_index: int = 0
+    echo: str = ""  # the prompt's text, shown before the output's (completions' `echo`)
     last: RequestOutput | None = None
     finish_reason: str | None = None
 
@@ -55,11 +57,12 @@ class Backends:
 
 class Generation:
     def __init__(self, backends: Backends, request_id: str, tier: str, principal: Principal, choices: list[Choice],
-                 streaming: bool, cache_salt: str | None = None):
+                 streaming: bool, cache_salt: str | None = None, keep: int | None = None):
         self.gate, self.metrics, self.queues = backends.gate, backends.metrics, backends.queues
         self.model_name = backends.model_name
         self.request_id, self.tier, self.principal, self.choices = request_id, tier, principal, choices
         self.cache_salt = cache_salt
+        self.keep = keep  # best_of: the number of each prompt's candidates that the response shows
         self.created = int(time.time())
         self.arrival = time.monotonic()
         self.error: BaseException | None = None
@@ -147,6 +150,18 @@ class Generation:
             if self.error is not None:
                 raise GenerationFailed(repr(self.error))
         await self.wait()
+
+    def shown_choices(self) -> list[Choice]:
+        """The choices a whole response shows: all of them, or with best_of the `keep` of each prompt's candidates
+        with the highest cumulative logprob, numbered from 0 (the others are still billed)."""
+        if self.keep is None:
+            return self.choices
+        shown = []
+        for prompt_index in dict.fromkeys(c.prompt_index for c in self.choices):
+            candidates = {id(c.last): c for c in self.choices if c.prompt_index == prompt_index}
+            for output in best_of([c.last for c in candidates.values()], self.keep):
+                shown.append(replace(candidates[id(output)], index=len(shown)))
+        return shown
 
     # Usage ---------------------------------------------------------------------------------------------
 

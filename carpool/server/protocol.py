@@ -1,38 +1,78 @@
 """Request bodies of the OpenAI-compatible API. Validation is strict, so a wrong type is a 400 rather than
-silently coerced ("3" is not 3); unknown fields are ignored, as clients send options this server has no use for.
-Every optional field also takes null, which some clients send for "not set"."""
+silently coerced ("3" is not 3). Every optional field also takes null, which some clients send for "not set".
 
-from typing import Annotated, Literal
+No parameter is silently ignored. A field the body does not declare is a 400 ("Unrecognized request argument
+supplied", as OpenAI answers). OpenAI parameters carpool does not implement are declared `Unsupported`: accepted
+only with a value that asks for nothing (null, false, [], "none", {"type": "text"}), else a 400 naming them.
+Extensions are vLLM's, with vLLM's names and meanings. Text must be valid Unicode: a lone UTF-16 surrogate
+("\\ud800" in the JSON) is a 400 naming the field, found in the same validation pass as every other error.
+"""
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Annotated, Any, Literal
 
-from carpool.engine.sampling_params import MAX_LOGPROBS
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
+
+from carpool.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY
 
 # Service tier -> engine priority (lower is served first). `batch` is internal: only the Batch API uses it.
 TIERS = {"priority": 0, "default": 1, "flex": 2, "batch": 3}
-MAX_CHOICES = 128  # n times the number of prompts
+MAX_CHOICES = 128  # n (or best_of) times the number of prompts
 MAX_STOP_STRINGS = 4
+# Each entry costs a little Python on every step of its request: bounded as OpenAI bounds logit_bias.
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_BAD_WORDS = 256
 
 NonEmpty = Field(min_length=1)
+_NEUTRAL = (None, False, "", "none", [], {}, ["text"], {"type": "text"})
+
+
+def _valid_unicode(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise PydanticCustomError(
+            "invalid_unicode", "contains a lone UTF-16 surrogate ({char}) at character {index}, which is not text",
+            {"char": ascii(text[error.start]), "index": error.start},
+        ) from None
+    return text
+
+
+def _nothing_asked(value: Any) -> Any:
+    if not any(value == neutral and type(value) is type(neutral) for neutral in _NEUTRAL):
+        raise PydanticCustomError("unsupported_parameter", "not supported by this server (omit it, or send null)")
+    return None
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+Unsupported = Annotated[Any, AfterValidator(_nothing_asked), Field(description="Not supported: omit it, or null")]
 
 
 class Body(BaseModel):
-    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
 
 
 class StreamOptions(Body):
     include_usage: bool | None = None
+    include_obfuscation: Unsupported = None
 
 
 class TextPart(Body):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | Annotated[list[TextPart], NonEmpty] | None = None
-    name: str | None = None
+    content: Text | Annotated[list[TextPart], NonEmpty] | None = None
+    name: Text | None = Field(None, description="passed to the chat template, which may use it")
+    # What an assistant turn of an earlier response carries when a client sends the conversation back.
+    refusal: Unsupported = None
+    annotations: Unsupported = None
+    audio: Unsupported = None
+    tool_calls: Unsupported = None
+    function_call: Unsupported = None
+    tool_call_id: Unsupported = None
 
     @property
     def text(self) -> str:
@@ -44,23 +84,70 @@ class ChatMessage(Body):
 class GenerationRequest(Body):
     """What chat and text completions share."""
 
-    model: str | None = None
+    model: Text | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     n: int | None = Field(None, ge=1, le=MAX_CHOICES)
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop: Text | Annotated[list[Text], Field(max_length=MAX_STOP_STRINGS)] | None = None
     seed: int | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    user: str | None = None
-    cache_salt: str | None = Field(None, max_length=256, description="prefix-cache tenant; default: the API key, else user")
+    user: Text | None = None
+    cache_salt: Text | None = Field(None, max_length=256,
+                                    description="prefix-cache tenant; default: the API key, else user")
     service_tier: Literal["auto", "default", "flex", "priority"] | None = None
+    presence_penalty: float | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    logit_bias: (
+        Annotated[dict[Text, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]],
+                  Field(max_length=MAX_LOGIT_BIAS_ENTRIES)]
+        | None
+    ) = Field(None, description="token id (as a string) -> bias added to its logit")
     # Extensions, with vLLM's names and meanings.
     top_k: int | None = Field(None, ge=-1, description="-1 or 0: no limit")
     min_p: float | None = Field(None, ge=0, le=1)
     priority: int | None = Field(None, ge=0, le=2, description="the tier by number: 0 priority, 1 default, 2 flex")
     ignore_eos: bool | None = None
+    repetition_penalty: float | None = Field(
+        None, gt=0, description="over prompt and output tokens: positive logits divided by it, negative multiplied")
+    min_tokens: int | None = Field(None, ge=0, description="EOS, stop_token_ids and stop strings wait for this many")
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    bad_words: Annotated[list[Text], Field(max_length=MAX_BAD_WORDS)] | None = Field(
+        None, description="never complete one of these words (as tokenized alone or after a space)")
+    # OpenAI parameters carpool does not implement.
+    store: Unsupported = None
+    metadata: Unsupported = None
+    prompt_cache_key: Unsupported = None
+    safety_identifier: Unsupported = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        bad = [key for key in bias or () if not key.isascii() or not key.isdecimal()]
+        if bad:
+            raise PydanticCustomError("token_id", "keys must be token ids (decimal integers), got {keys}",
+                                      {"keys": ascii(bad[:5])})
+        return bias
+
+    def sampling_options(self) -> dict:
+        """The SamplingParams fields the body sets as they are (max_tokens, seed, logprobs and best_of depend
+        on the endpoint and on the choice)."""
+        return {
+            "temperature": 1.0 if self.temperature is None else self.temperature,
+            "top_p": 1.0 if self.top_p is None else self.top_p,
+            "top_k": max(0, self.top_k or 0),
+            "min_p": self.min_p or 0.0,
+            "stop": self.stop,
+            "ignore_eos": bool(self.ignore_eos),
+            "presence_penalty": self.presence_penalty or 0.0,
+            "frequency_penalty": self.frequency_penalty or 0.0,
+            "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            "logit_bias": {int(token): bias for token, bias in self.logit_bias.items()} if self.logit_bias else None,
+            "min_tokens": self.min_tokens or 0,
+            "stop_token_ids": self.stop_token_ids,
+            "bad_words": self.bad_words,
+        }
 
 
 class ChatCompletionRequest(GenerationRequest):
@@ -68,25 +155,43 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # OpenAI parameters carpool does not implement.
+    tools: Unsupported = None
+    tool_choice: Unsupported = None
+    parallel_tool_calls: Unsupported = None
+    functions: Unsupported = None
+    function_call: Unsupported = None
+    response_format: Unsupported = None
+    modalities: Unsupported = None
+    audio: Unsupported = None
+    prediction: Unsupported = None
+    reasoning_effort: Unsupported = None
+    verbosity: Unsupported = None
+    web_search_options: Unsupported = None
+    prompt_cache_retention: Unsupported = None
 
 
 class CompletionRequest(GenerationRequest):
     prompt: (
-        str
-        | Annotated[list[str], NonEmpty]
+        Text
+        | Annotated[list[Text], NonEmpty]
         | Annotated[list[int], NonEmpty]
         | Annotated[list[Annotated[list[int], NonEmpty]], NonEmpty]
     )
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool | None = Field(None, description="the prompt's text before each choice's text")
+    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES,
+                                description="candidates per prompt; the n with the highest cumulative logprob return")
+    suffix: Unsupported = None
 
 
 class TokenizeRequest(Body):
-    model: str | None = None
-    prompt: str | None = None
+    model: Text | None = None
+    prompt: Text | None = None
     messages: Annotated[list[ChatMessage], NonEmpty] | None = None
     add_special_tokens: bool | None = None
 
 
 class DetokenizeRequest(Body):
-    model: str | None = None
+    model: Text | None = None
     tokens: list[int]

@@ -22,7 +22,7 @@ class _Format:
                 "choices": choices, "service_tier": gen.tier, "system_fingerprint": None}
 
     def response(self, gen: Generation) -> dict:
-        body = self.envelope(gen, self.response_object, [self.choice(c) for c in gen.choices])
+        body = self.envelope(gen, self.response_object, [self.choice(c) for c in gen.shown_choices()])
         return body | {"usage": gen.usage()}
 
     def chunk(self, gen: Generation, choice: Choice, output: RequestOutput) -> dict | None:
@@ -82,7 +82,7 @@ class CompletionFormat(_Format):
         output = choice.last
         return {
             "index": choice.index,
-            "text": output.text,
+            "text": choice.echo + output.text,
             "logprobs": self._logprobs(choice, output.logprobs or []) if self.logprobs else None,
             "finish_reason": output.finish_reason,
         }
@@ -90,7 +90,7 @@ class CompletionFormat(_Format):
     def chunk_choice(self, choice: Choice, output: RequestOutput, first: bool) -> dict:
         return {
             "index": choice.index,
-            "text": output.delta_text,
+            "text": choice.echo + output.delta_text if first else output.delta_text,
             "logprobs": self._logprobs(choice, output.delta_logprobs) if self.logprobs else None,
             "finish_reason": output.finish_reason if output.finished else None,
         }

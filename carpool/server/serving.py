@@ -68,7 +68,8 @@ class ModelServing:
         self.tokenizer = backends.engine.tokenizer
 
     def chat_prompt(self, messages: list[ChatMessage]) -> str:
-        turns = [{"role": "system" if m.role == "developer" else m.role, "content": m.text} for m in messages]
+        turns = [{"role": "system" if m.role == "developer" else m.role, "content": m.text}
+                 | ({"name": m.name} if m.name is not None else {}) for m in messages]
         try:
             return self.tokenizer.apply_chat_template(turns)
         except Exception as error:  # a chat template is code run on the caller's input: its failures are theirs
@@ -92,9 +93,20 @@ class ModelServing:
     def start_completion(self, request: CompletionRequest, principal: Principal) -> tuple[Generation, CompletionFormat]:
         prompt = request.prompt
         prompts = prompt if isinstance(prompt, list) and not isinstance(prompt[0], int) else [prompt]
+        if request.echo and request.logprobs is not None:
+            raise APIError(400, "echo: echo together with logprobs is not supported (this server does not compute "
+                                "prompt logprobs)", param="echo")
+        n, best_of = request.n or 1, request.best_of or request.n or 1
+        if best_of < n:
+            raise APIError(400, f"best_of: must be at least n ({n}), got {best_of}", param="best_of")
+        if best_of > n and request.stream:
+            raise APIError(400, "best_of: streaming is not supported when best_of is greater than n",
+                           param="best_of")
         prompt_ids = [self._tokenize(p, request) for p in prompts]
+        # Echo the prompt as given: its text, or the text of its token ids.
+        echoes = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in prompts] if request.echo else None
         max_tokens = request.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
-        gen = self._start(request, principal, prompt_ids, max_tokens, request.logprobs, {})
+        gen = self._start(request, principal, prompt_ids, max_tokens, request.logprobs, {}, best_of, echoes)
         return gen, CompletionFormat(self.tokenizer, request.logprobs is not None)
 
     def _tokenize(self, prompt: str | list[int], request: GenerationRequest, renamed=None) -> list[int]:
@@ -104,16 +116,23 @@ class ModelServing:
             raise APIError.from_value_error(error, type(request).model_fields, renamed) from error
 
     def _start(self, request: GenerationRequest, principal: Principal, prompts: list[list[int]],
-               max_tokens: int | None, logprobs: int | None, renamed: dict) -> Generation:
+               max_tokens: int | None, logprobs: int | None, renamed: dict, best_of: int | None = None,
+               echoes: list[str] | None = None) -> Generation:
+        """Each prompt runs best_of (default n) candidates; with best_of > n the n best of each are returned."""
         tier = self._tier(request)
         n = request.n or 1
-        if n * len(prompts) > MAX_CHOICES:
-            raise APIError(400, f"n: n times the number of prompts must be at most {MAX_CHOICES}", param="n")
+        candidates = best_of or n
+        if candidates * len(prompts) > MAX_CHOICES:
+            name = "best_of" if candidates > n else "n"
+            raise APIError(400, f"{name}: {name} times the number of prompts must be at most {MAX_CHOICES}",
+                           param=name)
         choices = []
-        for prompt_ids in prompts:
-            for j in range(n):
-                params = self._params(request, prompt_ids, max_tokens, logprobs, j, renamed)
-                choices.append(Choice(len(choices), prompt_ids, params, bills_prompt=j == 0))
+        for i, prompt_ids in enumerate(prompts):
+            for j in range(candidates):
+                params = self._params(request, prompt_ids, max_tokens, logprobs, j, renamed,
+                                      best_of=candidates if candidates > n else 1)
+                choices.append(Choice(len(choices), prompt_ids, params, bills_prompt=j == 0, prompt_index=i,
+                                      echo=echoes[i] if echoes else ""))
         self.queues.reserve(tier, len(choices))
         try:
             self.gate.admit(principal, tier, sum(len(c.prompt_ids) + c.params.max_tokens for c in choices))
@@ -123,7 +142,8 @@ class ModelServing:
             raise
         prefix = "chatcmpl" if isinstance(request, ChatCompletionRequest) else "cmpl"
         return Generation(self.backends, f"{prefix}-{uuid.uuid4().hex}", tier, principal, choices,
-                          streaming=bool(request.stream), cache_salt=self._cache_salt(request, principal))
+                          streaming=bool(request.stream), cache_salt=self._cache_salt(request, principal),
+                          keep=n if candidates > n else None)
 
     @staticmethod
     def _cache_salt(request: GenerationRequest, principal: Principal) -> str | None:
@@ -147,23 +167,20 @@ class ModelServing:
         return asked or numbered or "default"
 
     def _params(self, request: GenerationRequest, prompt_ids: list[int], max_tokens: int | None,
-                logprobs: int | None, choice: int, renamed: dict) -> SamplingParams:
+                logprobs: int | None, choice: int, renamed: dict, best_of: int = 1) -> SamplingParams:
         fields = type(request).model_fields
         try:
             params = SamplingParams(
                 # Chat without max_tokens may use the rest of the context window, as OpenAI's does.
                 max_tokens=max_tokens or max(1, self.engine.max_new_tokens(len(prompt_ids))),
-                temperature=1.0 if request.temperature is None else request.temperature,
-                top_p=1.0 if request.top_p is None else request.top_p,
-                top_k=max(0, request.top_k or 0),
-                min_p=request.min_p or 0.0,
                 # Each of n choices gets its own seed, so they differ yet replay the same.
                 seed=None if request.seed is None else request.seed + choice,
-                stop=request.stop,
                 logprobs=logprobs,
-                ignore_eos=bool(request.ignore_eos),
+                best_of=best_of,
+                **request.sampling_options(),
             )
             self.engine.check_length(len(prompt_ids), params.max_tokens)  # the ids are already checked
+            self.engine.check_params(params)
         except ContextLengthExceeded as error:
             raise APIError.from_value_error(error, fields, renamed, code="context_length_exceeded") from error
         except ValueError as error:

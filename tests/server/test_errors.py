@@ -93,6 +93,47 @@ def test_bad_parameter_is_400_naming_it(http, model, path, fields, param):
     assert error["type"] == "invalid_request_error"
 
 
+SURROGATE = '"caf\\udce9"'  # JSON text for a lone low surrogate: valid JSON, not valid Unicode
+SAY_HI = '{"role": "user", "content": "hi"}'
+
+
+def client_address(response) -> tuple:
+    return response.extensions["network_stream"].get_extra_info("client_addr")
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "field"),
+    [
+        (CHAT, '{"messages": [{"role": "user", "content": %s}]}', "messages[0].content"),
+        (CHAT, '{"messages": [{"role": "user", "content": [{"type": "text", "text": %s}]}]}',
+         "messages[0].content[0].text"),
+        (CHAT, '{"messages": [{"role": "user", "content": "hi", "name": %s}]}', "messages[0].name"),
+        (CHAT, '{"messages": [' + SAY_HI + '], "stop": ["ok", %s]}', "stop[1]"),
+        (CHAT, '{"messages": [' + SAY_HI + '], "user": %s}', "user"),
+        (CHAT, '{"messages": [' + SAY_HI + '], "bad_words": [%s]}', "bad_words[0]"),
+        (COMPLETIONS, '{"prompt": %s}', "prompt"),
+        (COMPLETIONS, '{"prompt": ["fine", %s]}', "prompt[1]"),
+        (COMPLETIONS, '{"prompt": "hi", "stop": %s}', "stop"),
+        ("/tokenize", '{"prompt": %s}', "prompt"),
+        ("/tokenize", '{"messages": [{"role": "user", "content": %s}]}', "messages[0].content"),
+    ],
+)
+def test_lone_surrogate_is_400_naming_the_field_and_keeps_the_connection(http, path, body, field):
+    response = http.post(path, content=(body % SURROGATE).encode(), headers={"Content-Type": "application/json"})
+    error = error_of(response, 400)
+    assert error["message"].startswith(f"{field}: ") and "surrogate" in error["message"], error
+    assert error["param"] == field.split("[")[0].split(".")[0]
+    again = http.post("/tokenize", json={"prompt": "still here"})
+    assert again.status_code == 200 and client_address(again) == client_address(response)  # same connection
+
+
+def test_lone_surrogate_in_a_field_name_is_400(http):
+    body = ('{"messages": [' + SAY_HI + '], %s: 1}') % SURROGATE
+    response = http.post(CHAT, content=body.encode(), headers={"Content-Type": "application/json"})
+    assert "unicode" in error_of(response, 400)["message"]
+    assert http.post("/tokenize", json={"prompt": "still here"}).status_code == 200
+
+
 def test_unknown_model_is_404(client):
     with pytest.raises(openai.NotFoundError) as raised:
         client.chat.completions.create(model="gpt-17", messages=MESSAGES, max_tokens=1)
