@@ -129,13 +129,16 @@ def test_unsupported_openai_parameters_are_400_naming_them(client, model, fields
     assert raised.value.body["param"] == param and "not supported" in raised.value.body["message"]
 
 
-def test_neutral_values_of_unsupported_parameters_are_accepted(client, model):
-    reply = client.chat.completions.create(
-        model=model, max_tokens=1, tools=[], response_format={"type": "text"}, store=False, modalities=["text"],
-        messages=SUM + [{"role": "assistant", "content": "4", "refusal": None, "tool_calls": []},
-                        {"role": "user", "content": "Thanks"}],
-    )
+def test_unsupported_parameters_asking_for_nothing_are_accepted(client, model):
+    history = SUM + [{"role": "assistant", "content": "4", "refusal": None, "tool_calls": []},
+                     {"role": "user", "content": "Thanks"}]
+    reply = client.chat.completions.create(model=model, max_tokens=1, messages=history, tools=[],
+                                           response_format={"type": "text"}, store=False, modalities=["text"])
     assert reply.choices[0].message.content is not None
+    history[1]["tool_calls"] = [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model=model, max_tokens=1, messages=history)
+    assert raised.value.body["message"].startswith("messages[1].tool_calls: not supported")
 
 
 def test_unknown_parameters_are_400_naming_them(client, model):
