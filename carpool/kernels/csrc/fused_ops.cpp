@@ -12,32 +12,24 @@
 #include <vector>
 
 #include "vec.h"
-#ifdef CARPOOL_AVX512
-#include <sleef.h>  // torch's own vector exp (libtorch_cpu exports it): silu matches torch's to the bit
-#endif
 
 namespace {
 
-#ifdef CARPOOL_AVX512
-using carpool::load16;
-using carpool::round_to;
-using carpool::store16;
-#endif
-
-// One row's RMSNorm, 16 lanes at a time; false when the row does not split into 16-lane chunks.
+// One row's RMSNorm, a vector of lanes at a time; false when the row does not split into whole vectors.
 template <typename T>
 bool rms_norm_vector(const T* row, const T* weight, T* out, int64_t size, float eps) {
-#ifdef CARPOOL_AVX512
+#ifdef CARPOOL_SIMD
   if constexpr (!std::is_same_v<T, double>) {
-    if (size % 16 != 0) return false;
-    __m512 squares = _mm512_setzero_ps();
-    for (int64_t i = 0; i < size; i += 16) {
-      const __m512 v = load16(row + i);
-      squares = _mm512_fmadd_ps(v, v, squares);
+    namespace simd = carpool::simd;
+    if (size % simd::kLanes != 0) return false;
+    simd::Vec squares = simd::zero();
+    for (int64_t i = 0; i < size; i += simd::kLanes) {
+      const simd::Vec v = simd::load(row + i);
+      squares = simd::fmadd(v, v, squares);
     }
-    const __m512 inv = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(squares) / static_cast<float>(size) + eps));
-    for (int64_t i = 0; i < size; i += 16)
-      store16(out + i, _mm512_mul_ps(round_to(out, _mm512_mul_ps(load16(row + i), inv)), load16(weight + i)));
+    const simd::Vec inv = simd::set1(1.0f / std::sqrt(simd::reduce_add(squares) / static_cast<float>(size) + eps));
+    for (int64_t i = 0; i < size; i += simd::kLanes)
+      simd::store(out + i, simd::mul(simd::round_to(out, simd::mul(simd::load(row + i), inv)), simd::load(weight + i)));
     return true;
   }
 #endif
@@ -59,17 +51,22 @@ void rms_norm_rows(const T* src, const T* weight, T* dst, int64_t rows, int64_t 
   });
 }
 
-// The 16-wide part of a row; returns how many elements it did (none without AVX-512).
+// The part of a row torch's own silu computes with vector code (torch_vector_step), in this build's lanes with
+// the same Sleef exp; returns how many elements it did (none in the portable build). The rest goes through the
+// scalar loop, std::exp as torch's scalar path: together bit-identical to silu(gate) * up when torch runs at
+// the matching CPU capability (ATen's AVX512 with the avx512 build, AVX2 with avx2, DEFAULT with portable).
 template <typename T>
 int64_t silu_mul_vector(const T* gate, const T* up, T* out, int64_t width) {
   int64_t i = 0;
-#ifdef CARPOOL_AVX512
-  const __m512 one = _mm512_set1_ps(1.0f);
-  for (; i + 16 <= width; i += 16) {
-    const __m512 g = load16(gate + i);
-    const __m512 denominator = _mm512_add_ps(one, Sleef_expf16_u10(_mm512_sub_ps(_mm512_setzero_ps(), g)));
-    const __m512 silu = round_to(out, _mm512_div_ps(g, denominator));
-    store16(out + i, _mm512_mul_ps(silu, load16(up + i)));
+#ifdef CARPOOL_SIMD
+  namespace simd = carpool::simd;
+  const simd::Vec one = simd::set1(1.0f);
+  const int64_t vector_end = width - width % simd::torch_vector_step<T>();
+  for (; i < vector_end; i += simd::kLanes) {
+    const simd::Vec g = simd::load(gate + i);
+    const simd::Vec denominator = simd::add(one, simd::exp(simd::sub(simd::zero(), g)));
+    const simd::Vec silu = simd::round_to(out, simd::div(g, denominator));
+    simd::store(out + i, simd::mul(silu, simd::load(up + i)));
   }
 #endif
   return i;
@@ -92,12 +89,26 @@ void silu_mul_rows(const T* src, T* dst, int64_t rows, int64_t width) {
   });
 }
 
+// (x1, x2) -> (x1 c1 - x2 s1, x2 c2 + x1 s2) on each head, in fp32 with every product rounded (no FMA), as
+// torch computes x * cos + rotate_half(x) * sin.
 template <typename T>
 void rotate_heads(T* base, int64_t heads, int64_t head_stride, int64_t half, const T* c, const T* s) {
   for (int64_t h = 0; h < heads; ++h) {
     T* v = base + h * head_stride;
-#pragma omp simd
-    for (int64_t i = 0; i < half; ++i) {
+    int64_t i = 0;
+#ifdef CARPOOL_SIMD
+    if constexpr (!std::is_same_v<T, double>) {
+      namespace simd = carpool::simd;
+      for (; i + simd::kLanes <= half; i += simd::kLanes) {
+        const simd::Vec x1 = simd::load(v + i), x2 = simd::load(v + i + half);
+        const simd::Vec c1 = simd::load(c + i), c2 = simd::load(c + i + half);
+        const simd::Vec s1 = simd::load(s + i), s2 = simd::load(s + i + half);
+        simd::store(v + i, simd::sub(simd::mul(x1, c1), simd::mul(x2, s1)));
+        simd::store(v + i + half, simd::add(simd::mul(x2, c2), simd::mul(x1, s2)));
+      }
+    }
+#endif
+    for (; i < half; ++i) {
       const float x1 = static_cast<float>(v[i]), x2 = static_cast<float>(v[i + half]);
       const float c1 = static_cast<float>(c[i]), c2 = static_cast<float>(c[i + half]);
       const float s1 = static_cast<float>(s[i]), s2 = static_cast<float>(s[i + half]);

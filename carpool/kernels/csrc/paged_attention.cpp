@@ -8,9 +8,6 @@
 #include <torch/library.h>
 
 #include "vec.h"
-#ifdef CARPOOL_AVX512
-#include <sleef.h>  // torch's vector exp, exported by libtorch_cpu
-#endif
 
 #include <algorithm>
 #include <cmath>
@@ -22,65 +19,77 @@
 
 namespace {
 
-#ifdef CARPOOL_AVX512
-// One query head against its KV head's context (CHUNKS = head_dim / 16). `offsets` are the context's rows in
+#ifdef CARPOOL_SIMD
+namespace simd = carpool::simd;
+
+// Value accumulators kept in registers at once: a head wider than this many vectors (256 dims in 16 lanes, 128
+// in AVX2's 8) sums its values in column blocks, one pass over the context each, rather than spilling them.
+constexpr int kAccChunks = 8;
+
+// One query head against its KV head's context (CHUNKS = head_dim / lanes). `offsets` are the context's rows in
 // the pool, shared by K and V; `scores` is scratch of context floats. Keys are scored four at a time so their
 // horizontal sums share one reduction; the softmax uses torch's vector exp; the weighted sum of values stays in
 // registers.
 template <typename T, int CHUNKS>
 void attend_head(const float* query, const T* k_cache, const T* v_cache, const int64_t* offsets, int64_t context,
                  float* scores, T* out) {
-  __m512 q[CHUNKS];
-  for (int c = 0; c < CHUNKS; ++c) q[c] = _mm512_loadu_ps(query + c * 16);
+  constexpr int kLanes = simd::kLanes;
+  simd::Vec q[CHUNKS];
+  for (int c = 0; c < CHUNKS; ++c) q[c] = simd::load(query + c * kLanes);
   auto score = [&](int64_t t) {
     const T* key = k_cache + offsets[t];
-    __m512 dot = _mm512_mul_ps(q[0], carpool::load16(key));
-    for (int c = 1; c < CHUNKS; ++c) dot = _mm512_fmadd_ps(q[c], carpool::load16(key + c * 16), dot);
+    simd::Vec dot = simd::mul(q[0], simd::load(key));
+    for (int c = 1; c < CHUNKS; ++c) dot = simd::fmadd(q[c], simd::load(key + c * kLanes), dot);
     return dot;
   };
   int64_t t = 0;
-  for (; t + 4 <= context; t += 4) _mm_storeu_ps(scores + t, carpool::reduce4(score(t), score(t + 1), score(t + 2), score(t + 3)));
-  for (; t < context; ++t) scores[t] = _mm512_reduce_add_ps(score(t));
+  for (; t + 4 <= context; t += 4) simd::store4(scores + t, simd::reduce4(score(t), score(t + 1), score(t + 2), score(t + 3)));
+  for (; t < context; ++t) scores[t] = simd::reduce_add(score(t));
 
   float top = -std::numeric_limits<float>::infinity();
   for (t = 0; t < context; ++t) top = std::max(top, scores[t]);
-  __m512 sums = _mm512_setzero_ps();
-  const __m512 top_v = _mm512_set1_ps(top);
-  for (t = 0; t + 16 <= context; t += 16) {
-    const __m512 e = Sleef_expf16_u10(_mm512_sub_ps(_mm512_loadu_ps(scores + t), top_v));
-    _mm512_storeu_ps(scores + t, e);
-    sums = _mm512_add_ps(sums, e);
+  simd::Vec sums = simd::zero();
+  const simd::Vec top_v = simd::set1(top);
+  for (t = 0; t + kLanes <= context; t += kLanes) {
+    const simd::Vec e = simd::exp(simd::sub(simd::load(scores + t), top_v));
+    simd::store(scores + t, e);
+    sums = simd::add(sums, e);
   }
-  float total = _mm512_reduce_add_ps(sums);
+  float total = simd::reduce_add(sums);
   for (; t < context; ++t) total += (scores[t] = std::exp(scores[t] - top));
 
-  __m512 acc[CHUNKS];
-  for (int c = 0; c < CHUNKS; ++c) acc[c] = _mm512_setzero_ps();
-  for (t = 0; t < context; ++t) {
-    const T* value = v_cache + offsets[t];
-    const __m512 p = _mm512_set1_ps(scores[t]);
-    for (int c = 0; c < CHUNKS; ++c) acc[c] = _mm512_fmadd_ps(p, carpool::load16(value + c * 16), acc[c]);
+  const simd::Vec inv = simd::set1(1.0f / total);
+  for (int first = 0; first < CHUNKS; first += kAccChunks) {
+    constexpr int kBlock = std::min(CHUNKS, kAccChunks);
+    simd::Vec acc[kBlock];
+    for (int c = 0; c < kBlock; ++c) acc[c] = simd::zero();
+    for (t = 0; t < context; ++t) {
+      const T* value = v_cache + offsets[t] + first * kLanes;
+      const simd::Vec p = simd::set1(scores[t]);
+      for (int c = 0; c < kBlock; ++c) acc[c] = simd::fmadd(p, simd::load(value + c * kLanes), acc[c]);
+    }
+    for (int c = 0; c < kBlock; ++c) simd::store(out + (first + c) * kLanes, simd::mul(acc[c], inv));
   }
-  const __m512 inv = _mm512_set1_ps(1.0f / total);
-  for (int c = 0; c < CHUNKS; ++c) carpool::store16(out + c * 16, _mm512_mul_ps(acc[c], inv));
 }
 
-// The vectorized path for the common head sizes; false when there is none for this one.
+// The vectorized path for the common head sizes (64: Llama/SmolLM2, Qwen2.5-0.5B; 128: Qwen2.5-1.5B; 256:
+// Gemma 3); false when there is none for this one.
 template <typename T>
 bool attend_vectorized(const float* query, const T* k_cache, const T* v_cache, const int64_t* offsets, int64_t context,
                        int64_t group, int64_t head_dim, float* scores, T* out) {
   if constexpr (std::is_same_v<T, double>) {
     return false;
   } else {
-    auto run = [&](auto head) {
+    auto run = [&](auto dims) {
+      constexpr int kChunks = decltype(dims)::value / simd::kLanes;
       for (int64_t g = 0; g < group; ++g)
-        attend_head<T, decltype(head)::value>(query + g * head_dim, k_cache, v_cache, offsets, context, scores,
-                                              out + g * head_dim);
+        attend_head<T, kChunks>(query + g * head_dim, k_cache, v_cache, offsets, context, scores, out + g * head_dim);
       return true;
     };
     switch (head_dim) {
-      case 64: return run(std::integral_constant<int, 4>{});
-      case 128: return run(std::integral_constant<int, 8>{});
+      case 64: return run(std::integral_constant<int, 64>{});
+      case 128: return run(std::integral_constant<int, 128>{});
+      case 256: return run(std::integral_constant<int, 256>{});
       default: return false;
     }
   }
@@ -95,7 +104,7 @@ void store_heads(const float* acc, T* out, int64_t n) {
 template <typename T>
 void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
                       const int64_t* context_lens, T* out, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
-                      int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale) {
+                      int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale, int64_t window) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * head_dim;  // between consecutive slots of the pool
   at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t first, int64_t last) {
@@ -103,14 +112,19 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int6
     std::vector<int64_t> offsets;
     for (int64_t item = first; item < last; ++item) {
       const int64_t b = item / num_kv_heads, kv_head = item % num_kv_heads;
-      const int64_t context = context_lens[b];
+      // A sliding window keeps the last `window` keys, the query's own included: positions from `first` on.
+      const int64_t first = window > 0 ? std::max<int64_t>(0, context_lens[b] - window) : 0;
+      const int64_t context = context_lens[b] - first;
       const int64_t* table = block_tables + b * max_blocks;
       for (int64_t g = 0; g < group; ++g)
         for (int64_t d = 0; d < head_dim; ++d)
           query[g * head_dim + d] = static_cast<float>(q[(b * num_heads + kv_head * group + g) * head_dim + d]) * scale;
       scores.resize(group * context);
-      auto slot = [&](int64_t t) { return (table[t / block_size] * block_size + t % block_size) * token_stride + kv_head * head_dim; };
-#ifdef CARPOOL_AVX512
+      auto slot = [&](int64_t t) {
+        const int64_t position = first + t;
+        return (table[position / block_size] * block_size + position % block_size) * token_stride + kv_head * head_dim;
+      };
+#ifdef CARPOOL_SIMD
       offsets.resize(context);
       for (int64_t t = 0; t < context; ++t) offsets[t] = slot(t);
       if (attend_vectorized(query.data(), k_cache, v_cache, offsets.data(), context, group, head_dim, scores.data(),
@@ -148,9 +162,11 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int6
 }
 
 // q: [batch, heads, head_dim]; caches: [blocks, block_size, kv_heads, head_dim]; block_tables: [batch, max
-// blocks] (int64); context_lens: [batch], keys each sequence attends to (its new token's already written).
+// blocks] (int64); context_lens: [batch], keys each sequence attends to (its new token's already written);
+// window > 0: each query sees only its last `window` keys (a sliding-window layer), 0: all of them.
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                                  int64_t window) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "q/k_cache/v_cache: bad shapes");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "k_cache/v_cache: must be contiguous");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
@@ -164,11 +180,13 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
               "block_tables/context_lens: one row per sequence");
   const at::Tensor tables = block_tables.contiguous(), lens = context_lens.contiguous(), query = q.contiguous();
   TORCH_CHECK(lens.max().item<int64_t>() <= tables.size(1) * block_size, "context_lens: longer than the block table");
+  TORCH_CHECK(lens.min().item<int64_t>() >= 1, "context_lens: every sequence attends to at least its own key");
+  TORCH_CHECK(window >= 0, "window: expected 0 (full attention) or a positive number of keys, got ", window);
   at::Tensor out = at::empty_like(query);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "paged_decode_attention", [&] {
     decode_attention<scalar_t>(query.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
                                tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), batch,
-                               num_heads, num_kv_heads, head_dim, block_size, tables.size(1), static_cast<float>(scale));
+                               num_heads, num_kv_heads, head_dim, block_size, tables.size(1), static_cast<float>(scale), window);
   });
   return out;
 }
@@ -203,7 +221,7 @@ void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache
 
 TORCH_LIBRARY_FRAGMENT(carpool, m) {
   m.def("write_kv_cache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
-  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, float scale) -> Tensor");
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, float scale, int window=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(carpool, CPU, m) {
