@@ -41,5 +41,5 @@ logger.info(
     "forced by CARPOOL_KERNEL_ISA" if _choice.forced else "the best this CPU runs",
     cpu_model(),
     " ".join(name for name in RELEVANT_FEATURES if name in cpu_features()) or "none of " + ", ".join(RELEVANT_FEATURES),
-    amx_probe().detail,
+    amx_probe().detail + (" (carpool has no AMX kernels yet)" if amx_probe().usable else ""),
 )

@@ -18,6 +18,7 @@
 
 #include <cerrno>
 #include <csignal>
+#include <initializer_list>
 
 namespace {
 
@@ -123,7 +124,11 @@ bool tile_multiply_gives_64() {
 PyObject* tile_multiply_in_child(PyObject*, PyObject*) {
   const pid_t child = fork();
   if (child < 0) return PyUnicode_FromFormat("fork failed: %s", std::strerror(errno));
-  if (child == 0) _exit(tile_multiply_gives_64() ? 0 : 1);  // only async-signal-safe work in the child
+  if (child == 0) {  // only async-signal-safe work in the child
+    // The default actions, not the parent's handlers (Python's faulthandler would print a "fatal error").
+    for (int sig : {SIGILL, SIGSEGV, SIGBUS, SIGFPE}) std::signal(sig, SIG_DFL);
+    _exit(tile_multiply_gives_64() ? 0 : 1);
+  }
   int status = 0;
   pid_t waited;
   Py_BEGIN_ALLOW_THREADS
