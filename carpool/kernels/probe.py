@@ -33,5 +33,10 @@ def describe() -> str:
     return "\n".join(lines)
 
 
+def add_info_parser(subparsers) -> None:
+    parser = subparsers.add_parser("info", help="the CPU, its features, the AMX probe and the kernel path chosen")
+    parser.set_defaults(func=lambda args: print(describe()))
+
+
 if __name__ == "__main__":
     print(describe())

@@ -95,3 +95,14 @@ def test_without_amx_the_probe_says_why_and_a_tile_instruction_kills_only_its_ch
 def test_where_amx_is_listed_the_probe_ran_a_tile_multiply():
     probe = amx_probe()
     assert probe.usable == (_cpu_features.tile_multiply_in_child() is None), probe.detail
+
+
+def test_carpool_info_names_the_cpu_features_probe_and_path(capsys):
+    from carpool.cli import main
+
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert f"kernel path: {kernel_path()}" in out and f"path {kernel_path()}: runs here  <- chosen" in out
+    assert f"AMX probe: {'works' if amx_probe().usable else 'unavailable'}: {amx_probe().detail}" in out
+    for name in ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8"):
+        assert f" {name}" in out
