@@ -37,6 +37,9 @@ class StepCounter:
     def check_length(self, num_prompt_tokens, max_tokens):
         pass
 
+    def check_params(self, params):
+        pass
+
     def add_request(self, request_id, token_ids, params, priority, cache_salt):
         self.work += 1
 
