@@ -60,7 +60,7 @@ def model_footprint(
     def weight_bytes(name: str) -> int:
         if name in kept:
             return math.prod(kept[name])
-        if quantization in GGML_TYPES and quantizable(shapes[name]):
+        if quantization in GGML_TYPES and quantizable(shapes[name], GGML_TYPES[quantization]):
             block_size, block_bytes = gguf.GGML_QUANT_SIZES[GGML_TYPES[quantization]]
             return sizes[name] // block_size * block_bytes
         return sizes[name] * dtype.itemsize

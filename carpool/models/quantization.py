@@ -1,10 +1,12 @@
-"""Weights kept in GGML block formats (Q4_0, Q4_1, Q8_0) and the modules that compute with them.
+"""Weights kept in GGML block formats and the modules that compute with them.
 
 A decode step streams every weight once, so the bytes per weight set its floor: GGUF's own 4-bit blocks are a
-quarter of bf16. `quantization` picks what a model runs on:
-- "auto": tensors the GGUF file stores in a supported block format stay in it (a safetensors model is dense);
+quarter of bf16. The kernels run Q4_0, Q4_1, Q5_0 and Q8_0 (blocks of 32 weights) and the K-quants Q4_K, Q5_K
+and Q6_K (super-blocks of 256) that Q*_K_M files mostly hold. `quantization` picks what a model runs on:
+- "auto": tensors the GGUF file stores in a kernel format stay in it (a safetensors model is dense);
 - "none": everything dequantized to the engine's dtype (the reference path);
-- "q8_0", "q4_1", "q4_0": every 2-D weight (projections, embedding, LM head) quantized at load.
+- "q8_0", "q4_1", "q4_0": every 2-D weight (projections, embedding, LM head) quantized at load (gguf-py
+  quantizes these; it has no K-quant quantizer).
 The block kernels are CPU kernels (`carpool.kernels`); on other devices weights are dequantized at load.
 """
 
@@ -17,13 +19,23 @@ from torch import nn
 
 import carpool.kernels  # noqa: F401  (registers torch.ops.carpool)
 
+# The load-time quantization modes.
 GGML_TYPES = {
     "q4_0": gguf.GGMLQuantizationType.Q4_0,
     "q4_1": gguf.GGMLQuantizationType.Q4_1,
     "q8_0": gguf.GGMLQuantizationType.Q8_0,
 }
 QUANTIZATION_MODES = ("auto", "none", *GGML_TYPES)
-KERNEL_TYPES = frozenset(GGML_TYPES.values())
+# Every format torch.ops.carpool.ggml_linear / ggml_dequantize run from a GGUF file's own blocks.
+KERNEL_TYPES = frozenset(
+    {
+        *GGML_TYPES.values(),
+        gguf.GGMLQuantizationType.Q5_0,
+        gguf.GGMLQuantizationType.Q4_K,
+        gguf.GGMLQuantizationType.Q5_K,
+        gguf.GGMLQuantizationType.Q6_K,
+    }
+)
 
 
 @dataclass
@@ -47,9 +59,9 @@ class GGMLWeight:
         return cls(qtype, torch.from_numpy(np.ascontiguousarray(gguf.quants.quantize(array, qtype))))
 
 
-def quantizable(shape) -> bool:
-    """A weight of this shape splits into GGML blocks along its rows (all supported formats block by 32)."""
-    block_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_0][0]
+def quantizable(shape, qtype: gguf.GGMLQuantizationType) -> bool:
+    """A weight of this shape splits into `qtype` blocks along its rows (32 weights a block, 256 for K-quants)."""
+    block_size = gguf.GGML_QUANT_SIZES[qtype][0]
     return len(shape) == 2 and shape[1] % block_size == 0
 
 
@@ -103,7 +115,7 @@ def resolve_weights(state: dict, quantization: str, device: torch.device) -> dic
         qtype = GGML_TYPES[quantization]
         return {
             k: GGMLWeight.quantize(v.dequantize() if isinstance(v, GGMLWeight) else v, qtype)
-            if isinstance(v, GGMLWeight) or quantizable(v.shape) else v
+            if isinstance(v, GGMLWeight) or quantizable(v.shape, qtype) else v
             for k, v in state.items()
         }
     return state

@@ -1,12 +1,21 @@
 """Weights in GGML blocks: which modules get them, and that the model still computes the same function."""
 
 import gguf
+import numpy as np
 import pytest
 import torch
 
 from carpool import LLM, SamplingParams
 from carpool.engine.config import EngineConfig
-from carpool.models.quantization import GGMLEmbedding, GGMLLinear, GGMLWeight, resolve_weights
+from carpool.models.quantization import (
+    KERNEL_TYPES,
+    GGMLEmbedding,
+    GGMLLinear,
+    GGMLWeight,
+    install_ggml_modules,
+    quantizable,
+    resolve_weights,
+)
 
 from test_reference import PROMPTS
 
@@ -56,3 +65,36 @@ def test_other_devices_get_dense_weights():
     assert isinstance(dense["w"], torch.Tensor) and torch.allclose(dense["w"], weight, atol=0.05)
     with pytest.raises(ValueError, match="quantization"):
         resolve_weights(state, "q4_1", torch.device("meta"))
+
+
+def random_blocks(rows: int, cols: int, qtype) -> GGMLWeight:
+    """Random quantized values and sub-scales (gguf-py has no K-quant quantizer); f16 scales of 1e-3 keep the
+    weights finite and of order 1."""
+    block_size, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = np.random.default_rng(0).integers(0, 256, (rows, cols // block_size, block_bytes), dtype=np.uint8)
+    Q = gguf.GGMLQuantizationType
+    for offset in {Q.Q6_K: (208,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2)}.get(qtype, (0,)):  # d (and K-quants' dmin)
+        blocks[..., offset : offset + 2] = np.full(blocks.shape[:2], 1e-3, np.float16).view(np.uint8).reshape(rows, -1, 2)
+    return GGMLWeight(qtype, torch.from_numpy(blocks.reshape(rows, -1)))
+
+
+def test_quantizable_follows_each_formats_block_size():
+    q4_0, q4_k = gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_K
+    assert quantizable((4, 288), q4_0) and not quantizable((4, 288), q4_k)  # 32-weight blocks, 256-weight ones
+    assert quantizable((4, 512), q4_k)
+    assert not quantizable((512,), q4_0)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K", "Q5_0"])
+def test_q_k_m_file_types_run_on_the_kernels(qtype):
+    """The types Q*_K_M GGUF files store stay in blocks under "auto" and the modules compute their weights."""
+    qtype = gguf.GGMLQuantizationType[qtype]
+    assert qtype in KERNEL_TYPES
+    weight = random_blocks(24, 512, qtype)
+    model = torch.nn.ModuleDict({"proj": torch.nn.Linear(512, 24, bias=False), "embed": torch.nn.Embedding(24, 512)})
+    state = resolve_weights({"proj.weight": weight, "embed.weight": weight}, "auto", torch.device("cpu"))
+    assert install_ggml_modules(model, state, torch.float32) == {}
+    dense = weight.dequantize()
+    x = torch.randn(3, 512)
+    torch.testing.assert_close(model["proj"](x), x @ dense.T, rtol=1e-5, atol=1e-4)
+    assert torch.equal(model["embed"](torch.tensor([[5, 0]])), dense[[5, 0]].unsqueeze(0))

@@ -1,0 +1,259 @@
+// GGML weight blocks -> float or bf16 values, for every block format the GGML kernels run (Q4_0, Q4_1, Q5_0,
+// Q8_0, Q4_K, Q5_K, Q6_K). Layouts are llama.cpp's (what a GGUF file holds); every value is computed with the
+// roundings gguf-py's dequantization uses (f16 scales widened to fp32, K-quant sub-scales as the fp32 products
+// d * sc and dmin * m, then scale * q and, for formats with a minimum, one more rounded add), so a model's
+// outputs do not depend on which path ran. Needs -ffp-contract=off: a fused multiply-add would round once.
+//
+// Each format is written once, as byte arithmetic on 32 quantized values at a time (Bytes32): SSE registers in
+// the AVX2 and AVX-512 builds, plain byte loops in the portable one. A 32-value chunk then becomes weights as
+// scale * q (+ bias) in vec.h's lanes: 16 (CARPOOL_AVX512), 8 (CARPOOL_AVX2) or one at a time.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "vec.h"
+
+namespace carpool::ggml {
+
+// GGML type ids, as in the GGUF file.
+constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14;
+
+// Weights per block and bytes per block.
+template <int64_t QT> struct Format;
+template <> struct Format<kQ4_0> { static constexpr int64_t kWeights = 32, kBytes = 18; };   // d, 16 B nibbles
+template <> struct Format<kQ4_1> { static constexpr int64_t kWeights = 32, kBytes = 20; };   // d, m, 16 B nibbles
+template <> struct Format<kQ5_0> { static constexpr int64_t kWeights = 32, kBytes = 22; };   // d, 4 B high bits, 16 B
+template <> struct Format<kQ8_0> { static constexpr int64_t kWeights = 32, kBytes = 34; };   // d, 32 int8
+template <> struct Format<kQ4_K> { static constexpr int64_t kWeights = 256, kBytes = 144; }; // d, dmin, 12 B scales, 128 B
+template <> struct Format<kQ5_K> { static constexpr int64_t kWeights = 256, kBytes = 176; }; // Q4_K + 32 B high bits
+template <> struct Format<kQ6_K> { static constexpr int64_t kWeights = 256, kBytes = 210; }; // 128 B low, 64 B high, 16 scales, d
+
+inline float half_to_float(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+#ifdef CARPOOL_SIMD
+  return _cvtsh_ss(bits);  // one F16C instruction; c10::Half's portable conversion is a dozen
+#else
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+#endif
+}
+
+// ---- Bytes32: 32 quantized values, one byte each ----------------------------------------------------------------
+
+#ifdef CARPOOL_SIMD
+// Two 16-byte halves rather than one 32-byte register: the int8 -> int32 widening reads 16 (or 8) bytes of an
+// xmm register, so halves need no 128-bit insert and extract per chunk, and 128-bit byte ops run on every vector
+// port where 512-bit work has two.
+struct Bytes32 {
+  __m128i lo, hi;
+};
+inline __m128i bytes16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+inline Bytes32 load32(const uint8_t* p) { return {bytes16(p), bytes16(p + 16)}; }
+// 16 bytes of nibbles -> their low nibbles, then their high nibbles (weights 0-15 and 16-31 of a 32-weight block).
+inline Bytes32 nibbles16(const uint8_t* p) {
+  const __m128i raw = bytes16(p), mask = _mm_set1_epi8(0x0F);
+  return {_mm_and_si128(raw, mask), _mm_and_si128(_mm_srli_epi16(raw, 4), mask)};
+}
+// Per byte: (x >> kShift) & kMask (kShift < 0 shifts left). Shifts run on 16-bit lanes; the static_assert keeps
+// the bits that cross between a lane's two bytes outside kMask, so the result is the per-byte one.
+template <int kShift, int kMask>
+inline __m128i bits(__m128i v) {
+  static_assert(kShift >= 0 ? (kMask >> (8 - kShift)) == 0 : (kMask & ((1 << -kShift) - 1)) == 0);
+  if constexpr (kShift > 0) v = _mm_srli_epi16(v, kShift);
+  if constexpr (kShift < 0) v = _mm_slli_epi16(v, -kShift);
+  return _mm_and_si128(v, _mm_set1_epi8(static_cast<char>(kMask)));
+}
+template <int kShift, int kMask>
+inline Bytes32 bits(Bytes32 x) {
+  return {bits<kShift, kMask>(x.lo), bits<kShift, kMask>(x.hi)};
+}
+inline Bytes32 operator|(Bytes32 a, Bytes32 b) { return {_mm_or_si128(a.lo, b.lo), _mm_or_si128(a.hi, b.hi)}; }
+inline Bytes32 minus(Bytes32 a, int8_t k) {
+  const __m128i kk = _mm_set1_epi8(k);
+  return {_mm_sub_epi8(a.lo, kk), _mm_sub_epi8(a.hi, kk)};
+}
+// Byte i = 0xFF where bit i of `mask` is set, else 0 (llama.cpp's bytes_from_bits_32, in two halves).
+inline Bytes32 spread_bits(uint32_t mask) {
+  const __m128i all = _mm_set1_epi32(static_cast<int>(mask));
+  const __m128i other_bits = _mm_set1_epi64x(0x7fbfdfeff7fbfdfe);  // all but bit (i % 8) of byte i
+  const auto spread = [&](int64_t which_bytes) {
+    const __m128i bytes = _mm_shuffle_epi8(all, _mm_set_epi64x(which_bytes + 0x0101010101010101, which_bytes));
+    return _mm_cmpeq_epi8(_mm_or_si128(bytes, other_bits), _mm_set1_epi64x(-1));
+  };
+  return {spread(0), spread(0x0202020202020202)};
+}
+#else
+struct Bytes32 {
+  uint8_t v[32];
+};
+inline Bytes32 load32(const uint8_t* p) {
+  Bytes32 x;
+  std::memcpy(x.v, p, 32);
+  return x;
+}
+inline Bytes32 nibbles16(const uint8_t* p) {
+  Bytes32 x;
+  for (int i = 0; i < 16; ++i) {
+    x.v[i] = p[i] & 0x0F;
+    x.v[i + 16] = p[i] >> 4;
+  }
+  return x;
+}
+template <int kShift, int kMask>
+inline Bytes32 bits(Bytes32 x) {
+  for (auto& b : x.v) {
+    if constexpr (kShift >= 0) b = static_cast<uint8_t>((b >> kShift) & kMask);
+    else b = static_cast<uint8_t>((b << -kShift) & kMask);
+  }
+  return x;
+}
+inline Bytes32 operator|(Bytes32 a, Bytes32 b) {
+  for (int i = 0; i < 32; ++i) a.v[i] |= b.v[i];
+  return a;
+}
+inline Bytes32 minus(Bytes32 a, int8_t k) {
+  for (auto& b : a.v) b = static_cast<uint8_t>(b - k);
+  return a;
+}
+inline Bytes32 spread_bits(uint32_t mask) {
+  Bytes32 x;
+  for (int i = 0; i < 32; ++i) x.v[i] = (mask >> i) & 1 ? 0xFF : 0;
+  return x;
+}
+#endif
+
+#ifdef CARPOOL_AVX512
+// 32 values from two 16-lane halves (vec.h's store16), bf16 in one conversion for both.
+template <typename Out>
+inline void store32(Out* out, __m512 lo, __m512 hi) {
+  carpool::store16(out, lo);
+  carpool::store16(out + 16, hi);
+}
+inline void store32(c10::BFloat16* out, __m512 lo, __m512 hi) {
+  const __m512bh packed = _mm512_cvtne2ps_pbh(hi, lo);  // round to nearest even, as torch's .to(bfloat16)
+  _mm512_storeu_si512(out, reinterpret_cast<const __m512i&>(packed));
+}
+#endif
+
+// Weights i of a 32-value chunk: scale * q[i] (+ bias), q as int8, with one scale for i < 16 and one for i >= 16.
+template <bool kBias, typename Out>
+inline void emit(Bytes32 q, float scale_lo, float scale_hi, float bias, Out* out) {
+#ifdef CARPOOL_AVX512
+  const __m512 q_lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q.lo));
+  const __m512 q_hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q.hi));
+  __m512 lo = _mm512_mul_ps(_mm512_set1_ps(scale_lo), q_lo), hi = _mm512_mul_ps(_mm512_set1_ps(scale_hi), q_hi);
+  if constexpr (kBias) {
+    lo = _mm512_add_ps(lo, _mm512_set1_ps(bias));
+    hi = _mm512_add_ps(hi, _mm512_set1_ps(bias));
+  }
+  store32(out, lo, hi);
+#elif defined(CARPOOL_AVX2)
+  const __m128i halves[2] = {q.lo, q.hi};
+  for (int h = 0; h < 2; ++h) {
+    const __m256 scale = _mm256_set1_ps(h == 0 ? scale_lo : scale_hi);
+    const __m128i eights[2] = {halves[h], _mm_unpackhi_epi64(halves[h], halves[h])};
+    for (int e = 0; e < 2; ++e) {
+      __m256 w = _mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eights[e])));
+      if constexpr (kBias) w = _mm256_add_ps(w, _mm256_set1_ps(bias));
+      carpool::store8(out + 16 * h + 8 * e, w);
+    }
+  }
+#else
+  for (int i = 0; i < 32; ++i) {
+    float w = (i < 16 ? scale_lo : scale_hi) * static_cast<float>(static_cast<int8_t>(q.v[i]));
+    if constexpr (kBias) w = w + bias;
+    out[i] = Out(w);  // c10::BFloat16 rounds to nearest even, as torch's .to(bfloat16)
+  }
+#endif
+}
+
+// ---- the formats --------------------------------------------------------------------------------------------
+
+// K-quant sub-block j's 6-bit scale and minimum, from the 12 packed bytes (llama.cpp's get_scale_min_k4).
+inline void k_scale_min(const uint8_t* packed, int j, int& scale, int& min) {
+  if (j < 4) {
+    scale = packed[j] & 63;
+    min = packed[j + 4] & 63;
+  } else {
+    scale = (packed[j + 4] & 0x0F) | ((packed[j - 4] >> 6) << 4);
+    min = (packed[j + 4] >> 4) | ((packed[j] >> 6) << 4);
+  }
+}
+
+// One block at p -> Format<QT>::kWeights values at out.
+template <int64_t QT, typename Out>
+inline void dequantize_block(const uint8_t* p, Out* out) {
+  if constexpr (QT == kQ4_0) {
+    const float d = half_to_float(p);  // w = d * (q - 8)
+    emit<false>(minus(nibbles16(p + 2), 8), d, d, 0.0f, out);
+  } else if constexpr (QT == kQ4_1) {
+    const float d = half_to_float(p);  // w = d * q + m
+    emit<true>(nibbles16(p + 4), d, d, half_to_float(p + 2), out);
+  } else if constexpr (QT == kQ5_0) {
+    const float d = half_to_float(p);  // w = d * (q - 16), bit 4 of q i is bit i of the 32-bit qh
+    uint32_t high;
+    std::memcpy(&high, p + 2, 4);
+    emit<false>(minus(nibbles16(p + 6) | bits<0, 0x10>(spread_bits(high)), 16), d, d, 0.0f, out);
+  } else if constexpr (QT == kQ8_0) {
+    const float d = half_to_float(p);  // w = d * q
+    emit<false>(load32(p + 2), d, d, 0.0f, out);
+  } else if constexpr (QT == kQ4_K || QT == kQ5_K) {
+    // 8 sub-blocks of 32: w = (d * scale_j) * q - (dmin * min_j). Byte i of 32-byte group c holds weight i of
+    // sub-block 2c (low nibble) and of 2c + 1 (high nibble); Q5_K's q bit 4 is bit j of high-bits byte i.
+    const float d = half_to_float(p), dmin = half_to_float(p + 2);
+    const uint8_t* packed = p + 4;
+    const uint8_t* qs = p + (QT == kQ5_K ? 48 : 16);
+    Bytes32 high;
+    if constexpr (QT == kQ5_K) high = load32(p + 16);
+    for (int c = 0; c < 4; ++c) {
+      const Bytes32 raw = load32(qs + 32 * c);
+      Bytes32 q[2] = {bits<0, 0x0F>(raw), bits<4, 0x0F>(raw)};
+      if constexpr (QT == kQ5_K) {
+        q[0] = q[0] | bits<-4, 0x10>(high);
+        q[1] = q[1] | bits<-3, 0x10>(high);
+        high = bits<2, 0x3F>(high);
+      }
+      for (int h = 0; h < 2; ++h) {
+        int scale, min;
+        k_scale_min(packed, 2 * c + h, scale, min);
+        const float sub_d = d * static_cast<float>(scale), sub_min = dmin * static_cast<float>(min);
+        emit<true>(q[h], sub_d, sub_d, -sub_min, out + 64 * c + 32 * h);  // x + (-m) rounds as x - m
+      }
+    }
+  } else if constexpr (QT == kQ6_K) {
+    // 16 sub-blocks of 16: w = (d * scale_s) * (q - 32), q 6 bits. Each half of 128 weights takes 64 low-nibble
+    // bytes (weights 0-31 and 32-63 in their low nibbles, 64-95 and 96-127 in their high) and 32 bytes of high
+    // bit pairs (bits 0-1, 2-3, 4-5, 6-7 of byte i for weights i, 32 + i, 64 + i, 96 + i).
+    const int8_t* scales = reinterpret_cast<const int8_t*>(p + 192);
+    const float d = half_to_float(p + 208);
+    for (int h = 0; h < 2; ++h) {
+      const Bytes32 low0 = load32(p + 64 * h), low1 = load32(p + 64 * h + 32), high = load32(p + 128 + 32 * h);
+      const Bytes32 q[4] = {
+          bits<0, 0x0F>(low0) | bits<-4, 0x30>(high),
+          bits<0, 0x0F>(low1) | bits<-2, 0x30>(high),
+          bits<4, 0x0F>(low0) | bits<0, 0x30>(high),
+          bits<4, 0x0F>(low1) | bits<2, 0x30>(high),
+      };
+      for (int s = 0; s < 4; ++s) {
+        const int sub = 8 * h + 2 * s;
+        emit<false>(minus(q[s], 32), d * static_cast<float>(scales[sub]), d * static_cast<float>(scales[sub + 1]),
+                    0.0f, out + 128 * h + 32 * s);
+      }
+    }
+  } else {
+    static_assert(QT != QT, "not a GGML kernel type");
+  }
+}
+
+// A weight row of K values (K / kWeights blocks) -> K values at out.
+template <int64_t QT, typename Out>
+void dequantize_row(const uint8_t* row, int64_t K, Out* out) {
+  for (int64_t b = 0; b < K / Format<QT>::kWeights; ++b)
+    dequantize_block<QT>(row + b * Format<QT>::kBytes, out + b * Format<QT>::kWeights);
+}
+
+}  // namespace carpool::ggml
