@@ -7,6 +7,7 @@ from carpool.bench.cli import add_bench_parser
 from carpool.economics.cli import add_cost_parser, add_keys_parser
 from carpool.engine.config import DTYPES, EngineConfig
 from carpool.kernels.probe import add_info_parser
+from carpool.models.cli import add_models_parser
 from carpool.models.quantization import QUANTIZATION_MODES
 from carpool.server.batch.cli import add_batch_parser
 from carpool.server.cli import add_serve_parser
@@ -78,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_keys_parser(subparsers)
     add_cost_parser(subparsers)
     add_info_parser(subparsers)
+    add_models_parser(subparsers)
     return parser
 
 

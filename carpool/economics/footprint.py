@@ -7,21 +7,13 @@ the KV cache.
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import gguf
 import torch
-from safetensors import safe_open
 
 from carpool.engine.model_runner import ModelRunner
-from carpool.models.loader import (
-    GGML_BLOCKS_FILE,
-    read_config,
-    default_model_path,
-    model_name,
-    resolve_model_dir,
-)
-from carpool.models.quantization import GGML_TYPES, quantizable
+from carpool.models.loader import default_model_path, model_name, read_config, resolve_model_dir, tensor_infos
+from carpool.models.quantization import GGML_TYPES, KERNEL_TYPES, quantizable
 
 EMBEDDING = "model.embed_tokens.weight"
 
@@ -39,27 +31,23 @@ class ModelFootprint:
         return 2 * self.matmul_parameters  # one multiply and one add per weight
 
 
-def _header_shapes(path: Path) -> dict[str, list[int]]:
-    with safe_open(str(path), "pt") as weights:
-        return {name: weights.get_slice(name).get_shape() for name in weights.keys()}
-
-
 def model_footprint(
     path: str | None = None, dtype: torch.dtype = torch.float32, quantization: str = "none"
 ) -> ModelFootprint:
     directory = resolve_model_dir(path)
     config = read_config(directory)
-    shapes = {}
-    for file in sorted(Path(directory).glob("*.safetensors")):
-        shapes.update(_header_shapes(file))
+    infos = tensor_infos(directory)
+    shapes = {name: info.shape for name, info in infos.items()}
     sizes = {name: math.prod(shape) for name, shape in shapes.items()}
-    blocks = directory / GGML_BLOCKS_FILE
-    # uint8 [rows, bytes per row] for the tensors kept in the GGUF file's own blocks
-    kept = _header_shapes(blocks) if quantization == "auto" and blocks.exists() else {}
+    # the tensors kept in the GGUF file's own blocks, at their size in the file
+    kept = {
+        name: info.nbytes for name, info in infos.items()
+        if quantization == "auto" and info.ggml_type in KERNEL_TYPES and len(info.shape) == 2
+    }
 
     def weight_bytes(name: str) -> int:
         if name in kept:
-            return math.prod(kept[name])
+            return kept[name]
         if quantization in GGML_TYPES and quantizable(shapes[name], GGML_TYPES[quantization]):
             block_size, block_bytes = gguf.GGML_QUANT_SIZES[GGML_TYPES[quantization]]
             return sizes[name] // block_size * block_bytes

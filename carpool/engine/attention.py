@@ -8,6 +8,9 @@ Token layout of a step: decode tokens first (one per sequence, shortest context 
 chunk as a contiguous run. On the CPU decodes read the pool in place (`torch.ops.carpool.paged_decode_attention`);
 elsewhere they are gathered into padded SDPA calls, one per group of similar context lengths so that short
 contexts are not padded to the longest. Prefill chunks run one SDPA call each.
+
+A sliding-window layer (`window` > 0, Gemma 3's local layers) lets each query see only its last `window` keys,
+its own included, as Hugging Face's sliding mask does.
 """
 
 from contextlib import contextmanager
@@ -59,12 +62,13 @@ def attention_metadata(metadata: AttentionMetadata):
 
 
 class PagedAttention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None, window: int = 0):
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
+        self.window = window  # keys each query sees, counting back from itself; 0 = all
         # Views into the engine's KV pool, bound by the model runner: [num_blocks, block_size, kv_heads, head_dim].
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
@@ -93,7 +97,7 @@ class PagedAttention(nn.Module):
     def _decode(self, q: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
         if q.device.type == "cpu":
             return torch.ops.carpool.paged_decode_attention(
-                q, self.k_cache, self.v_cache, group.block_tables, group.context_lens, self.scale
+                q, self.k_cache, self.v_cache, group.block_tables, group.context_lens, self.scale, self.window
             )
         return self._decode_gathered(q, group)
 
@@ -106,26 +110,40 @@ class PagedAttention(nn.Module):
         keys = self._gather(self.k_cache, group.block_tables).transpose(1, 2)  # [B, kv_heads, ctx, d]
         values = self._gather(self.v_cache, group.block_tables).transpose(1, 2)
         positions = torch.arange(keys.shape[2], device=q.device)
-        mask = (positions < group.context_lens.unsqueeze(1)).view(batch, 1, 1, -1)
+        lengths = group.context_lens.unsqueeze(1)
+        mask = positions < lengths
+        if self.window:
+            mask &= positions >= lengths - self.window
+        mask = mask.view(batch, 1, 1, -1)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
         return out.reshape(batch, self.num_heads, self.head_dim)
 
     def _prefill(self, q, k, v, segment: PrefillSegment) -> torch.Tensor:
         q = q[segment.start : segment.end].transpose(0, 1).unsqueeze(0)  # [1, heads, chunk, d]
+        chunk, context = segment.end - segment.start, segment.context_len
         if segment.context_blocks is None:
             keys = k[segment.start : segment.end]
             values = v[segment.start : segment.end]
-            mask, causal = None, True
         else:
-            chunk, context = segment.end - segment.start, segment.context_len
             keys = self._gather(self.k_cache, segment.context_blocks)[:context]
             values = self._gather(self.v_cache, segment.context_blocks)[:context]
-            # Query i sits at context position (context - chunk + i) and sees every key up to it.
-            mask = torch.ones(chunk, context, dtype=torch.bool, device=q.device).tril(diagonal=context - chunk)
-            causal = False
+        mask = self._prefill_mask(chunk, context, q.device)
         keys = keys.transpose(0, 1).unsqueeze(0)
         values = values.transpose(0, 1).unsqueeze(0)
         out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=True
+            q, keys, values, attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=True
         )
         return out.squeeze(0).transpose(0, 1)
+
+    def _prefill_mask(self, chunk: int, context: int, device: torch.device) -> torch.Tensor | None:
+        """[chunk, context]: query i sits at context position (context - chunk + i) and sees the keys up to it,
+        and within the window only the last `window` of them. None: a plain causal mask does (the chunk is the
+        whole context and no window cuts it)."""
+        windowed = self.window and context > self.window
+        if chunk == context and not windowed:
+            return None
+        ones = torch.ones(chunk, context, dtype=torch.bool, device=device)
+        mask = ones.tril(diagonal=context - chunk)
+        if windowed:
+            mask &= ones.triu(diagonal=context - chunk - self.window + 1)
+        return mask

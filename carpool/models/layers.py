@@ -1,0 +1,262 @@
+"""The layers every architecture composes: RMSNorm, rotary embedding, the paged q/k/v attention block, gated
+MLPs, linears fused over several projections, and the decoder-only causal LM skeleton with its weight loader.
+
+`model(input_ids, positions)` returns hidden states for every token; `compute_logits` projects only the rows
+that will be sampled. Attention reads and writes the paged KV cache through `PagedAttention`.
+On the CPU the element-wise steps (RMSNorm, rotary, SwiGLU) run as fused kernels (`torch.ops.carpool`); each
+module's `forward_native` is the torch version, used on other devices and as the kernels' reference.
+Weights arrive as a state dict with Hugging Face names and values (carpool.models.loader); an architecture
+class says how its GGUF file names and stores them differently.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import carpool.kernels  # noqa: F401  (registers torch.ops.carpool)
+from carpool.engine.attention import PagedAttention
+from carpool.models.config import ModelConfig
+from carpool.models.quantization import GGMLWeight, concat_rows, install_ggml_modules
+
+# Rotary tables start this long and double when a position needs more, so a 32K-context model does not hold
+# 32K rows of cos/sin per rope base (64 MiB for Gemma 3's head_dim 256 in fp32) to serve short requests.
+ROTARY_INITIAL_POSITIONS = 4096
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu":
+            return torch.ops.carpool.rms_norm(x, self.weight, self.eps)
+        return self.forward_native(x)
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        # The statistics in fp32 whatever the model's dtype: bf16 sums of squares lose too much.
+        wide = x.float()
+        return (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling_factor: float = 1.0):
+        super().__init__()
+        self.max_positions = max_positions
+        # Built on the CPU even when the model is constructed on the meta device (weights arrive later).
+        cpu = torch.device("cpu")
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=cpu) / head_dim))
+        self.register_buffer("inv_freq", inv_freq / scaling_factor, persistent=False)  # linear scaling
+        cos, sin = self._tables(min(max_positions, ROTARY_INITIAL_POSITIONS))
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def _tables(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = torch.outer(torch.arange(length, dtype=torch.float32, device=self.inv_freq.device), self.inv_freq.float())
+        angles = torch.cat([freqs, freqs], dim=-1)
+        return angles.cos(), angles.sin()
+
+    def reserve(self, positions: int) -> None:
+        """Make the tables cover positions [0, positions) (at least; they grow by doubling)."""
+        if positions <= self.cos.shape[0]:
+            return
+        cos, sin = self._tables(max(positions, min(2 * self.cos.shape[0], self.max_positions)))
+        self.cos, self.sin = cos.to(self.cos), sin.to(self.sin)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, heads, head_dim], k: [T, kv_heads, head_dim], rotated by each token's position (half-split
+        layout, as in HF). The CPU kernel rotates them in place."""
+        if q.device.type == "cpu":
+            torch.ops.carpool.rotary_embedding(positions, q, k, self.cos, self.sin)
+            return q, k
+        return self.forward_native(positions, q), self.forward_native(positions, k)
+
+    def forward_native(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+
+class FusedLinear(nn.Module):
+    """Several projections of one input (q/k/v, gate/up) as one matmul: one pass over the activations instead
+    of several. Projections whose GGUF blocks differ in type (Qwen2.5-0.5B's q/k are Q5_0 and its v Q8_0) cannot
+    share one block matrix; each run of equal types stays one part, and the parts fill the output side by side.
+    The bias (Qwen2's q/k/v) is added after the matmul, so block-format parts can have one."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool):
+        super().__init__()
+        self.in_features = in_features
+        self.out_sizes = list(out_sizes)
+        self.parts = nn.ModuleList([nn.Linear(in_features, sum(out_sizes), bias=False)])
+        self.bias = nn.Parameter(torch.zeros(sum(out_sizes))) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if len(self.parts) == 1 and isinstance(self.parts[0], nn.Linear):
+            return F.linear(x, self.parts[0].weight, self.bias)  # one dense matrix: Hugging Face's own op
+        out = self.parts[0](x) if len(self.parts) == 1 else torch.cat([part(x) for part in self.parts], dim=-1)
+        return out if self.bias is None else out + self.bias
+
+    def fuse(self, prefix: str, weights: list, biases: list | None) -> dict:
+        """State dict entries (under `prefix`) for the projections' weights and biases, in output order; makes
+        one part per run of weights that can be stacked."""
+        runs: list[list] = []
+        for weight in weights:
+            kind = weight.qtype if isinstance(weight, GGMLWeight) else None
+            previous = runs[-1][0] if runs else None
+            if runs and (previous.qtype if isinstance(previous, GGMLWeight) else None) == kind:
+                runs[-1].append(weight)
+            else:
+                runs.append([weight])
+        stacked = [run[0] if len(run) == 1 else concat_rows(run) for run in runs]
+        device = self.parts[0].weight.device
+        self.parts = nn.ModuleList(nn.Linear(self.in_features, w.shape[0], bias=False, device=device) for w in stacked)
+        state = {f"{prefix}parts.{i}.weight": w for i, w in enumerate(stacked)}
+        if biases is not None:
+            state[f"{prefix}bias"] = torch.cat(biases)
+        return state
+
+
+class QKVAttention(nn.Module):
+    """Grouped-query attention over the paged KV cache; optionally RMSNorm on each query and key head (Gemma 3)."""
+
+    def __init__(self, config: ModelConfig, layer: int, rotary: RotaryEmbedding, qk_norm: bool = False):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = FusedLinear(config.hidden_size, [self.q_size, self.kv_size, self.kv_size], config.attention_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.rotary = rotary
+        self.attn = PagedAttention(
+            self.num_heads, self.num_kv_heads, self.head_dim, config.attention_scale, config.layer_window(layer)
+        )
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim)))
+
+
+_GATE_ACTIVATIONS = {
+    "silu": F.silu,  # SwiGLU
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),  # GeGLU, as Gemma's gelu_pytorch_tanh
+}
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)) with gate and up fused into one matmul."""
+
+    def __init__(self, config: ModelConfig, activation: str = "silu"):
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.activation = activation
+        self.gate_up_proj = FusedLinear(config.hidden_size, [config.intermediate_size] * 2, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if gate_up.device.type == "cpu" and self.activation == "silu":
+            return self.down_proj(torch.ops.carpool.silu_mul(gate_up))
+        return self.down_proj(self.act_mul_native(gate_up))
+
+    def act_mul_native(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return _GATE_ACTIVATIONS[self.activation](gate) * up
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block (Llama, Qwen2): x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: ModelConfig, layer: int, rotary: RotaryEmbedding):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = QKVAttention(config, layer, rotary)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = GatedMLP(config)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class CausalLM(nn.Module):
+    """Embedding, decoder layers, final norm, LM head. Subclasses set what differs in their architecture."""
+
+    gguf_architecture: str  # GGUF's general.architecture
+    layer_class = DecoderLayer
+    # GGUF tensor names (after `blk.N.`) that this architecture maps differently from carpool.models.loader's.
+    gguf_layer_names: dict[str, str] = {}
+    # llama.cpp's converter interleaves each head's q/k rows for its rotary layout (Llama only); undone at load.
+    gguf_rope_permuted = False
+    # Gemma's RMSNorm scales by (1 + weight): Hugging Face stores the weight, GGUF the sum.
+    norm_offset = 0.0
+    embedding_scaled = False  # Gemma multiplies embeddings by sqrt(hidden_size)
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+
+        def rotary(layer_type: str) -> RotaryEmbedding:
+            local = layer_type != "full_attention"
+            theta = config.rope_local_theta if local else config.rope_theta
+            factor = 1.0 if local else config.rope_scaling_factor
+            return RotaryEmbedding(config.head_dim, config.max_position_embeddings, theta, factor)
+
+        self.rotaries = nn.ModuleDict({t: rotary(t) for t in dict.fromkeys(config.layer_types)})
+        # An uninitialized table: nn.Embedding's own init (normal_) imports torch._dynamo, 3 s of start-up.
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size)
+        )
+        self.layers = nn.ModuleList(
+            self.layer_class(config, i, self.rotaries[t]) for i, t in enumerate(config.layer_types)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        last = int(positions.max()) + 1
+        for rotary in self.rotaries.values():
+            rotary.reserve(last)
+        x = self.embed_tokens(input_ids)
+        if self.embedding_scaled:  # in the activations' dtype, as Hugging Face rounds it
+            x = x * x.new_tensor(self.config.hidden_size**0.5)
+        for layer in self.layers:
+            x = layer(positions, x)
+        return self.norm(x)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def load_hf_weights(self, state: dict, dtype: torch.dtype) -> None:
+        """Load a state dict with Hugging Face names and values, fusing q/k/v and gate/up as this module stores
+        them. Weights in GGML blocks replace their Linear/Embedding with the block-format module."""
+        own = {name.removeprefix("model."): tensor for name, tensor in state.items()}
+        if self.norm_offset:
+            own = {k: v + self.norm_offset if k.endswith("norm.weight") else v for k, v in own.items()}
+        for i, layer in enumerate(self.layers):
+            attn, mlp = f"layers.{i}.self_attn.", f"layers.{i}.mlp."
+            projections = [attn + p for p in ("q_proj.", "k_proj.", "v_proj.")]
+            weights = [own.pop(p + "weight") for p in projections]
+            biases = [own.pop(p + "bias") for p in projections] if self.config.attention_bias else None
+            own |= layer.self_attn.qkv_proj.fuse(attn + "qkv_proj.", weights, biases)
+            gate_up = [own.pop(mlp + "gate_proj.weight"), own.pop(mlp + "up_proj.weight")]
+            own |= layer.mlp.gate_up_proj.fuse(mlp + "gate_up_proj.", gate_up, None)
+        if self.config.tie_word_embeddings:
+            own["lm_head.weight"] = own["embed_tokens.weight"]
+        own = install_ggml_modules(self, own, dtype)
+        missing, unexpected = self.load_state_dict(own, strict=False, assign=True)
+        if missing or unexpected:
+            raise ValueError(f"model: weights do not match the architecture (missing {missing}, unexpected {unexpected})")
+        if self.config.tie_word_embeddings and isinstance(self.lm_head, nn.Linear):
+            self.lm_head.weight = self.embed_tokens.weight  # one Parameter, so a dtype conversion keeps one copy
