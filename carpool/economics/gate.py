@@ -16,6 +16,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from carpool.economics.contract import GateError, Principal, UsageRecord
 from carpool.economics.db import check_database, connect, default_db_path
 from carpool.economics.keys import ANONYMOUS, ApiKey, find_key, has_keys, lookup_key
 from carpool.economics.ledger import RETRY_SECONDS, LedgerWriter
@@ -23,8 +24,6 @@ from carpool.economics.prices import PriceSheet, PriceSheetError, load_price_she
 from carpool.economics.rate_limit import RateLimiter, RateLimitExceeded
 from carpool.economics.reports import UsageSummary, usage_summary
 from carpool.economics.spend import SpendTracker
-from carpool.economics.usage import UsageRecord
-from carpool.server.gate import GateError, Principal
 
 
 class LedgerGate:

@@ -21,8 +21,8 @@ import threading
 from concurrent.futures import Future
 from pathlib import Path
 
+from carpool.economics.contract import UsageRecord
 from carpool.economics.db import connect
-from carpool.economics.usage import UsageRecord
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from carpool.economics.usage import UsageRecord
+from carpool.economics.contract import UsageRecord
 
 TIERS = ("priority", "default", "flex", "batch")
 SHIPPED_PRICES = Path(__file__).with_name("prices.toml")

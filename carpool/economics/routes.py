@@ -1,46 +1,39 @@
-"""`GET /v1/usage`: the usage report over HTTP, for admin keys only. The server mounts `usage_router(gate)`."""
+"""`GET /v1/usage`: the usage report over HTTP, for admin keys only.
 
-from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
+The server mounts `usage_router(gate, caller)` behind its own authentication: `caller` is the server's route
+dependency that gives the request's Principal, and refusals are GateErrors, which the server answers with
+OpenAI's error body like any other.
+"""
 
+from collections.abc import Callable
+from typing import Annotated
+
+from fastapi import APIRouter, Depends
+
+from carpool.economics.contract import GateError, Principal
 from carpool.economics.gate import LedgerGate
 from carpool.economics.reports import GROUP_BY, parse_time, report_document
-from carpool.server.gate import GateError
 
 
-def usage_router(gate: LedgerGate) -> APIRouter:
+def usage_router(gate: LedgerGate, caller: Callable[..., Principal]) -> APIRouter:
     router = APIRouter()
 
     # A plain `def`: FastAPI runs it on its thread pool, so the ledger query never stalls the event loop.
     @router.get("/v1/usage")
-    def usage(request: Request, start: str | None = None, end: str | None = None, group_by: str = "tenant"):
-        try:
-            principal = gate.authenticate(_bearer_token(request))
-        except GateError as error:
-            return _error(error.status, error.message, "invalid_request_error", error.code)
+    def usage(principal: Annotated[Principal, Depends(caller)], start: str | None = None, end: str | None = None,
+              group_by: str = "tenant"):
         if not principal.is_admin:
-            return _error(403, "The usage report needs an admin key.", "permission_error", "admin_key_required")
+            raise GateError(403, "The usage report needs an admin key.", "admin_key_required")
         if group_by not in GROUP_BY:
-            message = f"group_by must be one of {', '.join(GROUP_BY)}, got {group_by!r}"
-            return _error(400, message, "invalid_request_error", "invalid_value", param="group_by")
+            raise GateError(400, f"group_by must be one of {', '.join(GROUP_BY)}, got {group_by!r}", "invalid_value",
+                            param="group_by")
         bounds = {}
         for name, text in (("start", start), ("end", end)):
             try:
                 bounds[name] = parse_time(text) if text is not None else None
             except ValueError as error:
-                return _error(400, str(error), "invalid_request_error", "invalid_value", param=name)
+                raise GateError(400, str(error), "invalid_value", param=name) from None
         rows = gate.usage(group_by, bounds["start"], bounds["end"])
         return report_document(rows, group_by, bounds["start"], bounds["end"])
 
     return router
-
-
-def _bearer_token(request: Request) -> str | None:
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer":
-        return None
-    return token.strip() or None
-
-
-def _error(status: int, message: str, kind: str, code: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status_code=status)

@@ -12,14 +12,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.background import BackgroundTask
 
+from carpool.economics.contract import Gate, GateError, Principal
 from carpool.engine.async_engine import AsyncEngine
 from carpool.server import limits
 from carpool.server.admission import TierQueues
-from carpool.server.auth import Authenticate
+from carpool.server.auth import Authenticate, request_principal
 from carpool.server.batch.service import BatchService
 from carpool.server.body_limit import BodyLimit
 from carpool.server.errors import APIError, error_body, install_error_handlers
-from carpool.server.gate import Gate, GateError, OpenGate, Principal
+from carpool.server.gate import OpenGate
 from carpool.server.generation import Backends, Generation, GenerationFailed
 from carpool.server.metrics import ServerMetrics
 from carpool.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -30,11 +31,7 @@ from carpool.server.serving import Serving
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the response
 
 
-def _principal(request: Request) -> Principal:
-    return request.state.principal
-
-
-Caller = Annotated[Principal, Depends(_principal)]
+Caller = Annotated[Principal, Depends(request_principal)]
 
 
 def create_app(

@@ -4,10 +4,11 @@ Only /health and /metrics answer without a key. The API's schema and its pages (
 need one whenever the gate does: they are open exactly when the API is.
 """
 
+from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from carpool.economics.contract import Gate, GateError, Principal
 from carpool.server.errors import APIError, error_response
-from carpool.server.gate import Gate, GateError
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 
@@ -26,6 +27,11 @@ class Authenticate:
                 return await error_response(APIError.from_gate_error(error))(scope, receive, send)
             scope.setdefault("state", {})["principal"] = principal
         await self.app(scope, receive, send)
+
+
+def request_principal(request: Request) -> Principal:
+    """The caller Authenticate found, as a route's dependency (`Depends(request_principal)`)."""
+    return request.state.principal
 
 
 def bearer_key(headers: dict[bytes, bytes]) -> str | None:

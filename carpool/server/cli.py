@@ -105,6 +105,7 @@ def serve(args: argparse.Namespace, configs: dict) -> int:
     from carpool.economics.routes import usage_router
     from carpool.engine.async_engine import AsyncEngine, EngineLoop
     from carpool.server.app import create_app
+    from carpool.server.auth import request_principal
     from carpool.server.batch.home import claim_batch_dir, default_batch_dir
     from carpool.server.gate import OpenGate
 
@@ -133,7 +134,7 @@ def serve(args: argparse.Namespace, configs: dict) -> int:
     register_phase_metrics(registry, phases)
     if ledger:
         ledger.register_metrics(registry, per_tenant=args.metrics_tenants)
-        app.include_router(usage_router(ledger))
+        app.include_router(usage_router(ledger, caller=request_principal))
     # The engine loop and HTTP share the GIL; at Python's default 5 ms switch interval a thread that wants it can
     # wait a third of a decode step. 1 ms: +15-20% output tokens/s at 8 and 32 streams here (carpool bench
     # serve, 2 cores).

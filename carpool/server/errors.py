@@ -10,7 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from carpool.server.gate import GateError
+from carpool.economics.contract import GateError
 
 log = logging.getLogger("carpool.server")
 
@@ -40,7 +40,7 @@ class APIError(Exception):
 
     @classmethod
     def from_gate_error(cls, error: GateError) -> "APIError":
-        return cls(error.status, error.message, code=error.code, retry_after=error.retry_after)
+        return cls(error.status, error.message, param=error.param, code=error.code, retry_after=error.retry_after)
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:

@@ -1,47 +1,11 @@
-"""Who may call, what they may ask for, and where their usage goes: the server asks a Gate at these points.
-
-`authenticate` runs before anything else (401 on failure), `admit` before a request enters the engine
-(401, 403, 429 or 503 on failure: a batch line is admitted long after its batch's caller authenticated, so
-admission judges the key as it stands then), `record` once per finished or aborted request, and `health` says
-whether the gate can do its job (/health reports it). The open gate accepts everyone, or checks a fixed list
-of keys; economics provides a gate backed by its key store, budgets and ledger.
+"""The server's own gate, for when there is no key store: open to everyone, or to a fixed list of keys
+(`--api-key`). The Gate contract lives in carpool.economics.contract; economics provides the gate backed by its
+key store, budgets and ledger.
 """
 
 import hashlib
-from concurrent.futures import Future
-from dataclasses import dataclass
-from typing import Protocol
 
-from carpool.economics.usage import UsageRecord
-
-
-@dataclass
-class Principal:
-    """The caller as the gate knows it."""
-
-    key_id: str | None = None
-    tenant: str | None = None
-    allowed_tiers: frozenset[str] | None = None  # None: every tier
-    is_admin: bool = False
-
-
-class GateError(Exception):
-    def __init__(self, status: int, message: str, code: str, retry_after: float | None = None):
-        super().__init__(message)
-        self.status, self.message, self.code, self.retry_after = status, message, code, retry_after
-
-
-class Gate(Protocol):
-    def authenticate(self, api_key: str | None) -> Principal: ...
-
-    def admit(self, principal: Principal, tier: str, estimated_tokens: int) -> None: ...
-
-    def record(self, principal: Principal, usage: UsageRecord) -> Future | None:
-        """Account for a finished request. A Future resolves once the usage is durable, and the caller hears
-        of its request only then; it fails with the GateError to answer instead. None: nothing to wait for."""
-
-    def health(self) -> str | None:
-        """None while the gate works; else what is wrong, for /health."""
+from carpool.economics.contract import GateError, Principal, UsageRecord
 
 
 class OpenGate:

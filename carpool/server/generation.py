@@ -13,13 +13,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from functools import partial
 
-from carpool.economics.usage import UsageRecord
+from carpool.economics.contract import Gate, GateError, Principal, UsageRecord
 from carpool.engine.async_engine import AsyncEngine
 from carpool.engine.outputs import RequestOutput, best_of
 from carpool.engine.sampling_params import SamplingParams
 from carpool.engine.sequence import SequenceTimes
 from carpool.server.admission import TierQueues
-from carpool.server.gate import Gate, GateError, Principal
 from carpool.server.metrics import Metrics
 from carpool.server.protocol import TIERS
 

@@ -3,10 +3,10 @@ sampling parameters per choice, context-length checks, then the model's tier que
 
 import uuid
 
+from carpool.economics.contract import Principal
 from carpool.engine.llm_engine import ContextLengthExceeded
 from carpool.engine.sampling_params import SamplingParams
 from carpool.server.errors import APIError
-from carpool.server.gate import Principal
 from carpool.server.generation import Backends, Choice, Generation
 from carpool.server.protocol import (
     MAX_CHOICES,

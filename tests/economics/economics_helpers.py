@@ -6,10 +6,10 @@ name must stay unique across all test folders.
 
 import time
 
+from carpool.economics.contract import UsageRecord
 from carpool.economics.footprint import ModelFootprint
 from carpool.economics.hardware import Hardware
 from carpool.economics.phase_meter import PhaseTotals
-from carpool.economics.usage import UsageRecord
 
 # The shipped multipliers, round model prices: every expected cost in these tests is worked out by hand.
 TEST_SHEET = """

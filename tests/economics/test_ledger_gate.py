@@ -4,11 +4,11 @@ import pytest
 from economics_helpers import TEST_SHEET, usage
 from prometheus_client import CollectorRegistry, generate_latest
 
+from carpool.economics.contract import GateError
 from carpool.economics.db import connect
 from carpool.economics.gate import LedgerGate, open_ledger_gate
 from carpool.economics.keys import create_key, revoke_key, set_budget
 from carpool.economics.prices import PriceSheetError
-from carpool.server.gate import GateError
 
 
 def new_key(db_path, **kwargs):

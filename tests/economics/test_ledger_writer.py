@@ -7,10 +7,10 @@ from economics_helpers import usage
 from ledger_faults import fill_disk
 from prometheus_client import CollectorRegistry
 
+from carpool.economics.contract import GateError
 from carpool.economics.db import connect
 from carpool.economics.gate import LedgerGate
 from carpool.economics.keys import create_key
-from carpool.server.gate import GateError
 
 CLIENTS = 50
 REQUESTS_PER_CLIENT = 40

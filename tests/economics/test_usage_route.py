@@ -1,3 +1,5 @@
+"""The usage report, mounted as `carpool serve` mounts it: behind the server's authentication and error bodies."""
+
 import pytest
 from economics_helpers import usage
 from fastapi import FastAPI
@@ -6,12 +8,16 @@ from fastapi.testclient import TestClient
 from carpool.economics.db import connect
 from carpool.economics.keys import create_key
 from carpool.economics.routes import usage_router
+from carpool.server.auth import Authenticate, request_principal
+from carpool.server.errors import install_error_handlers
 
 
 @pytest.fixture
 def client(gate):
     app = FastAPI()
-    app.include_router(usage_router(gate))
+    install_error_handlers(app)
+    app.add_middleware(Authenticate, gate=gate)
+    app.include_router(usage_router(gate, caller=request_principal))
     return TestClient(app)
 
 
@@ -31,10 +37,13 @@ def test_admin_key_required(client, gate, db_path):
     gate.record(gate.authenticate(user), usage())
 
     missing = client.get("/v1/usage")
-    assert missing.status_code == 401 and missing.json()["error"]["code"] == "invalid_api_key"
+    assert missing.status_code == 401
+    assert missing.json()["error"]["code"] == "invalid_api_key"
+    assert missing.json()["error"]["type"] == "authentication_error"  # the server's 401, not one of its own
     forbidden = client.get("/v1/usage", headers={"Authorization": f"Bearer {user}"})
     assert forbidden.status_code == 403
-    assert set(forbidden.json()["error"]) == {"message", "type", "param", "code"}
+    assert forbidden.json()["error"] == {"message": "The usage report needs an admin key.",
+                                         "type": "permission_error", "param": None, "code": "admin_key_required"}
     ok = client.get("/v1/usage", headers={"Authorization": f"Bearer {admin}"}, params={"start": "2000-01-01"})
     assert ok.status_code == 200 and [row["group"] for row in ok.json()["data"]] == ["acme"]
 
@@ -44,3 +53,4 @@ def test_bad_parameters_are_400(client, params, param):
     response = client.get("/v1/usage", params=params)
     assert response.status_code == 400
     assert response.json()["error"]["param"] == param
+    assert response.json()["error"]["type"] == "invalid_request_error"

@@ -6,9 +6,9 @@ import asyncio
 import httpx
 import pytest
 
+from carpool.economics.contract import GateError, Principal
 from carpool.engine.async_engine import AsyncEngine
 from carpool.server.app import create_app
-from carpool.server.gate import GateError, Principal
 
 GOOD_KEY = "sk-good"
 MESSAGES = [{"role": "user", "content": "Hi"}]

@@ -10,11 +10,11 @@ from collections.abc import Callable
 
 from pydantic import BaseModel, ValidationError
 
+from carpool.economics.contract import GateError, Principal
 from carpool.server.batch.runner import BatchEndpoint, Outcome
 from carpool.server.batch.store import new_id
 from carpool.server.batch.validation import InvalidBody
 from carpool.server.errors import APIError, error_body, field_path
-from carpool.server.gate import GateError, Principal
 from carpool.server.generation import GenerationFailed
 from carpool.server.protocol import ChatCompletionRequest, CompletionRequest
 from carpool.server.serving import Serving

@@ -13,12 +13,12 @@ from fastapi import APIRouter, File, Form, Query, Request, UploadFile
 from fastapi.responses import FileResponse
 from pydantic import BaseModel, ConfigDict
 
+from carpool.economics.contract import Gate, Principal
 from carpool.server.batch.limits import COMPLETION_WINDOWS, ENDPOINTS, BatchLimits
 from carpool.server.batch.objects import batch_object, file_object, list_object
 from carpool.server.batch.runner import BatchRunner
 from carpool.server.batch.store import BatchStore, FileTooLarge
 from carpool.server.errors import APIError
-from carpool.server.gate import Gate, Principal
 
 UPLOAD_PURPOSES = ("batch",)
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512

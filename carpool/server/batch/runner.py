@@ -20,11 +20,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from carpool.economics.contract import Principal
 from carpool.server.batch.limits import BatchLimits
 from carpool.server.batch.store import BatchStore, new_id
 from carpool.server.batch.validation import InvalidLine, iter_lines, parse_line, validate_file
 from carpool.server.errors import error_body
-from carpool.server.gate import Principal
 
 log = logging.getLogger(__name__)
 

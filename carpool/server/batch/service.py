@@ -2,12 +2,12 @@
 
 from pathlib import Path
 
+from carpool.economics.contract import Gate
 from carpool.server.batch.endpoints import serving_endpoints
 from carpool.server.batch.limits import BatchLimits
 from carpool.server.batch.routes import create_batch_router
 from carpool.server.batch.runner import BatchRunner
 from carpool.server.batch.store import BatchStore
-from carpool.server.gate import Gate
 from carpool.server.serving import Serving
 
 

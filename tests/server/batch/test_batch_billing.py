@@ -5,10 +5,10 @@ import time
 
 from fastapi.testclient import TestClient
 
+from carpool.economics.contract import GateError, Principal
 from carpool.engine.async_engine import AsyncEngine
 from carpool.engine.config import EngineConfig
 from carpool.server.app import create_app
-from carpool.server.gate import GateError, Principal
 
 CALLER = Principal(key_id="key-1", tenant="acme")
 

@@ -8,13 +8,13 @@ from batch_fakes import EchoEndpoint, request_line
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
+from carpool.economics.contract import GateError, Principal
 from carpool.server.auth import Authenticate
 from carpool.server.batch.limits import BatchLimits
 from carpool.server.batch.routes import create_batch_router
 from carpool.server.batch.runner import BatchRunner
 from carpool.server.batch.store import BatchStore
 from carpool.server.errors import install_error_handlers
-from carpool.server.gate import GateError, Principal
 
 LIMITS = BatchLimits(max_file_bytes=2000, max_requests=5)
 

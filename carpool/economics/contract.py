@@ -1,0 +1,73 @@
+"""The contract between the server and whoever judges and bills its callers: the only economics module the server
+imports (besides the concrete gate its command line builds), and it imports nothing from carpool.
+
+The server asks a Gate at these points: `authenticate` before anything else (401 on failure), `admit` before a
+request enters the engine (401, 403, 429 or 503 on failure: a batch line is admitted long after its batch's
+caller authenticated, so admission judges the key as it stands then), `record` once per finished or aborted
+request, with the request's UsageRecord, and `health` to say whether the gate can do its job (/health reports
+it). A refusal is a GateError: plain data (HTTP status, OpenAI error code, message, when to retry) that the
+server turns into OpenAI's error body.
+"""
+
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass
+class Principal:
+    """The caller as the gate knows it."""
+
+    key_id: str | None = None
+    tenant: str | None = None
+    allowed_tiers: frozenset[str] | None = None  # None: every tier
+    is_admin: bool = False
+
+
+class GateError(Exception):
+    """A refusal: `status` is the HTTP status to answer, `code` OpenAI's error code (`invalid_api_key`,
+    `tier_not_allowed`, `insufficient_quota`, `rate_limit_exceeded`, `ledger_unavailable`, ...), `param` the
+    request parameter at fault, if one is."""
+
+    def __init__(self, status: int, message: str, code: str, retry_after: float | None = None,
+                 param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.code, self.retry_after, self.param = status, message, code, retry_after, param
+
+
+@dataclass
+class UsageRecord:
+    """What the server hands to the gate after every request: one plain record, no engine internals."""
+
+    request_id: str
+    model: str
+    tier: str  # a service tier's name (carpool.engine.tiers)
+    prompt_tokens: int  # all prompt tokens, cached ones included
+    cached_tokens: int  # prompt tokens read from the prefix cache
+    cache_write_tokens: int  # prompt tokens that created new prefix-cache entries
+    output_tokens: int
+    queue_seconds: float
+    prefill_seconds: float
+    decode_seconds: float
+    finish_reason: str  # "stop" | "length" | "abort" | "error"
+    key_id: str | None = None
+    tenant: str | None = None
+    created: float = field(default_factory=time.time)
+
+    @property
+    def uncached_prompt_tokens(self) -> int:
+        return self.prompt_tokens - self.cached_tokens
+
+
+class Gate(Protocol):
+    def authenticate(self, api_key: str | None) -> Principal: ...
+
+    def admit(self, principal: Principal, tier: str, estimated_tokens: int) -> None: ...
+
+    def record(self, principal: Principal, usage: UsageRecord) -> Future | None:
+        """Account for a finished request. A Future resolves once the usage is durable, and the caller hears
+        of its request only then; it fails with the GateError to answer instead. None: nothing to wait for."""
+
+    def health(self) -> str | None:
+        """None while the gate works; else what is wrong, for /health."""
