@@ -58,6 +58,12 @@ def test_the_server_reaches_economics_only_through_its_contract():
     assert [line for line in found if not line.startswith("carpool/server/cli.py ")] == []
 
 
+@pytest.mark.parametrize("package", ["bench", "server", "economics", "engine", "models", "kernels"])
+def test_no_package_imports_the_carpool_command(package):
+    """carpool/cli.py imports every area's subcommands; an area importing it back is a cycle."""
+    assert offences(package, ("carpool.cli",)) == []
+
+
 @pytest.mark.parametrize("package", ["engine", "kernels"])
 def test_the_engine_and_kernels_import_nothing_above_them(package):
     above = ("carpool.server", "carpool.economics", "carpool.bench", "carpool.cli", "carpool.llm")

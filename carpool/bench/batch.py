@@ -21,6 +21,7 @@ from pathlib import Path
 
 from carpool.bench.datasets import first_human_turns
 from carpool.bench.serve import percentile
+from carpool.engine.args import add_engine_args, engine_config
 
 TTFT_P99_RISE_TARGET = 0.25
 BATCH_THROUGHPUT_TARGET = 0.80
@@ -45,9 +46,6 @@ class BatchReport:
 
 
 def add_parser(modes) -> None:
-    # Imported here: carpool.cli imports the bench group while it is being built.
-    from carpool.cli import add_engine_args, engine_config
-
     parser = modes.add_parser("batch", help="batch throughput and interactive TTFT, alone and together")
     parser.add_argument("--num-prompts", type=int, default=500, help="requests in each batch")
     parser.add_argument("--max-tokens", type=int, default=64, help="output tokens per batch request")

@@ -10,6 +10,7 @@ import sys
 import threading
 
 from carpool.economics.cli import add_gate_args
+from carpool.engine.args import add_engine_args, engine_config
 from carpool.engine.config import EngineConfig
 from carpool.server import limits
 
@@ -22,7 +23,7 @@ PER_MODEL_FLAGS = (
 )
 
 
-def add_serve_parser(subparsers, add_engine_args, engine_config) -> None:
+def add_serve_parser(subparsers) -> None:
     defaults = EngineConfig()
     # "resolve": the per-model flags below replace the single-valued ones add_engine_args defines.
     parser = subparsers.add_parser("serve", help="serve the OpenAI-compatible API over HTTP",
@@ -55,7 +56,7 @@ def add_serve_parser(subparsers, add_engine_args, engine_config) -> None:
     parser.add_argument("--max-num-seqs", type=int, action="append", default=None,
                         help=f"sequence slots per model, one for all or one per --model (default: "
                              f"{defaults.max_num_seqs})")
-    parser.set_defaults(func=lambda args: serve(args, model_configs(args, engine_config)))
+    parser.set_defaults(func=lambda args: serve(args, model_configs(args)))
 
 
 def default_served_name(model: str | None) -> str:
@@ -65,7 +66,7 @@ def default_served_name(model: str | None) -> str:
     return model_name(model or default_model_path())
 
 
-def model_configs(args: argparse.Namespace, engine_config) -> dict:
+def model_configs(args: argparse.Namespace) -> dict:
     """{served name: EngineConfig} for each --model in order, with its per-model flags applied; ValueError
     naming the flag when the counts do not match the models or two models would share a name."""
     models = args.model or [None]

@@ -2,13 +2,13 @@
 
 import pytest
 
-from carpool.cli import build_parser, engine_config, main
+from carpool.cli import build_parser, main
 from carpool.engine.config import EngineConfig
 from carpool.server.cli import default_served_name, model_configs
 
 
 def configs(*argv: str) -> dict[str, EngineConfig]:
-    return model_configs(build_parser().parse_args(["serve", *argv]), engine_config)
+    return model_configs(build_parser().parse_args(["serve", *argv]))
 
 
 def test_each_model_gets_its_name_and_budget_by_position():

@@ -1,0 +1,34 @@
+"""The engine's command-line flags, shared by every command that starts an engine (`carpool generate`, `serve`,
+`bench batch`): `add_engine_args` declares them, `engine_config` turns the parsed flags into an EngineConfig."""
+
+import argparse
+
+from carpool.engine.config import DTYPES, EngineConfig
+from carpool.models.quantization import QUANTIZATION_MODES
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    defaults = EngineConfig()
+    parser.add_argument("--model", default=None, help="GGUF file or safetensors directory (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--dtype", default=defaults.dtype, choices=["auto", *DTYPES],
+                        help="weights, activations and KV cache (default: auto, bfloat16 where the hardware has "
+                             "native bf16 units; float32 reproduces the reference implementation exactly)")
+    parser.add_argument("--quantization", default=defaults.quantization, choices=list(QUANTIZATION_MODES),
+                        help="weight format: auto keeps a GGUF file's Q4_0/Q4_1/Q8_0 blocks (CPU kernels), none "
+                             "dequantizes to --dtype, q8_0/q4_1/q4_0 quantize at load (default: auto)")
+    parser.add_argument("--block-size", type=int, default=defaults.block_size)
+    parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--kv-cache-gb", type=float, default=defaults.kv_cache_gb)
+    parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    parser.add_argument("--priority-aging-seconds", type=float, default=defaults.priority_aging_seconds)
+    parser.add_argument("--max-priority-boost", type=int, default=defaults.max_priority_boost)
+    parser.add_argument("--num-threads", type=int, default=None)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    names = EngineConfig.__dataclass_fields__
+    return EngineConfig(**{k: v for k, v in vars(args).items() if k in names})
