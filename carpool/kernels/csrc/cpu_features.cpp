@@ -10,7 +10,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__x86_64__)
+#if defined(__x86_64__) && defined(__linux__)  // CPUID, XCR0, and Linux's arch_prctl for AMX
 #include <cpuid.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
@@ -147,8 +147,8 @@ PyObject* tile_multiply_in_child(PyObject*, PyObject*) {
 namespace {
 PyObject* features(PyObject*, PyObject*) { return PyList_New(0); }
 PyObject* cpu_model(PyObject*, PyObject*) { return PyUnicode_FromString(""); }
-PyObject* request_tile_permission(PyObject*, PyObject*) { return PyUnicode_FromString("AMX is x86-64 only"); }
-PyObject* tile_multiply_in_child(PyObject*, PyObject*) { return PyUnicode_FromString("AMX is x86-64 only"); }
+PyObject* request_tile_permission(PyObject*, PyObject*) { return PyUnicode_FromString("AMX probe needs Linux on x86-64"); }
+PyObject* tile_multiply_in_child(PyObject*, PyObject*) { return PyUnicode_FromString("AMX probe needs Linux on x86-64"); }
 }  // namespace
 #endif
 
