@@ -1,5 +1,6 @@
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value, either sign
@@ -92,6 +93,11 @@ class SamplingParams:
     @property
     def penalized(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
+
+    @cached_property
+    def logit_bias_columns(self) -> tuple[list[int], list[float]]:
+        """logit_bias as (token ids, biases), made once per request rather than on each of its steps."""
+        return list(self.logit_bias or ()), list((self.logit_bias or {}).values())
 
     @property
     def ranked(self) -> bool:
