@@ -19,9 +19,8 @@ TORCH_CAPABILITY = {"avx512": "avx512", "avx2": "avx2", "portable": "default"}
 HERE = Path(__file__).parent
 NOT_KERNEL_TESTS = {Path(__file__).name, "test_kernel_choice.py"}  # this file, and tests of the choice itself
 KERNEL_TESTS = sorted(str(p) for p in HERE.glob("test_*.py") if p.name not in NOT_KERNEL_TESTS)
-OTHER_PATHS = [
-    path for path in PATHS if path != kernel_path() and path in built_paths() and not missing_features(path, cpu_features())
-]
+RUNNABLE_PATHS = [path for path in PATHS if path in built_paths() and not missing_features(path, cpu_features())]
+OTHER_PATHS = [path for path in RUNNABLE_PATHS if path != kernel_path()]
 
 
 @pytest.mark.parametrize("path", OTHER_PATHS)

@@ -52,7 +52,7 @@ def run_python(code: str, **env) -> subprocess.CompletedProcess:
 def test_the_environment_variable_picks_the_build_a_process_loads():
     runnable = [p for p in PATHS if p in built_paths() and not missing_features(p, cpu_features())]
     forced = runnable[-1]  # portable wherever it was built: every CPU runs it
-    code = "import logging; logging.basicConfig(level=logging.INFO); import carpool.kernels as k; print(k.kernel_path())"
+    code = "import logging; logging.basicConfig(level=logging.INFO)\nimport carpool.kernels as k; print(k.kernel_path())"
     result = run_python(code, CARPOOL_KERNEL_ISA=forced)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == forced

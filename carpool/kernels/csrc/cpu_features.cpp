@@ -136,8 +136,10 @@ PyObject* tile_multiply_in_child(PyObject*, PyObject*) {
   while (waited < 0 && errno == EINTR);
   Py_END_ALLOW_THREADS
   if (waited < 0) return PyUnicode_FromFormat("waitpid failed: %s", std::strerror(errno));
-  if (WIFSIGNALED(status))
-    return PyUnicode_FromFormat("tile multiply killed by signal %d (%s)", WTERMSIG(status), strsignal(WTERMSIG(status)));
+  if (WIFSIGNALED(status)) {
+    const int sig = WTERMSIG(status);
+    return PyUnicode_FromFormat("tile multiply killed by signal %d (%s)", sig, strsignal(sig));
+  }
   if (WEXITSTATUS(status) != 0) return PyUnicode_FromString("tile multiply ran but gave wrong results");
   Py_RETURN_NONE;
 }
@@ -147,8 +149,9 @@ PyObject* tile_multiply_in_child(PyObject*, PyObject*) {
 namespace {
 PyObject* features(PyObject*, PyObject*) { return PyList_New(0); }
 PyObject* cpu_model(PyObject*, PyObject*) { return PyUnicode_FromString(""); }
-PyObject* request_tile_permission(PyObject*, PyObject*) { return PyUnicode_FromString("AMX probe needs Linux on x86-64"); }
-PyObject* tile_multiply_in_child(PyObject*, PyObject*) { return PyUnicode_FromString("AMX probe needs Linux on x86-64"); }
+constexpr const char* kNoProbe = "the AMX probe needs Linux on x86-64";
+PyObject* request_tile_permission(PyObject*, PyObject*) { return PyUnicode_FromString(kNoProbe); }
+PyObject* tile_multiply_in_child(PyObject*, PyObject*) { return PyUnicode_FromString(kNoProbe); }
 }  // namespace
 #endif
 

@@ -43,7 +43,8 @@ void attend_head(const float* query, const T* k_cache, const T* v_cache, const i
     return dot;
   };
   int64_t t = 0;
-  for (; t + 4 <= context; t += 4) simd::store4(scores + t, simd::reduce4(score(t), score(t + 1), score(t + 2), score(t + 3)));
+  for (; t + 4 <= context; t += 4)
+    simd::store4(scores + t, simd::reduce4(score(t), score(t + 1), score(t + 2), score(t + 3)));
   for (; t < context; ++t) scores[t] = simd::reduce_add(score(t));
 
   float top = -std::numeric_limits<float>::infinity();
@@ -186,7 +187,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "paged_decode_attention", [&] {
     decode_attention<scalar_t>(query.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
                                tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), batch,
-                               num_heads, num_kv_heads, head_dim, block_size, tables.size(1), static_cast<float>(scale), window);
+                               num_heads, num_kv_heads, head_dim, block_size, tables.size(1), static_cast<float>(scale),
+                               window);
   });
   return out;
 }
