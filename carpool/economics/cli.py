@@ -17,7 +17,7 @@ from carpool.economics.db import connect, default_db_path
 from carpool.economics.footprint import model_footprint
 from carpool.economics.hardware import measure_hardware
 from carpool.economics.phase_meter import PhaseTotals, totals_from_metrics_text
-from carpool.economics.prices import TIERS, load_price_sheet
+from carpool.economics.prices import load_price_sheet
 from carpool.economics.reports import (
     FORMATS,
     GROUP_BY,
@@ -26,6 +26,7 @@ from carpool.economics.reports import (
     usage_summary,
 )
 from carpool.engine.config import DTYPES, resolve_dtype
+from carpool.engine.tiers import TIER_NAMES
 from carpool.models.quantization import QUANTIZATION_MODES
 
 
@@ -47,7 +48,8 @@ def add_keys_parser(subparsers) -> None:
     create.add_argument("--tenant", required=True, help="who pays for this key's requests")
     create.add_argument("--admin", action="store_true", help="may read the usage reports")
     create.add_argument(
-        "--tiers", type=_tier_list, default=None, help=f"comma-separated subset of {','.join(TIERS)} (default: all)"
+        "--tiers", type=_tier_list, default=None,
+        help=f"comma-separated subset of {','.join(TIER_NAMES)} (default: all)",
     )
     _add_budget_args(create)
     create.add_argument("--rpm", type=int, default=None, help="requests per minute (default: unlimited)")
@@ -238,9 +240,9 @@ def _time_arg(text: str) -> float:
 
 def _tier_list(text: str) -> list[str]:
     tiers = [t.strip() for t in text.split(",") if t.strip()]
-    unknown = [t for t in tiers if t not in TIERS]
+    unknown = [t for t in tiers if t not in TIER_NAMES]
     if unknown or not tiers:
-        raise argparse.ArgumentTypeError(f"tiers must be a comma-separated subset of {','.join(TIERS)}")
+        raise argparse.ArgumentTypeError(f"tiers must be a comma-separated subset of {','.join(TIER_NAMES)}")
     return tiers
 
 
@@ -249,7 +251,7 @@ def _key_fields(key: key_store.ApiKey) -> dict:
         "key_id": key.key_id,
         "tenant": key.tenant,
         "is_admin": key.is_admin,
-        "tiers": ",".join(t for t in TIERS if t in key.allowed_tiers) if key.allowed_tiers is not None else None,
+        "tiers": ",".join(t for t in TIER_NAMES if t in key.allowed_tiers) if key.allowed_tiers is not None else None,
         "budget": key.budget,
         "budget_period": key.budget_period,
         "rpm": key.rpm,

@@ -15,7 +15,8 @@ from dataclasses import asdict, dataclass
 from carpool.economics.footprint import ModelFootprint
 from carpool.economics.hardware import Hardware
 from carpool.economics.phase_meter import PhaseTotals
-from carpool.economics.prices import TIERS, TOKENS_PER_PRICE_UNIT, PriceSheet
+from carpool.economics.prices import TOKENS_PER_PRICE_UNIT, PriceSheet
+from carpool.engine.tiers import TIER_NAMES
 
 SECONDS_PER_HOUR = 3600
 
@@ -79,7 +80,7 @@ def cost_model(
     base_output = per_second / decode_rate * TOKENS_PER_PRICE_UNIT
     listed = prices.price(footprint.name)
     tiers = []
-    for tier in TIERS:
+    for tier in TIER_NAMES:
         m = prices.tier_multiplier(tier)
         tiers.append(TierCost(tier, base_input * m, base_output * m, listed.input * m, listed.output * m))
     return CostModel(

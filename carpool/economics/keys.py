@@ -10,7 +10,7 @@ import sqlite3
 import time
 from dataclasses import dataclass
 
-from carpool.economics.prices import TIERS
+from carpool.engine.tiers import TIER_NAMES
 
 SECRET_PREFIX = "sk-cp-"
 BUDGET_PERIODS = ("day", "month")
@@ -126,10 +126,11 @@ def set_budget(conn: sqlite3.Connection, key_id: str, budget: float | None, budg
 def _check_tiers(tiers: list[str] | None) -> str | None:
     if tiers is None:
         return None
-    unknown = sorted(set(tiers) - set(TIERS))
+    unknown = sorted(set(tiers) - set(TIER_NAMES))
     if unknown or not tiers:
-        raise ValueError(f"tiers must be a non-empty subset of {', '.join(TIERS)}; got {', '.join(tiers) or 'none'}")
-    return ",".join(t for t in TIERS if t in tiers)
+        raise ValueError(
+            f"tiers must be a non-empty subset of {', '.join(TIER_NAMES)}; got {', '.join(tiers) or 'none'}")
+    return ",".join(t for t in TIER_NAMES if t in tiers)
 
 
 def _check_budget(budget: float | None, period: str | None) -> None:

@@ -10,13 +10,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from carpool.economics.contract import UsageRecord
+from carpool.engine.tiers import TIER_NAMES, TIERS
 
-TIERS = ("priority", "default", "flex", "batch")
 SHIPPED_PRICES = Path(__file__).with_name("prices.toml")
 ANY_MODEL = "*"  # the entry that prices models without one of their own
 TOKENS_PER_PRICE_UNIT = 1_000_000  # prices are per 1M tokens
 
-_SECTIONS = {"cache": ("read", "write"), "tiers": TIERS}
+_CACHE_FIELDS = ("read", "write")
 _MODEL_FIELDS = ("input", "output")
 
 
@@ -50,7 +50,7 @@ class PriceSheet:
 
     def tier_multiplier(self, tier: str) -> float:
         if tier not in self.tiers:
-            raise ValueError(f"unknown service tier {tier!r} (known: {', '.join(TIERS)})")
+            raise ValueError(f"unknown service tier {tier!r} (known: {', '.join(TIER_NAMES)})")
         return self.tiers[tier]
 
     def cost(self, usage: UsageRecord) -> float:
@@ -77,8 +77,8 @@ def load_price_sheet(path: str | Path | None = None) -> PriceSheet:
         raise PriceSheetError(f"{where}: cannot read: {error.strerror or error}") from error
     except tomllib.TOMLDecodeError as error:
         raise PriceSheetError(f"{where}: not valid TOML: {error}") from error
-    _only_known(raw, (*_SECTIONS, "models"), where, "")
-    sections = {name: _table(raw, name, fields, where) for name, fields in _SECTIONS.items()}
+    _only_known(raw, ("cache", "tiers", "models"), where, "")
+    cache = _table(raw, "cache", _CACHE_FIELDS, where)
     models_table = raw.get("models")
     if not isinstance(models_table, dict) or not models_table:
         raise PriceSheetError(f'{where}: [models] is missing or empty: add [models."NAME"] with input and output')
@@ -93,9 +93,9 @@ def load_price_sheet(path: str | Path | None = None) -> PriceSheet:
         )
     return PriceSheet(
         models=models,
-        cache_read=sections["cache"]["read"],
-        cache_write=sections["cache"]["write"],
-        tiers=sections["tiers"],
+        cache_read=cache["read"],
+        cache_write=cache["write"],
+        tiers=_tier_multipliers(raw, where),
         source=str(path),
     )
 
@@ -106,6 +106,16 @@ def _table(raw: dict, name: str, fields: tuple[str, ...], where: str) -> dict[st
         raise PriceSheetError(f"{where}: [{name}] is missing (needs {', '.join(fields)})")
     _only_known(table, fields, where, f"{name}.")
     return {field: _number(table, field, f"{name}.{field}", where) for field in fields}
+
+
+def _tier_multipliers(raw: dict, where: str) -> dict[str, float]:
+    """[tiers] may set any tier's multiplier; a tier it leaves out costs its default (carpool.engine.tiers)."""
+    table = raw.get("tiers", {})
+    if not isinstance(table, dict):
+        raise PriceSheetError(f"{where}: [tiers] must be a table of multipliers ({', '.join(TIER_NAMES)})")
+    _only_known(table, TIER_NAMES, where, "tiers.")
+    return {tier.name: _number(table, tier.name, f"tiers.{tier.name}", where) if tier.name in table
+            else tier.price_multiplier for tier in TIERS}
 
 
 def _number(table: dict, field: str, label: str, where: str) -> float:

@@ -44,9 +44,6 @@ class EngineConfig:
     # `max_priority_boost` tiers, so no tier starves behind a steady stream of higher ones.
     priority_aging_seconds: float = 30.0
     max_priority_boost: int = 2
-    # Decodes at this priority or lower (the Batch API's tier) sit out any step that computes a higher tier's
-    # prompt, so background work never lengthens an interactive request's time to first token.
-    background_priority: int = 3
     num_threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
 
     def __post_init__(self):

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from carpool.engine.block_manager import BlockManager
 from carpool.engine.config import EngineConfig
 from carpool.engine.sequence import Sequence, SequenceStatus
+from carpool.engine.tiers import BACKGROUND_PRIORITY
 
 
 @dataclass
@@ -63,11 +64,11 @@ class Scheduler:
         # same way, so a preemption can never be undone by its victim on the next step.
         rank = {s: (self.effective_priority(s, now), s.times.arrival, s.seq_id) for s in self.running + self.waiting}
         self.running.sort(key=rank.__getitem__)
-        background = self.config.background_priority
-        foreground_prompt = any(s.priority < background and s.num_tokens - s.num_computed_tokens > 1
+        # A background tier's decodes sit out any step that computes a foreground tier's prompt.
+        foreground_prompt = any(s.priority < BACKGROUND_PRIORITY and s.num_tokens - s.num_computed_tokens > 1
                                 for s in self.running + self.waiting)
         for seq in [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]:
-            if not (foreground_prompt and seq.priority >= background):
+            if not (foreground_prompt and seq.priority >= BACKGROUND_PRIORITY):
                 self._schedule_running(seq, batch, rank)
         # Prompt work, running chunks and new admissions alike, in rank order: a priority request's prompt is
         # never queued behind the chunks of a batch-tier prompt that happened to start first.

@@ -18,9 +18,9 @@ from carpool.engine.async_engine import AsyncEngine
 from carpool.engine.outputs import RequestOutput, best_of
 from carpool.engine.sampling_params import SamplingParams
 from carpool.engine.sequence import SequenceTimes
+from carpool.engine.tiers import BY_NAME
 from carpool.server.admission import TierQueues
 from carpool.server.metrics import Metrics
-from carpool.server.protocol import TIERS
 
 
 @dataclass
@@ -79,7 +79,7 @@ class Generation:
 
     async def _run(self, engine: AsyncEngine, choice: Choice) -> None:
         outputs = engine.generate(f"{self.request_id}-{choice.index}", choice.prompt_ids, choice.params,
-                                  priority=TIERS[self.tier], cache_salt=self.cache_salt)
+                                  priority=BY_NAME[self.tier].priority, cache_salt=self.cache_salt)
         async for output in outputs:
             if choice.last is None:
                 self.queues.release(self.tier)

@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from carpool.engine.async_engine import EngineSnapshot
 from carpool.engine.llm_engine import StepStats
 from carpool.engine.outputs import RequestOutput
-from carpool.server.protocol import TIERS
+from carpool.engine.tiers import TIER_NAMES
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 # vLLM's buckets, so quantiles compare across the two servers.
@@ -92,7 +92,7 @@ class Metrics:
         self.kv_usage = families.kv_usage.labels(model_name)
         self.prefix_blocks = families.prefix_blocks.labels(model_name)
         self.prefix_hit_rate = families.prefix_hit_rate.labels(model_name)
-        for tier in TIERS:  # every series exists from the start, so rates and "did it move" work from zero
+        for tier in TIER_NAMES:  # every series exists from the start, so rates and "did it move" work from zero
             for family in (families.prompt_tokens, families.generation_tokens):
                 family.labels(model_name, tier)
             for reason in FINISH_REASONS:

@@ -14,9 +14,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 from pydantic_core import PydanticCustomError
 
 from carpool.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY
+from carpool.engine.tiers import LIVE_TIERS
 
-# Service tier -> engine priority (lower is served first). `batch` is internal: only the Batch API uses it.
-TIERS = {"priority": 0, "default": 1, "flex": 2, "batch": 3}
 MAX_CHOICES = 128  # n (or best_of) times the number of prompts
 MAX_STOP_STRINGS = 4
 # Each entry costs a little Python on every step of its request: bounded as OpenAI bounds logit_bias.
@@ -96,7 +95,7 @@ class GenerationRequest(Body):
     user: Text | None = None
     cache_salt: Text | None = Field(None, max_length=256,
                                     description="prefix-cache tenant; default: the API key, else user")
-    service_tier: Literal["auto", "default", "flex", "priority"] | None = None
+    service_tier: Literal[("auto", *(tier.name for tier in LIVE_TIERS))] | None = None
     presence_penalty: float | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY)
     frequency_penalty: float | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY)
     logit_bias: (
@@ -107,7 +106,8 @@ class GenerationRequest(Body):
     # Extensions, with vLLM's names and meanings.
     top_k: int | None = Field(None, ge=-1, description="-1 or 0: no limit")
     min_p: float | None = Field(None, ge=0, le=1)
-    priority: int | None = Field(None, ge=0, le=2, description="the tier by number: 0 priority, 1 default, 2 flex")
+    priority: int | None = Field(None, ge=0, le=len(LIVE_TIERS) - 1, description="the tier by number: " + ", ".join(
+        f"{tier.priority} {tier.name}" for tier in LIVE_TIERS))
     ignore_eos: bool | None = None
     repetition_penalty: float | None = Field(
         None, gt=0, description="over prompt and output tokens: positive logits divided by it, negative multiplied")

@@ -6,6 +6,7 @@ import uuid
 from carpool.economics.contract import Principal
 from carpool.engine.llm_engine import ContextLengthExceeded
 from carpool.engine.sampling_params import SamplingParams
+from carpool.engine.tiers import BY_PRIORITY, DEFAULT_TIER
 from carpool.server.errors import APIError
 from carpool.server.generation import Backends, Choice, Generation
 from carpool.server.protocol import (
@@ -20,7 +21,6 @@ from carpool.server.protocol import (
 from carpool.server.responses import ChatFormat, CompletionFormat
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
-TIER_BY_PRIORITY = ("priority", "default", "flex")
 
 
 class Serving:
@@ -119,7 +119,7 @@ class ModelServing:
                max_tokens: int | None, logprobs: int | None, renamed: dict, best_of: int | None = None,
                echoes: list[str] | None = None) -> Generation:
         """Each prompt runs best_of (default n) candidates; with best_of > n the n best of each are returned."""
-        tier = self._tier(request)
+        tier = requested_tier(request)
         n = request.n or 1
         candidates = best_of or n
         if candidates * len(prompts) > MAX_CHOICES:
@@ -156,15 +156,6 @@ class ModelServing:
         if request.user:
             return f"user:{request.user}"
         return None
-
-    @staticmethod
-    def _tier(request: GenerationRequest) -> str:
-        asked = None if request.service_tier in (None, "auto") else request.service_tier
-        numbered = TIER_BY_PRIORITY[request.priority] if request.priority is not None else None
-        if asked and numbered and asked != numbered:
-            raise APIError(400, f"priority: {request.priority} names the {numbered!r} tier, but service_tier is "
-                                f"{asked!r}", param="priority")
-        return asked or numbered or "default"
 
     def _params(self, request: GenerationRequest, prompt_ids: list[int], max_tokens: int | None,
                 logprobs: int | None, choice: int, renamed: dict, best_of: int = 1) -> SamplingParams:
@@ -203,3 +194,13 @@ class ModelServing:
             raise APIError(400, f"tokens: {bad[:5]} are outside the vocabulary [0, {self.tokenizer.vocab_size})",
                            param="tokens")
         return {"prompt": self.tokenizer.decode(request.tokens)}
+
+
+def requested_tier(request: GenerationRequest) -> str:
+    """The tier a request asks for, by name (`service_tier`) or number (`priority`); the default if neither."""
+    asked = None if request.service_tier in (None, "auto") else request.service_tier
+    numbered = BY_PRIORITY[request.priority].name if request.priority is not None else None
+    if asked and numbered and asked != numbered:
+        raise APIError(400, f"priority: {request.priority} names the {numbered!r} tier, but service_tier is "
+                            f"{asked!r}", param="priority")
+    return asked or numbered or DEFAULT_TIER

@@ -5,10 +5,10 @@ from economics_helpers import TEST_SHEET, usage
 
 from carpool.economics.prices import (
     SHIPPED_PRICES,
-    TIERS,
     PriceSheetError,
     load_price_sheet,
 )
+from carpool.engine.tiers import TIER_NAMES, TIERS
 
 # Prompt of 1000 tokens; a cache read covers 400 of them, a cache write 300 of the uncached rest; a finished
 # request generated 200 tokens, an aborted one 50. Test prices: $1 per 1M input, $4 per 1M output.
@@ -53,7 +53,7 @@ EXPECTED_DOLLARS = {
 
 
 def test_expected_table_covers_every_combination():
-    assert set(EXPECTED_DOLLARS) == set(itertools.product(TIERS, (False, True), (False, True), (False, True)))
+    assert set(EXPECTED_DOLLARS) == set(itertools.product(TIER_NAMES, (False, True), (False, True), (False, True)))
 
 
 def combination_usage(tier, read, write, aborted):
@@ -75,6 +75,7 @@ def test_shipped_sheet_has_the_issue_multipliers_and_output_above_input():
     sheet = load_price_sheet()
     assert (sheet.cache_read, sheet.cache_write) == (0.1, 1.25)
     assert sheet.tiers == {"priority": 2.0, "default": 1.0, "flex": 0.5, "batch": 0.5}
+    assert sheet.tiers == {tier.name: tier.price_multiplier for tier in TIERS}  # the tier table's defaults
     for name, price in sheet.models.items():
         assert price.output > price.input, name
     assert sheet.covers("some-model-without-an-entry")
@@ -87,6 +88,16 @@ def test_unknown_model_falls_back_to_star_entry_or_fails_naming_it(prices, tmp_p
     path = tmp_path / "star.toml"
     path.write_text(TEST_SHEET + '\n[models."*"]\ninput = 2.0\noutput = 8.0\n')
     assert load_price_sheet(path).cost(usage(model="other", output=0)) == pytest.approx(0.002)
+
+
+def test_a_tier_the_sheet_leaves_out_costs_its_default(tmp_path):
+    path = tmp_path / "partial.toml"
+    path.write_text(TEST_SHEET.replace("priority = 2.0", "priority = 3.0").replace("flex = 0.5", ""))
+    tiers = load_price_sheet(path).tiers
+    assert tiers["priority"] == 3.0
+    assert tiers["flex"] == next(tier.price_multiplier for tier in TIERS if tier.name == "flex")
+    path.write_text(TEST_SHEET.split("[tiers]")[0] + "[models" + TEST_SHEET.split("[models", 1)[1])
+    assert load_price_sheet(path).tiers == {tier.name: tier.price_multiplier for tier in TIERS}
 
 
 def test_unknown_tier_is_refused(prices):
@@ -105,7 +116,11 @@ BAD_SHEETS = {
         'models."test-model".input must be a number',
     ),
     "misspelt field": (TEST_SHEET.replace("input = 1.0", "inptu = 1.0"), 'unknown entry models."test-model".inptu'),
-    "missing tier": (TEST_SHEET.replace("flex = 0.5", ""), "tiers.flex is missing"),
+    "misspelt tier": (TEST_SHEET.replace("flex = 0.5", "flexible = 0.5"), "unknown entry tiers.flexible"),
+    "tiers not a table": (
+        "tiers = 2\n" + TEST_SHEET.replace("[tiers]\npriority = 2.0\ndefault = 1.0\nflex = 0.5\nbatch = 0.5", ""),
+        r"\[tiers\] must be a table",
+    ),
     "missing section": (TEST_SHEET.replace("[cache]\nread = 0.1\nwrite = 1.25", ""), r"\[cache\] is missing"),
     "no models": (TEST_SHEET.split("[models")[0], r"\[models\] is missing or empty"),
     "model not a table": (

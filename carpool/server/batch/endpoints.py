@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pydantic import BaseModel, ValidationError
 
 from carpool.economics.contract import GateError, Principal
+from carpool.engine.tiers import BATCH_TIER
 from carpool.server.batch.runner import BatchEndpoint, Outcome
 from carpool.server.batch.store import new_id
 from carpool.server.batch.validation import InvalidBody
@@ -19,7 +20,6 @@ from carpool.server.generation import GenerationFailed
 from carpool.server.protocol import ChatCompletionRequest, CompletionRequest
 from carpool.server.serving import Serving
 
-BATCH_TIER = "batch"
 # Refusals that mean "not now" when they come with a retry time: a full queue or a key's rate limit, and a
 # ledger that cannot write for the moment. Batch work waits its turn; every other refusal answers the line.
 WAIT_CODES = ("rate_limit_exceeded", "ledger_unavailable")

@@ -14,6 +14,7 @@ from fastapi.responses import FileResponse
 from pydantic import BaseModel, ConfigDict
 
 from carpool.economics.contract import Gate, Principal
+from carpool.engine.tiers import BATCH_TIER
 from carpool.server.batch.limits import COMPLETION_WINDOWS, ENDPOINTS, BatchLimits
 from carpool.server.batch.objects import batch_object, file_object, list_object
 from carpool.server.batch.runner import BatchRunner
@@ -102,7 +103,7 @@ def create_batch_router(store: BatchStore, runner: BatchRunner, gate: Gate, limi
         if input_file["purpose"] != "batch":
             raise APIError(400, f"input_file_id: {body.input_file_id!r} was uploaded for {input_file['purpose']!r}, "
                                 "not 'batch'", param="input_file_id", code="invalid_value")
-        gate.admit(principal, "batch", 0)  # may this key use the batch tier, and has it budget left?
+        gate.admit(principal, BATCH_TIER, 0)  # may this key use the batch tier, and has it budget left?
         now = int(time.time())
         row = store.create_batch(
             owner=_owner(principal),
