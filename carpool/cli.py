@@ -32,11 +32,11 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _add_generate(subparsers) -> None:
     parser = subparsers.add_parser("generate", help="stream a completion for one prompt to the terminal")
-    parser.add_argument("prompt")
+    parser.add_argument("prompt", help="the user's message (sent through the chat template unless --raw)")
     parser.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
-    parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--max-tokens", type=int, default=256, help="output tokens at most (default: 256)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 picks the likeliest token (default: 0)")
+    parser.add_argument("--seed", type=int, default=None, help="makes sampling at a temperature above 0 repeatable")
     add_engine_args(parser)
     parser.set_defaults(func=_generate)
 

@@ -52,7 +52,7 @@ def add_parser(modes) -> None:
     parser.add_argument("--clients", type=int, default=4, help="interactive clients, each one request at a time")
     parser.add_argument("--interactive-requests", type=int, default=16,
                         help="requests per client in the interactive-alone phase")
-    parser.add_argument("--interactive-max-tokens", type=int, default=16)
+    parser.add_argument("--interactive-max-tokens", type=int, default=16, help="output tokens per interactive request")
     parser.add_argument("--max-prompt-chars", type=int, default=2000, help="skip longer prompts")
     parser.add_argument("--out", default="bench-results/batch.json", help="where the JSON report goes")
     add_engine_args(parser)

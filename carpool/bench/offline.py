@@ -25,15 +25,16 @@ from carpool.models.quantization import QUANTIZATION_MODES
 
 def add_parser(modes) -> None:
     parser = modes.add_parser("offline", help="offline throughput: carpool vs transformers generate")
-    parser.add_argument("--num-prompts", type=int, nargs="+", default=[1, 64])
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--max-prompt-chars", type=int, default=2000)
-    parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--num-prompts", type=int, nargs="+", default=[1, 64],
+                        help="batch sizes to run, each a batch of that many prompts at once")
+    parser.add_argument("--max-tokens", type=int, default=128, help="output tokens per prompt at most")
+    parser.add_argument("--max-prompt-chars", type=int, default=2000, help="skip longer prompts")
+    parser.add_argument("--skip-transformers", action="store_true", help="run carpool only, without the comparison")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                         help="for both carpool and transformers")
     parser.add_argument("--quantization", default="auto", choices=list(QUANTIZATION_MODES),
                         help="carpool's weight format (transformers always runs dense weights)")
-    parser.add_argument("--out", default="bench-results/offline.json")
+    parser.add_argument("--out", default="bench-results/offline.json", help="where the JSON report goes")
     parser.set_defaults(func=main)
 
 

@@ -25,13 +25,15 @@ FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0)
 
 def add_parser(modes) -> None:
     parser = modes.add_parser("prefix", help="prefix caching on vs off: TTFT and prompt tokens computed")
-    parser.add_argument("--conversations", type=int, default=12)
-    parser.add_argument("--system-tokens", type=int, default=1200)
-    parser.add_argument("--meetings", type=int, default=4)
-    parser.add_argument("--max-doc-words", type=int, default=1500)
+    parser.add_argument("--conversations", type=int, default=12, help="multi-turn chats in the chat workload")
+    parser.add_argument("--system-tokens", type=int, default=1200,
+                        help="length of the system prompt every chat shares")
+    parser.add_argument("--meetings", type=int, default=4,
+                        help="transcripts in the docs workload, each asked its questions")
+    parser.add_argument("--max-doc-words", type=int, default=1500, help="skip longer transcripts")
     parser.add_argument("--cached-prefix-tokens", type=int, default=2000,
                         help="the long cached prefix whose TTFT is compared")
-    parser.add_argument("--out", default="bench-results/prefix.json")
+    parser.add_argument("--out", default="bench-results/prefix.json", help="where the JSON report goes")
     parser.set_defaults(func=main)
 
 

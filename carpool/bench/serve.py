@@ -54,11 +54,11 @@ def add_parser(modes) -> None:
     parser.add_argument("--concurrency", type=_int_list, default=[1, 8, 32], help="comma-separated stream counts")
     parser.add_argument("--num-requests", type=int, default=None,
                         help="requests per level (default: the larger of 8 and twice the concurrency)")
-    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=128, help="output tokens per request at most")
     parser.add_argument("--max-prompt-chars", type=int, default=None,
                         help="skip longer prompts (for servers with small per-slot contexts)")
     parser.add_argument("--model", default=None, help="default: the first model the server lists")
-    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--api-key", default=None, help="sent as the bearer token to every server")
     parser.add_argument("--label", action="append", default=None,
                         help="each server's name in the report, in --url order (default: the model)")
     parser.add_argument("--out", default=None,

@@ -57,15 +57,15 @@ def add_keys_parser(subparsers) -> None:
     create.set_defaults(func=_keys_create)
 
     listing = commands.add_parser("list", help="list keys (never their secrets)")
-    listing.add_argument("--format", choices=("table", "json"), default="table")
+    listing.add_argument("--format", choices=("table", "json"), default="table", help="output format (default: table)")
     listing.set_defaults(func=_keys_list)
 
     revoke = commands.add_parser("revoke", help="revoke a key; a running server refuses it from its next request")
-    revoke.add_argument("key_id")
+    revoke.add_argument("key_id", help="the key's id, as `keys list` shows it")
     revoke.set_defaults(func=_keys_revoke)
 
     budget = commands.add_parser("set-budget", help="set or clear a key's budget")
-    budget.add_argument("key_id")
+    budget.add_argument("key_id", help="the key's id, as `keys list` shows it")
     group = budget.add_mutually_exclusive_group(required=True)
     group.add_argument("--budget", type=float, help="dollars per period")
     group.add_argument("--clear", action="store_true", help="remove the budget")
@@ -81,10 +81,10 @@ def add_cost_parser(subparsers) -> None:
     commands = parser.add_subparsers(dest="cost_command", required=True)
 
     report = commands.add_parser("report", help="tokens, cost and time share from the ledger")
-    report.add_argument("--group-by", choices=tuple(GROUP_BY), default="tenant")
+    report.add_argument("--group-by", choices=tuple(GROUP_BY), default="tenant", help="one row per (default: tenant)")
     report.add_argument("--start", type=_time_arg, default=None, help="unix seconds or ISO 8601 (UTC), inclusive")
     report.add_argument("--end", type=_time_arg, default=None, help="unix seconds or ISO 8601 (UTC), exclusive")
-    report.add_argument("--format", choices=FORMATS, default="table")
+    report.add_argument("--format", choices=FORMATS, default="table", help="output format (default: table)")
     _add_db_arg(report)
     report.set_defaults(func=_cost_report)
 
@@ -103,7 +103,7 @@ def add_cost_parser(subparsers) -> None:
     model.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="as served (default: auto)")
     model.add_argument("--quantization", default="auto", choices=list(QUANTIZATION_MODES),
                        help="weight format as served (default: auto)")
-    model.add_argument("--format", choices=("table", "json"), default="table")
+    model.add_argument("--format", choices=("table", "json"), default="table", help="output format (default: table)")
     model.set_defaults(func=_cost_model)
 
 

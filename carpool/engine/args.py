@@ -9,7 +9,8 @@ from carpool.models.quantization import QUANTIZATION_MODES
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     defaults = EngineConfig()
-    parser.add_argument("--model", default=None, help="GGUF file or safetensors directory (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--model", default=None,
+                        help="GGUF file or safetensors directory (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--dtype", default=defaults.dtype, choices=["auto", *DTYPES],
                         help="weights, activations and KV cache (default: auto, bfloat16 where the hardware has "
@@ -17,16 +18,29 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization", default=defaults.quantization, choices=list(QUANTIZATION_MODES),
                         help="weight format: auto keeps a GGUF file's Q4_0/Q4_1/Q8_0 blocks (CPU kernels), none "
                              "dequantizes to --dtype, q8_0/q4_1/q4_0 quantize at load (default: auto)")
-    parser.add_argument("--block-size", type=int, default=defaults.block_size)
-    parser.add_argument("--num-kv-blocks", type=int, default=None)
-    parser.add_argument("--kv-cache-gb", type=float, default=defaults.kv_cache_gb)
-    parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    parser.add_argument("--priority-aging-seconds", type=float, default=defaults.priority_aging_seconds)
-    parser.add_argument("--max-priority-boost", type=int, default=defaults.max_priority_boost)
-    parser.add_argument("--num-threads", type=int, default=None)
+    parser.add_argument("--block-size", type=int, default=defaults.block_size,
+                        help=f"tokens per KV-cache block, the unit of paging and prefix sharing (default: "
+                             f"{defaults.block_size})")
+    parser.add_argument("--num-kv-blocks", type=int, default=None,
+                        help="exact KV pool in blocks, overrides --kv-cache-gb")
+    parser.add_argument("--kv-cache-gb", type=float, default=defaults.kv_cache_gb,
+                        help=f"memory for the KV pool (default: {defaults.kv_cache_gb})")
+    parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs,
+                        help=f"sequences in the running batch at most (default: {defaults.max_num_seqs})")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens,
+                        help=f"tokens one step computes at most; longer prompts are split over steps (default: "
+                             f"{defaults.max_num_batched_tokens})")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="prompt plus output tokens per sequence at most (default: the model's context window)")
+    parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                        help="compute every prompt in full instead of reusing cached prefixes")
+    parser.add_argument("--priority-aging-seconds", type=float, default=defaults.priority_aging_seconds,
+                        help=f"a waiting request gains one tier of priority per this many seconds waited (default: "
+                             f"{defaults.priority_aging_seconds})")
+    parser.add_argument("--max-priority-boost", type=int, default=defaults.max_priority_boost,
+                        help=f"tiers a request can gain by waiting at most (default: {defaults.max_priority_boost})")
+    parser.add_argument("--num-threads", type=int, default=None,
+                        help="torch threads on CPU (default: torch's own choice)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

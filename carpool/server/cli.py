@@ -28,18 +28,22 @@ def add_serve_parser(subparsers) -> None:
     # "resolve": the per-model flags below replace the single-valued ones add_engine_args defines.
     parser = subparsers.add_parser("serve", help="serve the OpenAI-compatible API over HTTP",
                                    conflict_handler="resolve")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine "
+                                                             "only; 0.0.0.0 for every interface)")
+    parser.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000)")
     parser.add_argument("--api-key", action="append", default=[],
                         help="accept only these keys, with no ledger (repeatable; default: the key store in --db, "
                              "open to everyone while it holds no keys)")
     parser.add_argument("--max-queued-per-tier", type=int, default=limits.MAX_QUEUED_PER_TIER,
                         help="requests waiting for their first token, per model and service tier, before 429s")
-    parser.add_argument("--max-body-bytes", type=int, default=limits.MAX_BODY_BYTES)
+    parser.add_argument("--max-body-bytes", type=int, default=limits.MAX_BODY_BYTES,
+                        help=f"largest request body before a 413 (default: {limits.MAX_BODY_BYTES}; batch uploads "
+                             "have their own limit)")
     parser.add_argument("--batch-dir", default=None,
                         help="where batches and files live, for this --db only (default: $CARPOOL_BATCH_DIR, else "
                              "<db>.batches beside the database)")
-    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                        help="server log verbosity (default: info)")
     add_gate_args(parser)
     add_engine_args(parser)
     parser.add_argument("--model", action="append", default=None,

@@ -16,29 +16,31 @@ def add_batch_parser(subparsers) -> None:
     commands = parser.add_subparsers(dest="batch_command", required=True)
 
     submit = commands.add_parser("submit", help="upload a JSONL file of requests and start a batch")
-    submit.add_argument("file", type=Path)
+    submit.add_argument("file", type=Path, help="the JSONL file: one request per line, as OpenAI's Batch API takes")
     submit.add_argument("--endpoint", default=None, help="default: the `url` of the file's first request")
-    submit.add_argument("--metadata", action="append", default=[], metavar="KEY=VALUE")
+    submit.add_argument("--metadata", action="append", default=[], metavar="KEY=VALUE",
+                        help="a label kept with the batch (repeatable)")
     submit.add_argument("--wait", action="store_true", help="follow the batch with a progress bar until it ends")
     submit.set_defaults(func=_reporting_api_errors(_submit))
 
     status = commands.add_parser("status", help="print a batch as JSON")
-    status.add_argument("batch_id")
+    status.add_argument("batch_id", help="the id `submit` printed")
     status.set_defaults(func=_reporting_api_errors(_status))
 
     results = commands.add_parser("results", help="print a batch's output lines, then its error lines")
-    results.add_argument("batch_id")
+    results.add_argument("batch_id", help="the id `submit` printed")
     results.add_argument("-o", "--output", type=Path, default=None, help="write to this file instead of stdout")
     results.set_defaults(func=_reporting_api_errors(_results))
 
     cancel = commands.add_parser("cancel", help="stop a batch; finished results are kept")
-    cancel.add_argument("batch_id")
+    cancel.add_argument("batch_id", help="the id `submit` printed")
     cancel.set_defaults(func=_reporting_api_errors(_cancel))
 
     for command in (submit, status, results, cancel):
         command.add_argument("--url", default=os.environ.get("CARPOOL_URL", DEFAULT_URL), help="the API's base URL")
         command.add_argument("--api-key", default=None, help="default: $CARPOOL_API_KEY, else $OPENAI_API_KEY")
-        command.add_argument("--poll-interval", type=float, default=1.0, help=argparse.SUPPRESS)
+        command.add_argument("--poll-interval", type=float, default=1.0,
+                             help="seconds between status checks while following a batch")
 
 
 def _reporting_api_errors(command):
