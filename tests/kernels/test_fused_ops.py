@@ -55,15 +55,16 @@ def test_rotary_in_place_matches_native(dtype, head_dim):
     torch.testing.assert_close(rotated_k, expected_k, **tolerance)
 
 
-# head_dim -> (query heads, KV heads): SmolLM2, Qwen2.5-1.5B, Gemma 3 270M, and a size with no vector path.
-HEAD_LAYOUTS = {64: (9, 3), 128: (12, 2), 256: (4, 1), 32: (9, 3)}
+# (head_dim, query heads, KV heads): SmolLM2, Qwen2.5-0.5B (7 heads a KV head: partial register tiles),
+# Qwen2.5-1.5B, Gemma 3 270M, and a head size with no vector path.
+HEAD_LAYOUTS = [(64, 9, 3), (64, 14, 2), (128, 12, 2), (256, 4, 1), (32, 9, 3)]
 
 
 @pytest.mark.parametrize("window", [0, 20])  # full attention; a sliding window shorter than some contexts
-@pytest.mark.parametrize("head_dim", list(HEAD_LAYOUTS))
+@pytest.mark.parametrize("head_dim,heads,kv_heads", HEAD_LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_paged_decode_attention_matches_gathered_sdpa(dtype, head_dim, window):
-    (heads, kv_heads), block_size, num_blocks = HEAD_LAYOUTS[head_dim], 16, 40
+def test_paged_decode_attention_matches_gathered_sdpa(dtype, head_dim, heads, kv_heads, window):
+    block_size, num_blocks = 16, 40
     attention = PagedAttention(heads, kv_heads, head_dim, window=window)
     attention.k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim).to(dtype)
     attention.v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim).to(dtype)

@@ -22,69 +22,138 @@ namespace {
 #ifdef CARPOOL_SIMD
 namespace simd = carpool::simd;
 
-// Value accumulators kept in registers at once: a head wider than this many vectors (256 dims in 16 lanes, 128
-// in AVX2's 8) sums its values in column blocks, one pass over the context each, rather than spilling them.
-constexpr int kAccChunks = 8;
+constexpr int kLanes = simd::kLanes;
 
-// One query head against its KV head's context (CHUNKS = head_dim / lanes). `offsets` are the context's rows in
-// the pool, shared by K and V; `scores` is scratch of context floats. Keys are scored four at a time so their
-// horizontal sums share one reduction; the softmax uses torch's vector exp; the weighted sum of values stays in
-// registers.
-template <typename T, int CHUNKS>
-void attend_head(const float* query, const T* k_cache, const T* v_cache, const int64_t* offsets, int64_t context,
-                 float* scores, T* out) {
-  constexpr int kLanes = simd::kLanes;
-  simd::Vec q[CHUNKS];
-  for (int c = 0; c < CHUNKS; ++c) q[c] = simd::load(query + c * kLanes);
-  auto score = [&](int64_t t) {
-    const T* key = k_cache + offsets[t];
-    simd::Vec dot = simd::mul(q[0], simd::load(key));
-    for (int c = 1; c < CHUNKS; ++c) dot = simd::fmadd(q[c], simd::load(key + c * kLanes), dot);
-    return dot;
-  };
+// Register tiles. The query heads that share a KV head (grouped-query attention) are processed together, so
+// each key and value vector is loaded (and widened from bf16) once per tile of heads rather than once per head
+// (measured on AVX-512, bf16, batch 32, context 512, one thread: -15% for SmolLM2's 9/3 heads, -23% for
+// Qwen2.5-1.5B's 12/2, -35% for Gemma 3's 4/1).
+// Scoring: kScoreHeads heads x 4 keys of accumulators (16 of AVX-512's 32 registers, 8 of AVX2's 16).
+// Weighted values: heads x chunks of accumulators up to kValueAccs, in column blocks of kValueChunks vectors.
+#if defined(CARPOOL_AVX512)
+constexpr int kScoreHeads = 4, kValueAccs = 24, kValueChunks = 8;
+#else
+constexpr int kScoreHeads = 2, kValueAccs = 12, kValueChunks = 4;
+#endif
+
+// Calls fn(std::integral_constant<int, n>) for a runtime n in [1, MAX]: register tiles need compile-time sizes.
+template <int MAX, typename Fn>
+void with_tile(int n, Fn&& fn) {
+  if constexpr (MAX > 1) {
+    if (n < MAX) return with_tile<MAX - 1>(n, fn);
+  }
+  fn(std::integral_constant<int, MAX>{});
+}
+
+// scores[h * context + t] = q_h . key_t for HEADS heads; keys four at a time so the horizontal sums of four
+// share one reduction.
+template <typename T, int CHUNKS, int HEADS>
+void score_heads(const float* query, int64_t head_dim, const T* k_cache, const int64_t* offsets, int64_t context,
+                 float* scores) {
   int64_t t = 0;
-  for (; t + 4 <= context; t += 4)
-    simd::store4(scores + t, simd::reduce4(score(t), score(t + 1), score(t + 2), score(t + 3)));
-  for (; t < context; ++t) scores[t] = simd::reduce_add(score(t));
+  for (; t + 4 <= context; t += 4) {
+    simd::Vec acc[HEADS][4];
+    for (int h = 0; h < HEADS; ++h)
+      for (int j = 0; j < 4; ++j) acc[h][j] = simd::zero();
+    for (int c = 0; c < CHUNKS; ++c) {
+      simd::Vec key[4];
+      for (int j = 0; j < 4; ++j) key[j] = simd::load(k_cache + offsets[t + j] + c * kLanes);
+      for (int h = 0; h < HEADS; ++h) {
+        const simd::Vec q = simd::load(query + h * head_dim + c * kLanes);
+        for (int j = 0; j < 4; ++j) acc[h][j] = simd::fmadd(q, key[j], acc[h][j]);
+      }
+    }
+    for (int h = 0; h < HEADS; ++h)
+      simd::store4(scores + h * context + t, simd::reduce4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]));
+  }
+  for (; t < context; ++t)
+    for (int h = 0; h < HEADS; ++h) {
+      simd::Vec acc = simd::zero();
+      for (int c = 0; c < CHUNKS; ++c)
+        acc = simd::fmadd(simd::load(query + h * head_dim + c * kLanes), simd::load(k_cache + offsets[t] + c * kLanes),
+                          acc);
+      scores[h * context + t] = simd::reduce_add(acc);
+    }
+}
 
-  float top = -std::numeric_limits<float>::infinity();
-  for (t = 0; t < context; ++t) top = std::max(top, scores[t]);
+// One row of scores -> softmax weights (unnormalized: exp(score - max)); returns their sum. torch's vector exp.
+// The maximum in vectors too: a scalar max is one dependent compare per key, and took half of SmolLM2's time
+// above (924 -> 414 us with the grouping).
+inline float exponentiate(float* scores, int64_t context) {
+  simd::Vec tops = simd::set1(-std::numeric_limits<float>::infinity());
+  int64_t t = 0;
+  for (; t + kLanes <= context; t += kLanes) tops = simd::max(tops, simd::load(scores + t));
+  float top = simd::reduce_max(tops);
+  for (; t < context; ++t) top = std::max(top, scores[t]);
   simd::Vec sums = simd::zero();
   const simd::Vec top_v = simd::set1(top);
-  for (t = 0; t + kLanes <= context; t += kLanes) {
+  t = 0;
+  for (; t + kLanes <= context; t += kLanes) {
     const simd::Vec e = simd::exp(simd::sub(simd::load(scores + t), top_v));
     simd::store(scores + t, e);
     sums = simd::add(sums, e);
   }
   float total = simd::reduce_add(sums);
   for (; t < context; ++t) total += (scores[t] = std::exp(scores[t] - top));
+  return total;
+}
 
-  const simd::Vec inv = simd::set1(1.0f / total);
-  for (int first = 0; first < CHUNKS; first += kAccChunks) {
-    constexpr int kBlock = std::min(CHUNKS, kAccChunks);
-    simd::Vec acc[kBlock];
-    for (int c = 0; c < kBlock; ++c) acc[c] = simd::zero();
-    for (t = 0; t < context; ++t) {
-      const T* value = v_cache + offsets[t] + first * kLanes;
-      const simd::Vec p = simd::set1(scores[t]);
-      for (int c = 0; c < kBlock; ++c) acc[c] = simd::fmadd(p, simd::load(value + c * kLanes), acc[c]);
+// out_h[first chunk ..] = sum_t weight_h[t] * value_t / total_h for HEADS heads and BLOCK chunks of the head.
+template <typename T, int HEADS, int BLOCK>
+void weigh_values(const T* v_cache, const int64_t* offsets, int64_t context, const float* weights,
+                  const float* totals, int64_t head_dim, T* out) {
+  simd::Vec acc[HEADS][BLOCK];
+  for (int h = 0; h < HEADS; ++h)
+    for (int c = 0; c < BLOCK; ++c) acc[h][c] = simd::zero();
+  for (int64_t t = 0; t < context; ++t) {
+    simd::Vec value[BLOCK];
+    for (int c = 0; c < BLOCK; ++c) value[c] = simd::load(v_cache + offsets[t] + c * kLanes);
+    for (int h = 0; h < HEADS; ++h) {
+      const simd::Vec p = simd::set1(weights[h * context + t]);
+      for (int c = 0; c < BLOCK; ++c) acc[h][c] = simd::fmadd(p, value[c], acc[h][c]);
     }
-    for (int c = 0; c < kBlock; ++c) simd::store(out + (first + c) * kLanes, simd::mul(acc[c], inv));
+  }
+  for (int h = 0; h < HEADS; ++h) {
+    const simd::Vec inv = simd::set1(1.0f / totals[h]);
+    for (int c = 0; c < BLOCK; ++c) simd::store(out + h * head_dim + c * kLanes, simd::mul(acc[h][c], inv));
   }
 }
 
+// The `group` query heads of one KV head against its context (CHUNKS = head_dim / lanes). `offsets` are the
+// context's rows in the pool, shared by K and V; `scores` is scratch of group x context floats.
+template <typename T, int CHUNKS>
+void attend_group(const float* query, const T* k_cache, const T* v_cache, const int64_t* offsets, int64_t context,
+                  int group, float* scores, T* out) {
+  constexpr int64_t kHeadDim = CHUNKS * kLanes;
+  for (int g = 0; g < group; g += kScoreHeads)
+    with_tile<kScoreHeads>(std::min(kScoreHeads, group - g), [&](auto heads) {
+      score_heads<T, CHUNKS, decltype(heads)::value>(query + g * kHeadDim, kHeadDim, k_cache, offsets, context,
+                                                     scores + g * context);
+    });
+  float totals[64];
+  for (int g = 0; g < group; ++g) totals[g] = exponentiate(scores + g * context, context);
+  constexpr int kBlock = std::min(CHUNKS, kValueChunks), kHeads = kValueAccs / kBlock;
+  for (int first = 0; first < CHUNKS; first += kBlock)
+    for (int g = 0; g < group; g += kHeads)
+      with_tile<kHeads>(std::min(kHeads, group - g), [&](auto heads) {
+        weigh_values<T, decltype(heads)::value, kBlock>(v_cache + first * kLanes, offsets, context,
+                                                        scores + g * context, totals + g, kHeadDim,
+                                                        out + g * kHeadDim + first * kLanes);
+      });
+}
+
 // The vectorized path for the common head sizes (64: Llama/SmolLM2, Qwen2.5-0.5B; 128: Qwen2.5-1.5B; 256:
-// Gemma 3); false when there is none for this one.
+// Gemma 3) and groups of up to 64 query heads per KV head; false when there is none.
 template <typename T>
 bool attend_vectorized(const float* query, const T* k_cache, const T* v_cache, const int64_t* offsets, int64_t context,
                        int64_t group, int64_t head_dim, float* scores, T* out) {
   if constexpr (std::is_same_v<T, double>) {
     return false;
   } else {
+    if (group > 64) return false;
     auto run = [&](auto dims) {
-      constexpr int kChunks = decltype(dims)::value / simd::kLanes;
-      for (int64_t g = 0; g < group; ++g)
-        attend_head<T, kChunks>(query + g * head_dim, k_cache, v_cache, offsets, context, scores, out + g * head_dim);
+      constexpr int kChunks = decltype(dims)::value / kLanes;
+      attend_group<T, kChunks>(query, k_cache, v_cache, offsets, context, static_cast<int>(group), scores, out);
       return true;
     };
     switch (head_dim) {

@@ -124,7 +124,9 @@ inline Vec sub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
 inline Vec mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
 inline Vec div(Vec a, Vec b) { return _mm512_div_ps(a, b); }
 inline Vec fmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }  // a * b + c, one rounding
+inline Vec max(Vec a, Vec b) { return _mm512_max_ps(a, b); }
 inline float reduce_add(Vec v) { return _mm512_reduce_add_ps(v); }
+inline float reduce_max(Vec v) { return _mm512_reduce_max_ps(v); }
 inline Vec exp(Vec v) { return Sleef_expf16_u10(v); }
 #else
 using Vec = __m256;
@@ -138,7 +140,13 @@ inline Vec sub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
 inline Vec mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
 inline Vec div(Vec a, Vec b) { return _mm256_div_ps(a, b); }
 inline Vec fmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec max(Vec a, Vec b) { return _mm256_max_ps(a, b); }
 inline float reduce_add(Vec v) { return carpool::reduce_add(v); }
+inline float reduce_max(Vec v) {
+  const __m128 quad = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 pair = _mm_max_ps(quad, _mm_movehl_ps(quad, quad));
+  return _mm_cvtss_f32(_mm_max_ss(pair, _mm_movehdup_ps(pair)));
+}
 inline Vec exp(Vec v) { return Sleef_expf8_u10(v); }
 #endif
 using carpool::reduce4;
