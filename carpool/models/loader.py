@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from carpool.models.catalog import cache_dir, model_name, resolve
+from carpool.models.catalog import MODELS, cache_dir, model_name, resolve
 from carpool.models.catalog import default_model_path  # noqa: F401  (where the rest of carpool finds it)
 from carpool.models.config import ModelConfig, config_from_hf, hf_config_from_gguf
 from carpool.models.layers import CausalLM
@@ -161,7 +161,7 @@ def resolve_model_dir(path: str | None) -> Path:
     path = resolve(path)
     source = Path(path)
     if not source.exists():
-        raise FileNotFoundError(f"model: no such file or directory: {path}")
+        raise FileNotFoundError(f"model: no such file or directory, nor a model name ({', '.join(MODELS)}): {path}")
     if source.is_dir():
         if not sorted(source.glob("*.safetensors")) or not (source / "config.json").exists():
             raise ValueError(f"model: {path} needs config.json and .safetensors files")
