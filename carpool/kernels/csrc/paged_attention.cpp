@@ -182,16 +182,16 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int6
     std::vector<int64_t> offsets;
     for (int64_t item = first; item < last; ++item) {
       const int64_t b = item / num_kv_heads, kv_head = item % num_kv_heads;
-      // A sliding window keeps the last `window` keys, the query's own included: positions from `first` on.
-      const int64_t first = window > 0 ? std::max<int64_t>(0, context_lens[b] - window) : 0;
-      const int64_t context = context_lens[b] - first;
+      // A sliding window keeps the last `window` keys, the query's own included: positions from first_key on.
+      const int64_t first_key = window > 0 ? std::max<int64_t>(0, context_lens[b] - window) : 0;
+      const int64_t context = context_lens[b] - first_key;
       const int64_t* table = block_tables + b * max_blocks;
       for (int64_t g = 0; g < group; ++g)
         for (int64_t d = 0; d < head_dim; ++d)
           query[g * head_dim + d] = static_cast<float>(q[(b * num_heads + kv_head * group + g) * head_dim + d]) * scale;
       scores.resize(group * context);
       auto slot = [&](int64_t t) {
-        const int64_t position = first + t;
+        const int64_t position = first_key + t;
         return (table[position / block_size] * block_size + position % block_size) * token_stride + kv_head * head_dim;
       };
 #ifdef CARPOOL_SIMD
