@@ -2,7 +2,8 @@
 
 `generate()` yields a RequestOutput per step in which the request made progress; leaving the iteration early
 (a client that disconnects) aborts the request, and its blocks are back in the pool by the next step.
-All engine state is touched only by the engine thread; other threads send it commands.
+All engine state is touched only by the engine thread; other threads send it commands: an EngineRequest,
+checked at the door (`request()`) on the sender's thread, to add, or an Abort.
 
 The engine thread is either a thread of its own (`start()`) or the caller's (`run()`, what `carpool serve` does
 with the main thread, the HTTP server on another). The main thread is faster for this: torch's OpenMP workers
@@ -21,7 +22,16 @@ from dataclasses import dataclass
 from carpool.engine.config import EngineConfig
 from carpool.engine.llm_engine import LLMEngine, StepStats
 from carpool.engine.outputs import RequestOutput
+from carpool.engine.request import EngineRequest
 from carpool.engine.sampling_params import SamplingParams
+from carpool.engine.tiers import DEFAULT_TIER
+
+
+@dataclass(frozen=True)
+class Abort:
+    """The command to drop a request: the engine frees its blocks and sends its final output."""
+
+    request_id: str
 
 
 @dataclass
@@ -47,7 +57,8 @@ class EngineLoop:
 
     def __init__(self):
         self._engines: list[AsyncEngine] = []
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()  # (engine, command), or None to wake the loop
+        # (engine, EngineRequest or Abort), or None to wake the loop
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._driven_by_caller = False
         self._stopped = threading.Event()
@@ -55,7 +66,7 @@ class EngineLoop:
     def add(self, engine: "AsyncEngine") -> None:
         self._engines.append(engine)
 
-    def send(self, engine: "AsyncEngine", command: tuple) -> None:
+    def send(self, engine: "AsyncEngine", command: "EngineRequest | Abort") -> None:
         self._commands.put((engine, command))
 
     def start(self) -> None:
@@ -143,42 +154,26 @@ class AsyncEngine:
     # Requests ----------------------------------------------------------------------------------------
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
-        """The token ids the engine runs for a prompt; ValueError when it is empty or outside the vocabulary."""
+        """The token ids the engine runs for a prompt (text through the tokenizer; ValueError when empty)."""
         return self.engine.tokenize_prompt(prompt)
 
     def max_new_tokens(self, num_prompt_tokens: int) -> int:
         """The most tokens a prompt this long leaves room for: in the context window and in the whole KV pool."""
         return self.engine.max_new_tokens(num_prompt_tokens)
 
-    def check_length(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        """ContextLengthExceeded when the prompt plus max_tokens does not fit the context window or the pool."""
-        self.engine.check_length(num_prompt_tokens, max_tokens)
+    def request(self, request_id: str, prompt: str | list[int], params: SamplingParams, tier: str = DEFAULT_TIER,
+                cache_salt: str | None = None) -> EngineRequest:
+        """The engine's door (LLMEngine.request), on the caller's thread: ValueError naming the field, or
+        ContextLengthExceeded, before anything is queued."""
+        return self.engine.request(request_id, prompt, params, tier, cache_salt)
 
-    def check_params(self, params: SamplingParams) -> None:
-        """ValueError naming the field when params name a token outside the model's vocabulary."""
-        self.engine.check_params(params)
-
-    def validate(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
-        """Tokenize and check the request where it arrives, so bad input fails before it reaches the loop."""
-        token_ids = self.tokenize(prompt)
-        self.check_length(len(token_ids), params.max_tokens)
-        self.check_params(params)
-        return token_ids
-
-    async def generate(
-        self,
-        request_id: str,
-        prompt: str | list[int],
-        params: SamplingParams,
-        priority: int = 1,
-        cache_salt: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        token_ids = self.validate(prompt, params)
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         if self.error is not None:
             raise RuntimeError(f"engine stopped: {self.error!r}")
+        request_id = request.request_id
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
-        self.engine_loop.send(self, ("add", request_id, token_ids, params, priority, cache_salt))
+        self.engine_loop.send(self, request)
         finished = False
         try:
             while not finished:
@@ -193,7 +188,7 @@ class AsyncEngine:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        self.engine_loop.send(self, ("abort", request_id))
+        self.engine_loop.send(self, Abort(request_id))
 
     def snapshot(self) -> EngineSnapshot:
         scheduler, blocks = self.engine.scheduler, self.engine.block_manager
@@ -221,18 +216,16 @@ class AsyncEngine:
         for loop, pairs in batches.items():
             loop.call_soon_threadsafe(_put_all, pairs)
 
-    def _apply(self, command: tuple) -> None:
-        kind = command[0]
-        if kind == "add":
-            _, request_id, token_ids, params, priority, cache_salt = command
+    def _apply(self, command: EngineRequest | Abort) -> None:
+        if isinstance(command, EngineRequest):
             try:
-                self.engine.add_request(request_id, token_ids, params, priority=priority, cache_salt=cache_salt)
-            except ValueError as error:
-                self._deliver([(request_id, error)])
-        elif kind == "abort":
-            output = self.engine.abort(command[1])
+                self.engine.enqueue(command)
+            except ValueError as error:  # its id is in use
+                self._deliver([(command.request_id, error)])
+        else:
+            output = self.engine.abort(command.request_id)
             if output is not None:
-                self._deliver([(command[1], output)])
+                self._deliver([(command.request_id, output)])
                 for listener in self._step_listeners:
                     listener(None, [output])
 

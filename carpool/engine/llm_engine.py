@@ -12,10 +12,12 @@ from carpool.engine.config import EngineConfig, resolve_dtype
 from carpool.engine.detokenizer import Detokenizer
 from carpool.engine.model_runner import ModelRunner
 from carpool.engine.outputs import RequestOutput
+from carpool.engine.request import EngineRequest
 from carpool.engine.sampler import sample
 from carpool.engine.sampling_params import SamplingParams, check_text
 from carpool.engine.scheduler import ScheduledBatch, Scheduler
 from carpool.engine.sequence import Sequence
+from carpool.engine.tiers import BY_NAME, DEFAULT_TIER, TIER_NAMES
 from carpool.models import load_model
 
 
@@ -62,29 +64,45 @@ class LLMEngine:
 
     # Requests ----------------------------------------------------------------------------------------
 
+    def request(self, request_id: str, prompt: str | list[int], params: SamplingParams, tier: str = DEFAULT_TIER,
+                cache_salt: str | None = None) -> EngineRequest:
+        """The engine's door: the one place a request is tokenized and checked. ValueError naming the field
+        (ContextLengthExceeded when it does not fit) unless it can run. Reads nothing that changes while the
+        engine runs, so the server calls it on its own thread and bad input never reaches the engine loop."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError("params must be a SamplingParams")
+        if tier not in BY_NAME:
+            raise ValueError(f"tier must be one of {', '.join(TIER_NAMES)}, got {tier!r}")
+        token_ids = self.tokenize_prompt(prompt)
+        self._check_vocabulary("prompt", token_ids)
+        self._check_length(len(token_ids), params.max_tokens)
+        bad_words = self._check_params(params)
+        return EngineRequest(request_id, token_ids, params, tier, cache_salt, bad_words_token_ids=bad_words)
+
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
+        """A prompt's token ids: text through the tokenizer, token ids as given (`request()` checks them)."""
         if isinstance(prompt, str):
             check_text("prompt", prompt)
             token_ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             token_ids = list(prompt)
-            bad = [t for t in token_ids if not 0 <= t < self.model_config.vocab_size]
-            if bad:
-                raise ValueError(f"prompt: token ids {bad[:5]} are outside the vocabulary [0, {self.model_config.vocab_size})")
         else:
             raise ValueError("prompt must be a string or a list of token ids")
         if not token_ids:
             raise ValueError("prompt must not be empty")
         return token_ids
 
-    def check_params(self, params: SamplingParams) -> list[list[int]]:
+    def _check_vocabulary(self, name: str, token_ids) -> None:
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"{name}: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+
+    def _check_params(self, params: SamplingParams) -> list[list[int]]:
         """ValueError naming the field when params name a token this model does not have; params.bad_words as
         the token sequences to ban: each word as the tokenizer spells it alone and after a space."""
-        vocab = self.model_config.vocab_size
-        for name, ids in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids or ())):
-            bad = [t for t in ids if t >= vocab]
-            if bad:
-                raise ValueError(f"{name}: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        self._check_vocabulary("logit_bias", params.logit_bias or ())
+        self._check_vocabulary("stop_token_ids", params.stop_token_ids or ())
         return self._bad_words_token_ids(tuple(params.bad_words or ()))
 
     def _spell_bad_words(self, words: tuple[str, ...]) -> list[list[int]]:
@@ -102,7 +120,7 @@ class LLMEngine:
     def max_new_tokens(self, num_prompt_tokens: int) -> int:
         return self.max_request_tokens - num_prompt_tokens
 
-    def check_length(self, num_prompt_tokens: int, max_tokens: int) -> None:
+    def _check_length(self, num_prompt_tokens: int, max_tokens: int) -> None:
         if num_prompt_tokens >= self.max_request_tokens:
             raise ContextLengthExceeded(
                 f"prompt: {num_prompt_tokens} tokens do not fit the {self.max_request_tokens} tokens a request may "
@@ -114,24 +132,19 @@ class LLMEngine:
                 f"{self.max_request_tokens} tokens a request may hold (context window {self.max_model_len})"
             )
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt: str | list[int],
-        params: SamplingParams,
-        priority: int = 1,
-        cache_salt: str | None = None,
-    ) -> Sequence:
-        if request_id in self.seqs:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        if not isinstance(params, SamplingParams):
-            raise ValueError("params must be a SamplingParams")
-        token_ids = self.tokenize_prompt(prompt)
-        self.check_length(len(token_ids), params.max_tokens)
-        bad_words = self.check_params(params)
-        seq = Sequence(request_id, token_ids, params, priority=priority, cache_salt=cache_salt,
-                       bad_words_token_ids=bad_words)
-        self.seqs[request_id] = seq
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    tier: str = DEFAULT_TIER, cache_salt: str | None = None) -> Sequence:
+        """Check a request at the door and queue it, in one call (offline use: `LLM`, the benchmarks)."""
+        return self.enqueue(self.request(request_id, prompt, params, tier, cache_salt))
+
+    def enqueue(self, request: EngineRequest) -> Sequence:
+        """Queue a request that came through `request()`: all that can still be wrong is an id in use."""
+        if request.request_id in self.seqs:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        seq = Sequence(request.request_id, request.prompt_token_ids, request.params, priority=request.priority,
+                       cache_salt=request.cache_salt, bad_words_token_ids=request.bad_words_token_ids,
+                       arrival=request.arrival_time)
+        self.seqs[request.request_id] = seq
         self.scheduler.add(seq)
         return seq
 

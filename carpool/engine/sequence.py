@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from enum import Enum, auto
 
 from carpool.engine.sampling_params import SamplingParams
+from carpool.engine.tiers import BY_NAME, DEFAULT_TIER
 
 
 class SequenceStatus(Enum):
@@ -46,9 +47,10 @@ class Sequence:
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        priority: int = 1,
+        priority: int = BY_NAME[DEFAULT_TIER].priority,
         cache_salt: str | None = None,
         bad_words_token_ids: list[list[int]] | None = None,
+        arrival: float | None = None,
     ):
         self.seq_id = next(_counter)
         self.request_id = request_id
@@ -73,7 +75,7 @@ class Sequence:
         self.logprobs: list[TokenLogprob] = []
         self.cumulative_logprob = 0.0  # of the output tokens, kept when params.logprobs or params.ranked ask
         self.output_text = ""
-        self.times = SequenceTimes()
+        self.times = SequenceTimes() if arrival is None else SequenceTimes(arrival=arrival)
 
     @property
     def num_tokens(self) -> int:

@@ -16,9 +16,8 @@ from functools import partial
 from carpool.economics.contract import Gate, GateError, Principal, UsageRecord
 from carpool.engine.async_engine import AsyncEngine
 from carpool.engine.outputs import RequestOutput, best_of
-from carpool.engine.sampling_params import SamplingParams
+from carpool.engine.request import EngineRequest
 from carpool.engine.sequence import SequenceTimes
-from carpool.engine.tiers import BY_NAME
 from carpool.server.admission import TierQueues
 from carpool.server.metrics import Metrics
 
@@ -26,8 +25,7 @@ from carpool.server.metrics import Metrics
 @dataclass
 class Choice:
     index: int
-    prompt_ids: list[int]
-    params: SamplingParams
+    request: EngineRequest  # checked at the engine's door when the Generation was made
     bills_prompt: bool  # the first choice of each prompt: n choices share one prompt, billed once
     prompt_index: int = 0
     echo: str = ""  # the prompt's text, shown before the output's (completions' `echo`)
@@ -56,11 +54,10 @@ class Backends:
 
 class Generation:
     def __init__(self, backends: Backends, request_id: str, tier: str, principal: Principal, choices: list[Choice],
-                 streaming: bool, cache_salt: str | None = None, keep: int | None = None):
+                 streaming: bool, keep: int | None = None):
         self.gate, self.metrics, self.queues = backends.gate, backends.metrics, backends.queues
         self.model_name = backends.model_name
         self.request_id, self.tier, self.principal, self.choices = request_id, tier, principal, choices
-        self.cache_salt = cache_salt
         self.keep = keep  # best_of: the number of each prompt's candidates that the response shows
         self.created = int(time.time())
         self.arrival = time.monotonic()
@@ -78,8 +75,7 @@ class Generation:
             self._tasks.append(task)
 
     async def _run(self, engine: AsyncEngine, choice: Choice) -> None:
-        outputs = engine.generate(f"{self.request_id}-{choice.index}", choice.prompt_ids, choice.params,
-                                  priority=BY_NAME[self.tier].priority, cache_salt=self.cache_salt)
+        outputs = engine.generate(choice.request)
         async for output in outputs:
             if choice.last is None:
                 self.queues.release(self.tier)
@@ -166,7 +162,7 @@ class Generation:
 
     @property
     def prompt_tokens(self) -> int:
-        return sum(len(c.prompt_ids) for c in self.choices if c.bills_prompt)
+        return sum(len(c.request.prompt_token_ids) for c in self.choices if c.bills_prompt)
 
     @property
     def cached_tokens(self) -> int:

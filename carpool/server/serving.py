@@ -5,6 +5,7 @@ import uuid
 
 from carpool.economics.contract import Principal
 from carpool.engine.llm_engine import ContextLengthExceeded
+from carpool.engine.request import EngineRequest
 from carpool.engine.sampling_params import SamplingParams
 from carpool.engine.tiers import BY_PRIORITY, DEFAULT_TIER
 from carpool.server.errors import APIError
@@ -126,23 +127,27 @@ class ModelServing:
             name = "best_of" if candidates > n else "n"
             raise APIError(400, f"{name}: {name} times the number of prompts must be at most {MAX_CHOICES}",
                            param=name)
+        prefix = "chatcmpl" if isinstance(request, ChatCompletionRequest) else "cmpl"
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        cache_salt = self._cache_salt(request, principal)
         choices = []
         for i, prompt_ids in enumerate(prompts):
             for j in range(candidates):
                 params = self._params(request, prompt_ids, max_tokens, logprobs, j, renamed,
                                       best_of=candidates if candidates > n else 1)
-                choices.append(Choice(len(choices), prompt_ids, params, bills_prompt=j == 0, prompt_index=i,
+                engine_request = self._engine_request(request, f"{request_id}-{len(choices)}", prompt_ids, params,
+                                                      tier, cache_salt, renamed)
+                choices.append(Choice(len(choices), engine_request, bills_prompt=j == 0, prompt_index=i,
                                       echo=echoes[i] if echoes else ""))
         self.queues.reserve(tier, len(choices))
         try:
-            self.gate.admit(principal, tier, sum(len(c.prompt_ids) + c.params.max_tokens for c in choices))
+            self.gate.admit(principal, tier, sum(len(c.request.prompt_token_ids) + c.request.params.max_tokens
+                                                 for c in choices))
         except BaseException:
             for _ in choices:
                 self.queues.release(tier)
             raise
-        prefix = "chatcmpl" if isinstance(request, ChatCompletionRequest) else "cmpl"
-        return Generation(self.backends, f"{prefix}-{uuid.uuid4().hex}", tier, principal, choices,
-                          streaming=bool(request.stream), cache_salt=self._cache_salt(request, principal),
+        return Generation(self.backends, request_id, tier, principal, choices, streaming=bool(request.stream),
                           keep=n if candidates > n else None)
 
     @staticmethod
@@ -159,9 +164,8 @@ class ModelServing:
 
     def _params(self, request: GenerationRequest, prompt_ids: list[int], max_tokens: int | None,
                 logprobs: int | None, choice: int, renamed: dict, best_of: int = 1) -> SamplingParams:
-        fields = type(request).model_fields
         try:
-            params = SamplingParams(
+            return SamplingParams(
                 # Chat without max_tokens may use the rest of the context window, as OpenAI's does.
                 max_tokens=max_tokens or max(1, self.engine.max_new_tokens(len(prompt_ids))),
                 # Each of n choices gets its own seed, so they differ yet replay the same.
@@ -170,13 +174,19 @@ class ModelServing:
                 best_of=best_of,
                 **request.sampling_options(),
             )
-            self.engine.check_length(len(prompt_ids), params.max_tokens)  # the ids are already checked
-            self.engine.check_params(params)
+        except ValueError as error:
+            raise APIError.from_value_error(error, type(request).model_fields, renamed) from error
+
+    def _engine_request(self, request: GenerationRequest, request_id: str, prompt_ids: list[int],
+                        params: SamplingParams, tier: str, cache_salt: str | None, renamed: dict) -> EngineRequest:
+        """Through the engine's door: the one check of the prompt's ids, its length and the params' tokens."""
+        fields = type(request).model_fields
+        try:
+            return self.engine.request(request_id, prompt_ids, params, tier, cache_salt)
         except ContextLengthExceeded as error:
             raise APIError.from_value_error(error, fields, renamed, code="context_length_exceeded") from error
         except ValueError as error:
             raise APIError.from_value_error(error, fields, renamed) from error
-        return params
 
     # Tokenizer endpoints -----------------------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ import time
 import pytest
 
 from carpool.engine.async_engine import AsyncEngine, EngineLoop
+from carpool.engine.request import EngineRequest
 from carpool.engine.sampling_params import SamplingParams
 
 
@@ -31,16 +32,7 @@ class StepCounter:
         self.log.append(self.name)
         return []
 
-    def tokenize_prompt(self, prompt):
-        return [1]
-
-    def check_length(self, num_prompt_tokens, max_tokens):
-        pass
-
-    def check_params(self, params):
-        pass
-
-    def add_request(self, request_id, token_ids, params, priority, cache_salt):
+    def enqueue(self, request: EngineRequest):
         self.work += 1
 
 
@@ -82,7 +74,7 @@ def test_a_request_wakes_the_loop_and_runs_on_its_own_engine():
     loop, (_, b) = engines_on_one_loop(StepCounter("a", log), StepCounter("b", log))
     loop.start()
     time.sleep(0.05)  # asleep by now
-    b.engine_loop.send(b, ("add", "r", [1], SamplingParams(max_tokens=1), 1, None))
+    b.engine_loop.send(b, EngineRequest("r", [1], SamplingParams(max_tokens=1)))
     run_until(loop, lambda: log)
     assert log == ["b"]
 
@@ -95,7 +87,8 @@ def test_a_failing_engine_fails_every_engine_on_the_loop():
     assert [repr(engine.error) for engine in engines] == [repr(RuntimeError("bad broke"))] * 2
 
     async def generate():
-        return [output async for output in engines[0].generate("r", [1], SamplingParams(max_tokens=1))]
+        request = EngineRequest("r", [1], SamplingParams(max_tokens=1))
+        return [output async for output in engines[0].generate(request)]
 
     with pytest.raises(RuntimeError, match="engine stopped"):
         asyncio.run(generate())

@@ -1,0 +1,28 @@
+"""A request as the engine takes it, checked once at its door."""
+
+import time
+from dataclasses import dataclass, field
+
+from carpool.engine.sampling_params import SamplingParams
+from carpool.engine.tiers import BY_NAME, DEFAULT_TIER
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """Made by `LLMEngine.request()` (or `AsyncEngine.request()`, the same door on the server's thread), which
+    checks everything about it that can be wrong: the prompt's token ids are in the vocabulary, prompt plus
+    max_tokens fit the context window and the KV pool, the params name only tokens the model has. Nothing past
+    the door checks it again: it crosses to the engine thread as it is and becomes a Sequence there."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    tier: str = DEFAULT_TIER
+    cache_salt: str | None = None  # whose cached prefixes it may reuse (None: the shared cache)
+    arrival_time: float = field(default_factory=time.monotonic)  # when it came to the door, for queue time
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)  # params.bad_words as the model spells them
+
+    @property
+    def priority(self) -> int:
+        """The scheduler's number for its tier: lower is served first."""
+        return BY_NAME[self.tier].priority
