@@ -9,6 +9,8 @@ Weights arrive as a state dict with Hugging Face names and values (carpool.model
 class says how its GGUF file names and stores them differently.
 """
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -16,7 +18,7 @@ from torch import nn
 import carpool.kernels  # noqa: F401  (registers torch.ops.carpool)
 from carpool.engine.attention import PagedAttention
 from carpool.models.config import ModelConfig
-from carpool.models.quantization import GGMLWeight, concat_rows, install_ggml_modules
+from carpool.models.quantization import concat_rows, install_ggml_modules
 
 # Rotary tables start this long and double when a position needs more, so a 32K-context model does not hold
 # 32K rows of cos/sin per rope base (64 MiB for Gemma 3's head_dim 256 in fp32) to serve short requests.
@@ -89,7 +91,6 @@ class FusedLinear(nn.Module):
     def __init__(self, in_features: int, out_sizes: list[int], bias: bool):
         super().__init__()
         self.in_features = in_features
-        self.out_sizes = list(out_sizes)
         self.parts = nn.ModuleList([nn.Linear(in_features, sum(out_sizes), bias=False)])
         self.bias = nn.Parameter(torch.zeros(sum(out_sizes))) if bias else None
 
@@ -102,14 +103,8 @@ class FusedLinear(nn.Module):
     def fuse(self, prefix: str, weights: list, biases: list | None) -> dict:
         """State dict entries (under `prefix`) for the projections' weights and biases, in output order; makes
         one part per run of weights that can be stacked."""
-        runs: list[list] = []
-        for weight in weights:
-            kind = weight.qtype if isinstance(weight, GGMLWeight) else None
-            previous = runs[-1][0] if runs else None
-            if runs and (previous.qtype if isinstance(previous, GGMLWeight) else None) == kind:
-                runs[-1].append(weight)
-            else:
-                runs.append([weight])
+        # Runs of one block type stack into one matrix; dense tensors (no qtype) stack with each other.
+        runs = [list(run) for _, run in itertools.groupby(weights, key=lambda w: getattr(w, "qtype", None))]
         stacked = [run[0] if len(run) == 1 else concat_rows(run) for run in runs]
         device = self.parts[0].weight.device
         self.parts = nn.ModuleList(nn.Linear(self.in_features, w.shape[0], bias=False, device=device) for w in stacked)
