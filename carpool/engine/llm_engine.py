@@ -168,7 +168,7 @@ class LLMEngine:
         if not batch:
             return []
         logits, sampling = self.runner.run(batch)
-        tokens, logprobs = sample(logits, sampling, self.tokenizer.eos_token_id) if sampling else ([], [])
+        tokens, logprobs = sample(logits, sampling, self.tokenizer.stop_token_ids) if sampling else ([], [])
         outputs = self._postprocess(batch, dict(zip(map(id, sampling), zip(tokens, logprobs))))
         self._record_step(batch, time.monotonic() - start)
         return outputs

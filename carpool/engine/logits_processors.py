@@ -13,11 +13,12 @@ import torch
 from carpool.engine.sequence import Sequence
 
 
-def adjust_logits(logits: torch.Tensor, seqs: list[Sequence], eos_token_id: int | None) -> torch.Tensor:
-    """The logits to sample from: `logits` itself when no row asks for anything, else an adjusted copy."""
+def adjust_logits(logits: torch.Tensor, seqs: list[Sequence], end_token_ids: frozenset[int]) -> torch.Tensor:
+    """The logits to sample from: `logits` itself when no row asks for anything, else an adjusted copy.
+    `end_token_ids`: the tokens that end a sequence (EOS and the chat template's end-of-turn tokens)."""
     penalized = [row for row, seq in enumerate(seqs) if seq.params.penalized]
     biased = [row for row, seq in enumerate(seqs) if seq.params.logit_bias]
-    banned = [(row, token) for row, seq in enumerate(seqs) for token in _banned_tokens(seq, eos_token_id)]
+    banned = [(row, token) for row, seq in enumerate(seqs) for token in _banned_tokens(seq, end_token_ids)]
     if not (penalized or biased or banned):
         return logits
     logits = logits.clone()
@@ -72,12 +73,12 @@ def _seen(occurrences: tuple[torch.Tensor, torch.Tensor], vocab: int) -> tuple[t
     return pairs // vocab, pairs % vocab
 
 
-def _banned_tokens(seq: Sequence, eos_token_id: int | None) -> list[int]:
+def _banned_tokens(seq: Sequence, end_token_ids: frozenset[int]) -> list[int]:
     params = seq.params
     banned = []
     if seq.num_output_tokens < params.min_tokens:
-        if eos_token_id is not None and not params.ignore_eos:
-            banned.append(eos_token_id)
+        if not params.ignore_eos:
+            banned.extend(end_token_ids)
         banned.extend(params.stop_token_ids or ())
     for word in seq.bad_words_token_ids:
         # vLLM's rule: the word's last token is banned where the output so far ends with the rest of the word.

@@ -39,10 +39,10 @@ def _filtered_logits(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
 
 
 def sample(
-    logits: torch.Tensor, seqs: list[Sequence], eos_token_id: int | None = None
+    logits: torch.Tensor, seqs: list[Sequence], end_token_ids: frozenset[int] = frozenset()
 ) -> tuple[list[int], list[TokenLogprob | None]]:
     raw = logits.float()
-    logits = adjust_logits(raw, seqs, eos_token_id)
+    logits = adjust_logits(raw, seqs, end_token_ids)
     tokens = logits.argmax(dim=-1).tolist()
     for row, seq in enumerate(seqs):
         if seq.params.greedy:

@@ -10,7 +10,7 @@ from carpool.engine.sampler import sample
 from carpool.engine.sequence import Sequence
 
 VOCAB = 64
-EOS = 2
+END_TOKENS = frozenset({2, 7})  # EOS and an end-of-turn token: min_tokens holds back both
 
 
 @pytest.mark.parametrize(
@@ -50,7 +50,7 @@ def sequence(params: SamplingParams, prompt: list[int], output: list[int], bad_w
 def test_no_adjustment_costs_no_copy():
     logits = torch.randn(3, VOCAB)
     seqs = [sequence(SamplingParams(), [1, 2], [3]) for _ in range(3)]
-    assert adjust_logits(logits, seqs, EOS) is logits
+    assert adjust_logits(logits, seqs, END_TOKENS) is logits
 
 
 def test_penalties_match_their_definitions():
@@ -60,7 +60,7 @@ def test_penalties_match_their_definitions():
     params = SamplingParams(presence_penalty=0.7, frequency_penalty=0.3, repetition_penalty=1.6)
     seqs = [sequence(SamplingParams(), prompt, output), sequence(params, prompt, output),
             sequence(SamplingParams(presence_penalty=-1.5), prompt, output)]
-    adjusted = adjust_logits(logits, seqs, EOS)
+    adjusted = adjust_logits(logits, seqs, END_TOKENS)
 
     expected = logits.clone()
     # Row 1. repetition_penalty (vLLM/HF): every token of prompt and output, positive logits divided, negative
@@ -76,7 +76,7 @@ def test_penalties_match_their_definitions():
     assert torch.equal(logits[0], adjusted[0])  # row 0 asked for nothing and got nothing
 
     greedy = [sequence(SamplingParams(temperature=0, presence_penalty=2.0), prompt, output)]
-    tokens, _ = sample(logits[1:2], greedy, EOS)
+    tokens, _ = sample(logits[1:2], greedy, END_TOKENS)
     reference = logits[1].clone()
     reference[list(set(output))] -= 2.0
     assert tokens == [int(reference.argmax())]
@@ -90,12 +90,12 @@ def test_logit_bias_min_tokens_and_bad_words_match_their_definitions():
         sequence(SamplingParams(min_tokens=1, stop_token_ids=[11]), [1], [9]),  # 1 out: free again
         sequence(SamplingParams(), [1], [20, 21], bad_words=[[30], [21, 22], [20, 23], [40, 41]]),
     ]
-    adjusted = adjust_logits(logits, seqs, EOS)
+    adjusted = adjust_logits(logits, seqs, END_TOKENS)
     expected = logits.clone()
     expected[0, 3] += 100
     expected[0, 4] -= 100
     expected[0, 5] += 0.5
-    expected[1, [EOS, 11]] = float("-inf")
+    expected[1, [*END_TOKENS, 11]] = float("-inf")
     # A one-token bad word is always banned; a longer one where the output ends with the rest of it.
     expected[3, [30, 22]] = float("-inf")
     torch.testing.assert_close(adjusted, expected)
@@ -103,7 +103,7 @@ def test_logit_bias_min_tokens_and_bad_words_match_their_definitions():
 
 def test_min_tokens_keeps_eos_when_it_is_ignored_anyway():
     seq = sequence(SamplingParams(min_tokens=4, ignore_eos=True), [1], [])
-    assert torch.isfinite(adjust_logits(torch.zeros(1, VOCAB), [seq], EOS)).all()
+    assert torch.isfinite(adjust_logits(torch.zeros(1, VOCAB), [seq], END_TOKENS)).all()
 
 
 @pytest.mark.parametrize("kwargs", [{"temperature": 1e-45}, {"temperature": 1e-320}, {"temperature": 1e-5},
@@ -112,7 +112,7 @@ def test_tiny_positive_values_sample_the_best_token_not_nan(kwargs):
     torch.manual_seed(1)
     logits = torch.randn(4, VOCAB) * 10
     seqs = [sequence(SamplingParams(seed=row, **kwargs), [7], [7]) for row in range(4)]
-    tokens, _ = sample(logits, seqs, EOS)
+    tokens, _ = sample(logits, seqs, END_TOKENS)
     if "repetition_penalty" in kwargs:  # token 7 (seen): a positive logit divided past float32, a negative one to 0
         logits[:, 7] = torch.where(logits[:, 7] > 0, float("inf"), 0.0)
     assert tokens == logits.argmax(dim=-1).tolist()
