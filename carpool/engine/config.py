@@ -2,6 +2,7 @@ from dataclasses import dataclass
 
 import torch
 
+from carpool.kernels import kernel_path
 from carpool.models.quantization import QUANTIZATION_MODES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -12,11 +13,14 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         return DTYPES[name]
     if device.type == "cuda":
         return torch.bfloat16
+    # bf16 pays only where both carpool's kernels (their avx512 path has AVX512-BF16 dot products) and torch's
+    # oneDNN matmuls have bf16 units; the avx2 and portable paths widen bf16 to fp32 at every use, so a CPU
+    # without them (or a run forced onto such a path) gets float32, as a real AVX2 machine would.
     try:
         native_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
     except (AttributeError, RuntimeError):
         native_bf16 = False
-    return torch.bfloat16 if native_bf16 else torch.float32
+    return torch.bfloat16 if native_bf16 and kernel_path() == "avx512" else torch.float32
 
 
 @dataclass
