@@ -149,3 +149,12 @@ def test_missing_file_fails_naming_it(tmp_path):
 
 def test_shipped_sheet_is_the_default():
     assert load_price_sheet().source == str(SHIPPED_PRICES)
+
+
+def test_shipped_sheet_prices_every_catalog_model_under_its_served_name():
+    """A catalog model served by its short name (or the default one by its file's name) gets its own price, not
+    the catch-all's, which is several times the small models' rate."""
+    from carpool.models.catalog import MODELS, served_name
+
+    sheet = load_price_sheet()
+    assert {*MODELS, served_name(None)} <= sheet.models.keys()
