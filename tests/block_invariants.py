@@ -1,21 +1,34 @@
 """Block accounting checks shared by the engine tests."""
 
 
-def check_block_invariants(engine):
-    """Every block is exactly one of: empty-free, cached-unreferenced (free, hashed), referenced by live seqs."""
-    manager = engine.block_manager
+def _check_group(manager, table_of, running, waiting, placeholder=None):
     holders: dict[int, int] = {}
-    for seq in engine.scheduler.running:
-        for block_id in seq.block_table:
-            holders[block_id] = holders.get(block_id, 0) + 1
-    for seq in engine.scheduler.waiting:
-        assert seq.block_table == []
+    for seq in running:
+        for block_id in table_of(seq):
+            if block_id != placeholder:
+                holders[block_id] = holders.get(block_id, 0) + 1
+    for seq in waiting:
+        assert table_of(seq) == []
     for block in manager.blocks:
         assert block.ref_count == holders.get(block.block_id, 0)
         assert (block.ref_count == 0) == (block.block_id in manager.free_queue)
         if block.block_hash is not None:
             assert manager.cached[block.block_hash] == block.block_id
     assert len(manager.cached) == sum(1 for b in manager.blocks if b.block_hash is not None)
+
+
+def check_block_invariants(engine):
+    """Every block is exactly one of: empty-free, cached-unreferenced (free, hashed), referenced by live seqs;
+    in the sliding-window group too, where a table's placeholder for out-of-window keys holds no block."""
+    manager, scheduler = engine.block_manager, engine.scheduler
+    _check_group(manager, lambda seq: seq.block_table, scheduler.running, scheduler.waiting)
+    if manager.sliding:
+        _check_group(
+            manager.sliding, lambda seq: seq.sliding_block_table, scheduler.running, scheduler.waiting,
+            manager.sliding.null_block,
+        )
+        for seq in scheduler.running:
+            assert len(seq.sliding_block_table) == len(seq.block_table)
 
 
 def run_with_aborts(engine, aborts: dict[int, list[str]]) -> int:
@@ -29,5 +42,6 @@ def run_with_aborts(engine, aborts: dict[int, list[str]]) -> int:
         for request_id in aborts.get(steps, []):
             engine.abort(request_id)
         check_block_invariants(engine)
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    for manager in filter(None, (engine.block_manager, engine.block_manager.sliding)):
+        assert manager.num_free_blocks == manager.num_blocks
     return preemptions

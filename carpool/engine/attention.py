@@ -46,6 +46,9 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] cache slot each new key/value is written to
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillSegment] = field(default_factory=list)
+    # The sliding-window layers' own slots and tables when they have a KV pool of their own (see
+    # BlockManager); None: every layer reads this metadata.
+    sliding: "AttentionMetadata | None" = None
 
 
 _current: AttentionMetadata | None = None
@@ -82,6 +85,8 @@ class PagedAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] -> [T, num_heads * head_dim]."""
         meta = _current
+        if self.window and meta.sliding is not None:
+            meta = meta.sliding
         if q.device.type == "cpu":
             torch.ops.carpool.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         else:

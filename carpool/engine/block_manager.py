@@ -6,6 +6,12 @@ Every block is in exactly one of three states:
   - empty: ref_count == 0 and no hash.
 Cached and empty blocks together form the free queue, in least-recently-used order; taking a cached block
 from the front evicts it from the cache.
+
+A model with sliding-window layers (Gemma 3's local ones) gets a second KV cache group for them, as vLLM v1's
+hybrid KV cache manager does: its own pool, block ids and free queue (`SlidingWindowGroup`), and one more table
+per sequence (`Sequence.sliding_block_table`). Keys that no query can see again (before the next query's
+position - window + 1) give their blocks back after every step; the table keeps `null_block` there, a zeroed
+block no one ever writes. A 4,000-token Gemma 3 conversation then holds 33 sliding blocks instead of 250.
 """
 
 import hashlib
@@ -33,13 +39,25 @@ def hash_block(parent: bytes | None, token_ids: list[int], salt: str | None) -> 
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    """The full-attention group (every layer of a model without sliding windows), and through `sliding` the
+    sliding-window group when there is one. The public methods answer for both groups."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, sliding_window: int = 0):
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[bytes, int] = {}  # block hash -> block id
+        # The sliding group has as many blocks as this one (the pool splits in proportion to layers), so a
+        # sequence that fits here always fits there too: it never holds more sliding blocks than full ones.
+        self.sliding = (
+            SlidingWindowGroup(num_blocks, block_size, enable_prefix_caching, sliding_window)
+            if sliding_window else None
+        )
+
+    def table(self, seq: Sequence) -> list[int]:
+        return seq.block_table
 
     @property
     def num_free_blocks(self) -> int:
@@ -54,7 +72,7 @@ class BlockManager:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
-        return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
+        return max(0, -(-num_tokens // self.block_size) - len(self.table(seq)))
 
     # Prefix cache ------------------------------------------------------------------------------------
 
@@ -73,15 +91,24 @@ class BlockManager:
         """
         if not self.enable_prefix_caching:
             return []
-        bs = self.block_size
         hits = []
-        for i, block_hash in enumerate(self._block_hashes(seq, (seq.num_tokens - 1) // bs)):
-            block_id = self.cached.get(block_hash)
-            # Compare the stored tokens too, so that a hash collision can never serve another prompt's KV.
-            if block_id is None or self.blocks[block_id].token_ids != tuple(seq.token_ids[i * bs : (i + 1) * bs]):
+        for i, block_hash in enumerate(self._block_hashes(seq, (seq.num_tokens - 1) // self.block_size)):
+            block_id = self._cached_block(seq, i, block_hash)
+            if block_id is None:
                 break
             hits.append(block_id)
+        if self.sliding:
+            del hits[self.sliding.longest_covered_prefix(seq, len(hits)) :]
         return hits
+
+    def _cached_block(self, seq: Sequence, index: int, block_hash: bytes) -> int | None:
+        """The cached block holding seq's index-th block, if any. The stored tokens are compared too, so that a
+        hash collision can never serve another prompt's KV."""
+        block_id = self.cached.get(block_hash)
+        bs = self.block_size
+        if block_id is None or self.blocks[block_id].token_ids != tuple(seq.token_ids[index * bs : (index + 1) * bs]):
+            return None
+        return block_id
 
     def prompt_block_hash(self, seq: Sequence, index: int) -> bytes | None:
         """Hash of seq's index-th block if it is a full block of the prompt, else None."""
@@ -98,28 +125,52 @@ class BlockManager:
 
     def can_admit(self, seq: Sequence, hits: list[int], num_new_tokens: int) -> bool:
         """Whether seq can take `hits` and get blocks for `num_new_tokens` more tokens after them."""
+        if self.sliding and not self.sliding._fits(self.sliding.window_hits(seq, len(hits)), len(hits), num_new_tokens):
+            return False
+        return self._fits(hits, len(hits), num_new_tokens)
+
+    def _fits(self, hits: list[int], num_hit_blocks: int, num_new_tokens: int) -> bool:
+        """Whether the table can take `hits` (its blocks from num_hit_blocks - len(hits) on; placeholders
+        before them) and then blocks for num_new_tokens more tokens."""
         revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
-        total = len(hits) * self.block_size + num_new_tokens
-        return -(-total // self.block_size) - len(hits) + revived <= self.num_free_blocks
+        total = num_hit_blocks * self.block_size + num_new_tokens
+        return -(-total // self.block_size) - num_hit_blocks + revived <= self.num_free_blocks
 
     def admit(self, seq: Sequence, hits: list[int]) -> None:
         """Share the matched cached blocks with seq (by reference, never copied)."""
+        self._take(seq, hits)
+        if self.sliding:
+            self.sliding.admit_window(seq, len(hits))
+        seq.num_computed_tokens = len(hits) * self.block_size
+
+    def _take(self, seq: Sequence, hits: list[int]) -> None:
         for block_id in hits:
             block = self.blocks[block_id]
             if block.ref_count == 0:
                 del self.free_queue[block_id]
             block.ref_count += 1
-            seq.block_table.append(block_id)
-        seq.num_computed_tokens = len(hits) * self.block_size
+            self.table(seq).append(block_id)
 
     def cache_full_blocks(self, seq: Sequence) -> None:
-        """Register the blocks that seq's computed tokens have filled, so later requests can hit them."""
+        """After a step: register the blocks that seq's computed tokens have filled, so later requests can hit
+        them, and give back the sliding-window blocks that its next queries can no longer see."""
+        for i in self._register_full_blocks(seq):
+            seq.num_cache_write_tokens += max(0, min(self.block_size, seq.num_prompt_tokens - i * self.block_size))
+        if self.sliding:
+            self.sliding._register_full_blocks(seq)
+            self.sliding.release_out_of_window(seq)
+
+    def _register_full_blocks(self, seq: Sequence) -> list[int]:
+        """Hash the table's full blocks that are not in the cache yet; returns the indices registered."""
         if not self.enable_prefix_caching:
-            return
+            return []
         bs = self.block_size
-        num_full = seq.num_computed_tokens // bs
-        for i, block_hash in enumerate(self._block_hashes(seq, num_full)):
-            block = self.blocks[seq.block_table[i]]
+        registered = []
+        table = self.table(seq)
+        for i, block_hash in enumerate(self._block_hashes(seq, seq.num_computed_tokens // bs)):
+            if table[i] >= self.num_blocks:
+                continue  # the sliding group's placeholder for keys out of the window
+            block = self.blocks[table[i]]
             if block.block_hash is not None:
                 continue
             if block_hash in self.cached:
@@ -127,15 +178,20 @@ class BlockManager:
             block.block_hash = block_hash
             block.token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             self.cached[block_hash] = block.block_id
-            seq.num_cache_write_tokens += max(0, min(bs, seq.num_prompt_tokens - i * bs))
+            registered.append(i)
+        return registered
 
     # Allocation --------------------------------------------------------------------------------------
 
     def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
+        if self.sliding and not self.sliding.can_allocate(seq, num_tokens):
+            return False
         return self.blocks_needed(seq, num_tokens) <= self.num_free_blocks
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
-        """Grow seq's block table to hold num_tokens tokens. Check can_allocate first."""
+        """Grow seq's block tables to hold num_tokens tokens. Check can_allocate first."""
+        if self.sliding:
+            self.sliding.allocate(seq, num_tokens)
         for _ in range(self.blocks_needed(seq, num_tokens)):
             block_id, _ = self.free_queue.popitem(last=False)
             block = self.blocks[block_id]
@@ -143,16 +199,85 @@ class BlockManager:
                 del self.cached[block.block_hash]
                 block.block_hash, block.token_ids = None, ()
             block.ref_count = 1
-            seq.block_table.append(block_id)
+            self.table(seq).append(block_id)
 
     def free(self, seq: Sequence) -> None:
         """Release seq's blocks. Cached ones stay reusable; the sequence's tail is evicted before its head."""
-        for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_queue[block_id] = None
-                if block.block_hash is None:
-                    self.free_queue.move_to_end(block_id, last=False)  # empty blocks are reused first
-        seq.block_table = []
+        if self.sliding:
+            self.sliding.free(seq)
+        table = self.table(seq)
+        for block_id in reversed(table):
+            self._release(block_id)
+        table.clear()
         seq.num_computed_tokens = 0
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free_queue[block_id] = None
+            if block.block_hash is None:
+                self.free_queue.move_to_end(block_id, last=False)  # empty blocks are reused first
+
+
+class SlidingWindowGroup(BlockManager):
+    """The sliding-window layers' blocks. A sequence's table runs parallel to its full-attention table (same
+    token positions), but the blocks wholly before the window of its next query are given back and replaced by
+    `null_block`: decode reads only in-window keys and prefill gathers only in-window blocks, so the
+    placeholder is never read (and it is a real zeroed block of the pool, so a stray read could not bring NaN).
+
+    Prefix cache (vLLM's rule): a hit of L tokens needs the full group's blocks for [0, L) and this group's
+    blocks for the window before L, [L - window + 1, L), still cached."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, window: int):
+        super().__init__(num_blocks, block_size, enable_prefix_caching)
+        self.window = window
+        self.null_block = num_blocks  # the pool's extra, last block (ModelRunner allocates num_blocks + 1)
+
+    def table(self, seq: Sequence) -> list[int]:
+        return seq.sliding_block_table
+
+    def first_needed_block(self, position: int) -> int:
+        """The first block a query at `position` (and every later one) still reads."""
+        return max(0, position - self.window + 1) // self.block_size
+
+    def longest_covered_prefix(self, seq: Sequence, num_blocks: int) -> int:
+        """The largest k <= num_blocks whose in-window blocks, [first_needed_block(k * block_size), k), are all
+        cached here. Each block is looked up at most once."""
+        hashes = self._block_hashes(seq, num_blocks)
+        end, i = num_blocks, num_blocks - 1
+        while end > 0:
+            first = self.first_needed_block(end * self.block_size)
+            while i >= first and self._cached_block(seq, i, hashes[i]) is not None:
+                i -= 1
+            if i < first:
+                return end
+            end, i = i, i - 1  # block i is missing: a hit must end before it
+        return 0
+
+    def window_hits(self, seq: Sequence, num_hit_blocks: int) -> list[int]:
+        """The cached blocks a hit of num_hit_blocks full blocks takes here (match_prefix checked they exist)."""
+        hashes = self._block_hashes(seq, num_hit_blocks)
+        first = self.first_needed_block(num_hit_blocks * self.block_size)
+        return [self._cached_block(seq, i, hashes[i]) for i in range(first, num_hit_blocks)]
+
+    def admit_window(self, seq: Sequence, num_hit_blocks: int) -> None:
+        hits = self.window_hits(seq, num_hit_blocks)
+        seq.sliding_block_table.extend([self.null_block] * (num_hit_blocks - len(hits)))
+        self._take(seq, hits)
+
+    def free(self, seq: Sequence) -> None:
+        table = seq.sliding_block_table
+        for block_id in reversed(table):
+            if block_id != self.null_block:
+                self._release(block_id)
+        table.clear()
+
+    def release_out_of_window(self, seq: Sequence) -> None:
+        """Give back the blocks before the window of seq's next query (at position num_computed_tokens)."""
+        table = seq.sliding_block_table
+        i = self.first_needed_block(seq.num_computed_tokens) - 1
+        while i >= 0 and table[i] != self.null_block:
+            self._release(table[i])
+            table[i] = self.null_block
+            i -= 1

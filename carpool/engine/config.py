@@ -44,6 +44,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # per-step token budget; long prompts are chunked under it
     max_model_len: int | None = None  # None: the model's context window
     enable_prefix_caching: bool = True
+    # Sliding-window layers (Gemma 3's local ones) give back the KV blocks before their window; False keeps
+    # them, as full-attention layers do (the reference the tests compare against).
+    free_sliding_window_blocks: bool = True
     # A waiting request gains one tier of priority per `priority_aging_seconds` waited, at most
     # `max_priority_boost` tiers, so no tier starves behind a steady stream of higher ones.
     priority_aging_seconds: float = 30.0

@@ -53,9 +53,12 @@ class LLMEngine:
         )
         block_bytes = ModelRunner.kv_bytes_per_block(self.model_config, self.config.block_size, self.dtype)
         num_blocks = self.config.num_kv_blocks or max(1, int(self.config.kv_cache_gb * 2**30 // block_bytes))
-        self.block_manager = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        window = (self.config.free_sliding_window_blocks and self.model_config.sliding_window) or 0
+        self.block_manager = BlockManager(
+            num_blocks, self.config.block_size, self.config.enable_prefix_caching, sliding_window=window
+        )
         self.scheduler = Scheduler(self.config, self.block_manager)
-        self.runner = ModelRunner(self.model, num_blocks, self.config.block_size, self.device, self.dtype)
+        self.runner = ModelRunner(self.model, num_blocks, self.config.block_size, self.device, self.dtype, window)
         self.detokenizer = Detokenizer(self.tokenizer)
         # The n choices of a request (and its retries) share their bad words: each list is tokenized once.
         self._bad_words_token_ids = functools.lru_cache(maxsize=256)(self._spell_bad_words)

@@ -14,34 +14,45 @@ from carpool.engine.sequence import Sequence
 def _zeroed_pool(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """A zero-filled KV pool. On the CPU it is backed by anonymous mmap, whose pages the kernel zeroes on
     first touch: a GiB pool costs nothing at start instead of a second of memset."""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = dtype.itemsize * math.prod(shape)
+    if device.type != "cpu" or nbytes == 0:  # mmap cannot map 0 bytes (a group without layers)
+        return torch.zeros(shape, dtype=dtype, device=device)
     return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
 
 
 class ModelRunner:
-    def __init__(self, model, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype):
+    def __init__(self, model, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype,
+                 sliding_window: int = 0):
         self.model = model
         self.block_size = block_size
         self.device = device
+        self.sliding_window = sliding_window  # > 0: sliding layers have a pool and block tables of their own
         config = model.config
-        # One pool for all layers: [layers, k/v, blocks, block_size, kv_heads, head_dim]. It must start zeroed:
+        # A pool per KV cache group: [layers, k/v, blocks, block_size, kv_heads, head_dim]. It must start zeroed:
         # padded attention positions read unused slots, and masked-out NaN garbage would still poison the sum.
-        self.kv_cache = _zeroed_pool(
-            (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim), device, dtype
-        )
-        for i, layer in enumerate(model.layers):
-            layer.self_attn.attn.k_cache = self.kv_cache[i, 0]
-            layer.self_attn.attn.v_cache = self.kv_cache[i, 1]
+        # The sliding group's pool has one more block, its placeholder for keys out of the window.
+        sliding = [bool(sliding_window and config.layer_window(i)) for i in range(config.num_layers)]
+        pools = {
+            group: _zeroed_pool(
+                (sliding.count(group), 2, num_blocks + group, block_size, config.num_kv_heads, config.head_dim),
+                device, dtype,
+            )
+            for group in (False, True)
+        }
+        self.kv_cache, self.sliding_kv_cache = pools[False], pools[True]
+        index_in_group = {False: 0, True: 0}
+        for layer, is_sliding in zip(model.layers, sliding):
+            cache = pools[is_sliding][index_in_group[is_sliding]]
+            index_in_group[is_sliding] += 1
+            layer.self_attn.attn.k_cache, layer.self_attn.attn.v_cache = cache[0], cache[1]
 
     @staticmethod
     def kv_bytes_per_block(config, block_size: int, dtype: torch.dtype = torch.float32) -> int:
         return config.num_layers * 2 * block_size * config.num_kv_heads * config.head_dim * dtype.itemsize
 
-    def _slots(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
+    def _slots(self, table: list[int], start: int, end: int) -> torch.Tensor:
         positions = torch.arange(start, end)
-        table = torch.tensor(seq.block_table, dtype=torch.long)
+        table = torch.tensor(table, dtype=torch.long)
         return table[positions // self.block_size] * self.block_size + positions % self.block_size
 
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor | None, list[Sequence]]:
@@ -49,31 +60,22 @@ class ModelRunner:
         order = sorted(
             range(len(batch.seqs)), key=lambda i: (batch.num_new_tokens[i] != 1, batch.seqs[i].num_computed_tokens)
         )
-        input_ids, positions, slots, sampled_rows, sampling = [], [], [], [], []
-        decode_seqs, prefills = [], []
+        input_ids, positions, sampled_rows, sampling = [], [], [], []
+        runs = []  # (seq, offset in the step's tokens, new tokens)
         offset = 0
         for i in order:
             seq, n = batch.seqs[i], batch.num_new_tokens[i]
             start = seq.num_computed_tokens
             input_ids.extend(seq.token_ids[start : start + n])
             positions.extend(range(start, start + n))
-            slots.append(self._slots(seq, start, start + n))
-            if n == 1:
-                decode_seqs.append(seq)
-            else:
-                blocks = None
-                if start:
-                    num_blocks = -(-(start + n) // self.block_size)
-                    blocks = torch.tensor(seq.block_table[:num_blocks], dtype=torch.long, device=self.device)
-                prefills.append(PrefillSegment(offset, offset + n, start + n, blocks))
+            runs.append((seq, offset, n))
             offset += n
             if start + n == seq.num_tokens:
                 sampled_rows.append(offset - 1)
                 sampling.append(seq)
-        metadata = AttentionMetadata(
-            slot_mapping=torch.cat(slots).to(self.device), decode_groups=self._decode_groups(decode_seqs),
-            prefills=prefills,
-        )
+        metadata = self._metadata(runs, lambda seq: seq.block_table, window=0)
+        if self.sliding_window:
+            metadata.sliding = self._metadata(runs, lambda seq: seq.sliding_block_table, self.sliding_window)
         with attention_metadata(metadata):
             hidden = self.model(
                 torch.tensor(input_ids, dtype=torch.long, device=self.device),
@@ -84,24 +86,47 @@ class ModelRunner:
         rows = torch.tensor(sampled_rows, dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden[rows]), sampling
 
-    def _decode_groups(self, seqs: list[Sequence]) -> list[DecodeGroup]:
+    def _metadata(self, runs: list[tuple[Sequence, int, int]], table_of, window: int) -> AttentionMetadata:
+        """One KV cache group's view of the step: where each new key goes and which blocks each query reads.
+        With a window, a prefill chunk gathers only the blocks from its first query's window on (the others
+        are placeholders in a sliding table); shifting keys and queries alike leaves the mask's geometry as is."""
+        slots, decode_seqs, prefills = [], [], []
+        for seq, offset, n in runs:
+            start = seq.num_computed_tokens
+            slots.append(self._slots(table_of(seq), start, start + n))
+            if n == 1:
+                decode_seqs.append(seq)
+                continue
+            blocks, context = None, start + n
+            if start:
+                skipped = max(0, start - window + 1) // self.block_size if window else 0
+                table = table_of(seq)[skipped : -(-(start + n) // self.block_size)]
+                blocks = torch.tensor(table, dtype=torch.long, device=self.device)
+                context -= skipped * self.block_size
+            prefills.append(PrefillSegment(offset, offset + n, context, blocks))
+        return AttentionMetadata(
+            slot_mapping=torch.cat(slots).to(self.device), decode_groups=self._decode_groups(decode_seqs, table_of),
+            prefills=prefills,
+        )
+
+    def _decode_groups(self, seqs: list[Sequence], table_of) -> list[DecodeGroup]:
         """On the CPU all decodes go in one group: its kernel walks each block table in place. Elsewhere the
         decodes (sorted by context length) split where the length doubles: the gathered, padded path would
         otherwise copy several times the KV that attention needs."""
         if self.device.type == "cpu":
-            return [DecodeGroup(0, len(seqs), *self._decode_tables(seqs))] if seqs else []
+            return [DecodeGroup(0, len(seqs), *self._decode_tables(seqs, table_of))] if seqs else []
         groups, start = [], 0
         for i in range(1, len(seqs) + 1):
             if i == len(seqs) or seqs[i].num_computed_tokens > 2 * seqs[start].num_computed_tokens + self.block_size:
-                groups.append(DecodeGroup(start, i, *self._decode_tables(seqs[start:i])))
+                groups.append(DecodeGroup(start, i, *self._decode_tables(seqs[start:i], table_of)))
                 start = i
         return groups
 
-    def _decode_tables(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode_tables(self, seqs: list[Sequence], table_of) -> tuple[torch.Tensor, torch.Tensor]:
         lengths = torch.tensor([s.num_computed_tokens + 1 for s in seqs])
         max_blocks = -(-int(lengths.max()) // self.block_size)
         tables = torch.zeros(len(seqs), max_blocks, dtype=torch.long)
         for row, seq in enumerate(seqs):
-            table = seq.block_table[:max_blocks]
+            table = table_of(seq)[:max_blocks]
             tables[row, : len(table)] = torch.tensor(table, dtype=torch.long)
         return tables.to(self.device), lengths.to(self.device)

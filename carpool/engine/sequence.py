@@ -67,6 +67,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
+        self.sliding_block_table: list[int] = []  # the sliding-window layers' blocks, if the model has such layers
         self.block_hashes: list[bytes] = []  # hashes of the full blocks of token_ids, filled lazily
         self.num_cached_prompt_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.num_cache_write_tokens = 0  # prompt tokens whose blocks this request added to the prefix cache
