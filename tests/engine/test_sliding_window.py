@@ -36,7 +36,8 @@ def keeping():
 @pytest.fixture(scope="module")
 def long_prompt(freeing):
     """About 1,200 tokens: more than two 512-token windows, prefilled in three chunks of at most 512."""
-    text = " ".join(f"Item {i}: the {['red', 'blue', 'green'][i % 3]} box holds {i * 7 % 13} marbles." for i in range(90))
+    colors = ["red", "blue", "green"]
+    text = " ".join(f"Item {i}: the {colors[i % 3]} box holds {i * 7 % 13} marbles." for i in range(90))
     ids = freeing.tokenizer.encode(text + " Which box holds the most marbles?")
     assert 1024 < len(ids) < 1300
     return ids
