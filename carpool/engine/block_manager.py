@@ -22,6 +22,11 @@ from dataclasses import dataclass
 from carpool.engine.sequence import Sequence
 
 
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division: the blocks that hold `a` tokens at `b` a block."""
+    return -(-a // b)
+
+
 @dataclass
 class Block:
     block_id: int
@@ -42,17 +47,19 @@ class BlockManager:
     """The full-attention group (every layer of a model without sliding windows), and through `sliding` the
     sliding-window group when there is one. The public methods answer for both groups."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, sliding_window: int = 0):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, sliding_window: int = 0,
+                 num_sliding_blocks: int | None = None):
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[bytes, int] = {}  # block hash -> block id
-        # The sliding group has as many blocks as this one (the pool splits in proportion to layers), so a
-        # sequence that fits here always fits there too: it never holds more sliding blocks than full ones.
+        # The sliding group's pool holds every sequence's window, not whole contexts (carpool.engine.kv_pools);
+        # admission and allocation check both groups, so it running short makes requests wait.
         self.sliding = (
-            SlidingWindowGroup(num_blocks, block_size, enable_prefix_caching, sliding_window)
+            SlidingWindowGroup(num_blocks if num_sliding_blocks is None else num_sliding_blocks, block_size,
+                               enable_prefix_caching, sliding_window)
             if sliding_window else None
         )
 
@@ -72,7 +79,7 @@ class BlockManager:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
-        return max(0, -(-num_tokens // self.block_size) - len(self.table(seq)))
+        return max(0, cdiv(num_tokens, self.block_size) - len(self.table(seq)))
 
     # Prefix cache ------------------------------------------------------------------------------------
 
@@ -134,7 +141,7 @@ class BlockManager:
         before them) and then blocks for num_new_tokens more tokens."""
         revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
         total = num_hit_blocks * self.block_size + num_new_tokens
-        return -(-total // self.block_size) - num_hit_blocks + revived <= self.num_free_blocks
+        return cdiv(total, self.block_size) - num_hit_blocks + revived <= self.num_free_blocks
 
     def admit(self, seq: Sequence, hits: list[int]) -> None:
         """Share the matched cached blocks with seq (by reference, never copied)."""

@@ -10,6 +10,7 @@ import torch
 from carpool.engine.block_manager import BlockManager
 from carpool.engine.config import EngineConfig, resolve_dtype
 from carpool.engine.detokenizer import Detokenizer
+from carpool.engine.kv_pools import kv_pool_sizes
 from carpool.engine.model_runner import ModelRunner
 from carpool.engine.outputs import RequestOutput
 from carpool.engine.request import EngineRequest
@@ -52,13 +53,14 @@ class LLMEngine:
             self.model_config.max_position_embeddings,
         )
         block_bytes = ModelRunner.kv_bytes_per_block(self.model_config, self.config.block_size, self.dtype)
-        num_blocks = self.config.num_kv_blocks or max(1, int(self.config.kv_cache_gb * 2**30 // block_bytes))
-        window = (self.config.free_sliding_window_blocks and self.model_config.sliding_window) or 0
-        self.block_manager = BlockManager(
-            num_blocks, self.config.block_size, self.config.enable_prefix_caching, sliding_window=window
-        )
+        num_sliding_layers = sum(1 for i in range(self.model_config.num_layers) if self.model_config.layer_window(i))
+        pools = kv_pool_sizes(self.config, self.model_config.num_layers, num_sliding_layers,
+                              self.model_config.sliding_window or 0, block_bytes)
+        self.block_manager = BlockManager(pools.full_blocks, self.config.block_size, self.config.enable_prefix_caching,
+                                          sliding_window=pools.window, num_sliding_blocks=pools.sliding_blocks)
         self.scheduler = Scheduler(self.config, self.block_manager)
-        self.runner = ModelRunner(self.model, num_blocks, self.config.block_size, self.device, self.dtype, window)
+        self.runner = ModelRunner(self.model, pools.full_blocks, self.config.block_size, self.device, self.dtype,
+                                  pools.window, pools.sliding_blocks)
         self.detokenizer = Detokenizer(self.tokenizer)
         # The n choices of a request (and its retries) share their bad words: each list is tokenized once.
         self._bad_words_token_ids = functools.lru_cache(maxsize=256)(self._spell_bad_words)

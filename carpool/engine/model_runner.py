@@ -7,6 +7,7 @@ import mmap
 import torch
 
 from carpool.engine.attention import AttentionMetadata, DecodeGroup, PrefillSegment, attention_metadata
+from carpool.engine.block_manager import cdiv
 from carpool.engine.scheduler import ScheduledBatch
 from carpool.engine.sequence import Sequence
 
@@ -22,7 +23,7 @@ def _zeroed_pool(shape: tuple[int, ...], device: torch.device, dtype: torch.dtyp
 
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype,
-                 sliding_window: int = 0):
+                 sliding_window: int = 0, num_sliding_blocks: int | None = None):
         self.model = model
         self.block_size = block_size
         self.device = device
@@ -30,12 +31,13 @@ class ModelRunner:
         config = model.config
         # A pool per KV cache group: [layers, k/v, blocks, block_size, kv_heads, head_dim]. It must start zeroed:
         # padded attention positions read unused slots, and masked-out NaN garbage would still poison the sum.
-        # The sliding group's pool has one more block, its placeholder for keys out of the window.
+        # The sliding group's pool (carpool.engine.kv_pools sizes it) has one more block, its placeholder for
+        # keys out of the window.
         sliding = [bool(sliding_window and config.layer_window(i)) for i in range(config.num_layers)]
+        blocks = {False: num_blocks, True: (num_blocks if num_sliding_blocks is None else num_sliding_blocks) + 1}
         pools = {
             group: _zeroed_pool(
-                (sliding.count(group), 2, num_blocks + group, block_size, config.num_kv_heads, config.head_dim),
-                device, dtype,
+                (sliding.count(group), 2, blocks[group], block_size, config.num_kv_heads, config.head_dim), device, dtype
             )
             for group in (False, True)
         }
@@ -100,7 +102,7 @@ class ModelRunner:
             blocks, context = None, start + n
             if start:
                 skipped = max(0, start - window + 1) // self.block_size if window else 0
-                table = table_of(seq)[skipped : -(-(start + n) // self.block_size)]
+                table = table_of(seq)[skipped : cdiv(start + n, self.block_size)]
                 blocks = torch.tensor(table, dtype=torch.long, device=self.device)
                 context -= skipped * self.block_size
             prefills.append(PrefillSegment(offset, offset + n, context, blocks))
@@ -124,7 +126,7 @@ class ModelRunner:
 
     def _decode_tables(self, seqs: list[Sequence], table_of) -> tuple[torch.Tensor, torch.Tensor]:
         lengths = torch.tensor([s.num_computed_tokens + 1 for s in seqs])
-        max_blocks = -(-int(lengths.max()) // self.block_size)
+        max_blocks = cdiv(int(lengths.max()), self.block_size)
         tables = torch.zeros(len(seqs), max_blocks, dtype=torch.long)
         for row, seq in enumerate(seqs):
             table = table_of(seq)[:max_blocks]

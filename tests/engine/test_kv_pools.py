@@ -1,0 +1,30 @@
+"""The KV budget's split between full-attention and sliding-window pools (carpool.engine.kv_pools)."""
+
+from carpool.engine.config import EngineConfig
+from carpool.engine.kv_pools import kv_pool_sizes
+
+# Gemma 3 270M: 18 layers (15 sliding, window 512), 1 KV head of 256, bf16, 16-token blocks.
+LAYERS, SLIDING, WINDOW = 18, 15, 512
+BLOCK_BYTES = LAYERS * 2 * 16 * 1 * 256 * 2
+LAYER_BLOCKS = 2**30 // (BLOCK_BYTES // LAYERS)  # one layer's blocks in 1 GiB
+
+
+def test_without_sliding_layers_the_budget_is_one_pool():
+    sizes = kv_pool_sizes(EngineConfig(), LAYERS, 0, 0, BLOCK_BYTES)
+    assert (sizes.full_blocks, sizes.sliding_blocks, sizes.window) == (LAYER_BLOCKS // LAYERS, 0, 0)
+
+
+def test_sliding_layers_get_every_window_and_full_layers_the_rest_of_the_same_memory():
+    config = EngineConfig()
+    sizes = kv_pool_sizes(config, LAYERS, SLIDING, WINDOW, BLOCK_BYTES)
+    per_sequence = WINDOW // config.block_size + 1
+    assert sizes.sliding_blocks >= config.max_num_seqs * per_sequence  # every sequence's window fits at once
+    assert SLIDING * sizes.sliding_blocks + (LAYERS - SLIDING) * sizes.full_blocks <= LAYER_BLOCKS  # the budget
+    assert sizes.full_blocks >= 3 * (LAYER_BLOCKS // LAYERS)  # 3x the context an even split would hold
+
+
+def test_keeping_sliding_blocks_or_an_explicit_pool_size_keeps_the_even_split():
+    kept = kv_pool_sizes(EngineConfig(free_sliding_window_blocks=False), LAYERS, SLIDING, WINDOW, BLOCK_BYTES)
+    assert (kept.full_blocks, kept.sliding_blocks) == (LAYER_BLOCKS // LAYERS, 0)
+    explicit = kv_pool_sizes(EngineConfig(num_kv_blocks=40), LAYERS, SLIDING, WINDOW, BLOCK_BYTES)
+    assert (explicit.full_blocks, explicit.sliding_blocks, explicit.window) == (40, 40, WINDOW)
