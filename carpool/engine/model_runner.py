@@ -6,7 +6,7 @@ import mmap
 
 import torch
 
-from carpool.engine.attention import AttentionMetadata, DecodeGroup, PrefillSegment, attention_metadata
+from carpool.models.attention import AttentionMetadata, DecodeGroup, PrefillSegment, attention_metadata
 from carpool.engine.block_manager import cdiv
 from carpool.engine.scheduler import ScheduledBatch
 from carpool.engine.sequence import Sequence

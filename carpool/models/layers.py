@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import carpool.kernels  # noqa: F401  (registers torch.ops.carpool)
-from carpool.engine.attention import PagedAttention
+from carpool.models.attention import PagedAttention
 from carpool.models.config import ModelConfig
 from carpool.models.quantization import concat_rows, install_ggml_modules
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import carpool.kernels
-from carpool.engine.attention import DecodeGroup, PagedAttention
+from carpool.models.attention import DecodeGroup, PagedAttention
 from carpool.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 
 DTYPES = [torch.float32, torch.bfloat16]
