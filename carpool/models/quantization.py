@@ -51,6 +51,10 @@ class GGMLWeight:
         return self.data.shape[0], self.data.shape[1] // block_bytes * block_size
 
     def dequantize(self) -> torch.Tensor:
+        """fp32 values, as gguf-py computes them: by the C++ kernel (bit-exact, 2-13x faster than gguf-py's numpy,
+        which made `--quantization none` take 11 s for Qwen 0.5B) for the formats it runs, else by gguf-py."""
+        if self.qtype in KERNEL_TYPES:
+            return torch.ops.carpool.ggml_dequantize(self.data.contiguous(), int(self.qtype), torch.float32)
         return torch.from_numpy(gguf.quants.dequantize(self.data.numpy(), self.qtype).astype(np.float32))
 
     @classmethod
