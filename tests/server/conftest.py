@@ -1,8 +1,11 @@
 """Real `carpool serve` processes on free local ports, shared by the whole session: one with the default engine
-(and API keys), one small one (two sequence slots, short queues) for the tier and admission tests."""
+(and API keys), one small one (two sequence slots, short queues) for the tier and admission tests; and an
+in-process AsyncEngine over the session's model for tests that build their own app."""
 
 import pytest
 from live_server import LiveServer
+
+from carpool.engine.async_engine import AsyncEngine
 
 API_KEY = "sk-carpool-test"
 
@@ -29,3 +32,11 @@ def client(server):
 @pytest.fixture(scope="session")
 def model(client):
     return client.models.list().data[0].id
+
+
+@pytest.fixture
+def engine(llm):
+    engine = AsyncEngine(engine=llm.engine)
+    engine.start()
+    yield engine
+    engine.stop()

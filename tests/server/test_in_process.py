@@ -7,7 +7,6 @@ import httpx
 import pytest
 
 from carpool.economics.contract import GateError, Principal
-from carpool.engine.async_engine import AsyncEngine
 from carpool.server.app import create_app
 
 GOOD_KEY = "sk-good"
@@ -35,14 +34,6 @@ class RecordingGate:
 
     def health(self):
         return None
-
-
-@pytest.fixture
-def engine(llm):
-    engine = AsyncEngine(engine=llm.engine)
-    engine.start()
-    yield engine
-    engine.stop()
 
 
 @pytest.fixture

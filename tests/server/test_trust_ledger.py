@@ -13,19 +13,10 @@ from live_server import LiveServer
 
 from carpool.economics.gate import LedgerGate
 from carpool.economics.prices import load_price_sheet
-from carpool.engine.async_engine import AsyncEngine
 from carpool.server.app import create_app
 
 CHAT = "/v1/chat/completions"
 BODY = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0}
-
-
-@pytest.fixture
-def engine(llm):
-    engine = AsyncEngine(engine=llm.engine)
-    engine.start()
-    yield engine
-    engine.stop()
 
 
 @pytest.fixture

@@ -9,20 +9,11 @@ import openai
 import pytest
 
 from carpool.cli import build_parser
-from carpool.engine.async_engine import AsyncEngine
 from carpool.server.app import create_app
 from carpool.server.gate import OpenGate
 
 KEY = "sk-carpool-surface"
 DOCS = ("/docs", "/redoc", "/openapi.json")
-
-
-@pytest.fixture
-def engine(llm):
-    engine = AsyncEngine(engine=llm.engine)
-    engine.start()
-    yield engine
-    engine.stop()
 
 
 def send(app, method: str, path: str, key: str | None = KEY, **options) -> httpx.Response:
