@@ -37,6 +37,9 @@ def kv_pool_sizes(config: EngineConfig, num_layers: int, num_sliding_layers: int
     layer_blocks = int(config.kv_cache_gb * 2**30 // (bytes_per_block // num_layers))  # blocks of one layer
     num_full_layers = num_layers - num_sliding_layers
     even = layer_blocks // num_layers
-    sliding = min(even, need)
+    # Never below one request's worst step (its window and a whole prefill chunk past it): the full pool admits
+    # requests by its own size, and one that could never get its sliding blocks would wait forever.
+    one_request = cdiv(window, config.block_size) + 1 + cdiv(config.max_num_batched_tokens, config.block_size)
+    sliding = min(need, max(even, one_request))
     return KVPoolSizes(max(1, (layer_blocks - num_sliding_layers * sliding) // max(1, num_full_layers)), sliding,
                        window)

@@ -78,6 +78,10 @@ class LLMEngine:
             raise ValueError("params must be a SamplingParams")
         if tier not in BY_NAME:
             raise ValueError(f"tier must be one of {', '.join(TIER_NAMES)}, got {tier!r}")
+        if cache_salt is not None:  # hashed on the engine thread: a bad one would end the loop there
+            if not isinstance(cache_salt, str):
+                raise ValueError("cache_salt must be a string")
+            check_text("cache_salt", cache_salt)
         token_ids = self.tokenize_prompt(prompt)
         self._check_vocabulary("prompt", token_ids)
         self._check_length(len(token_ids), params.max_tokens)

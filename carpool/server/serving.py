@@ -104,8 +104,8 @@ class ModelServing:
             raise APIError(400, "best_of: streaming is not supported when best_of is greater than n",
                            param="best_of")
         prompt_ids = [self._tokenize(p, request) for p in prompts]
-        # Echo the prompt as given: its text, or the text of its token ids.
-        echoes = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in prompts] if request.echo else None
+        # Echo the prompt as given: its text, or the text of its token ids once the engine's door has checked them.
+        echoes = prompts if request.echo else None
         max_tokens = request.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
         gen = self._start(request, principal, prompt_ids, max_tokens, request.logprobs, {}, best_of, echoes)
         return gen, CompletionFormat(self.tokenizer, request.logprobs is not None)
@@ -118,7 +118,7 @@ class ModelServing:
 
     def _start(self, request: GenerationRequest, principal: Principal, prompts: list[list[int]],
                max_tokens: int | None, logprobs: int | None, renamed: dict, best_of: int | None = None,
-               echoes: list[str] | None = None) -> Generation:
+               echoes: list[str | list[int]] | None = None) -> Generation:
         """Each prompt runs best_of (default n) candidates; with best_of > n the n best of each are returned."""
         tier = requested_tier(request)
         n = request.n or 1
@@ -132,13 +132,15 @@ class ModelServing:
         cache_salt = self._cache_salt(request, principal)
         choices = []
         for i, prompt_ids in enumerate(prompts):
+            echo = ""
             for j in range(candidates):
                 params = self._params(request, prompt_ids, max_tokens, logprobs, j, renamed,
                                       best_of=candidates if candidates > n else 1)
                 engine_request = self._engine_request(request, f"{request_id}-{len(choices)}", prompt_ids, params,
                                                       tier, cache_salt, renamed)
-                choices.append(Choice(len(choices), engine_request, bills_prompt=j == 0, prompt_index=i,
-                                      echo=echoes[i] if echoes else ""))
+                if echoes and j == 0:  # token ids are decoded only once the door has found them in the vocabulary
+                    echo = echoes[i] if isinstance(echoes[i], str) else self.tokenizer.decode(prompt_ids)
+                choices.append(Choice(len(choices), engine_request, bills_prompt=j == 0, prompt_index=i, echo=echo))
         self.queues.reserve(tier, len(choices))
         try:
             self.gate.admit(principal, tier, sum(len(c.request.prompt_token_ids) + c.request.params.max_tokens
@@ -152,12 +154,14 @@ class ModelServing:
 
     @staticmethod
     def _cache_salt(request: GenerationRequest, principal: Principal) -> str | None:
-        """Whose cached prefixes a request may reuse: its explicit cache_salt, else its API key's, else its
+        """Whose cached prefixes a request may reuse: its API key's, narrowed by an explicit cache_salt (a salt
+        never reaches past its key: two keys sending the same salt share nothing), else its cache_salt's, else its
         user's. Requests with none of these (an open server, no user) share one cache."""
+        key = None if principal.key_id is None else f"key:{principal.key_id}"
         if request.cache_salt is not None:
-            return f"salt:{request.cache_salt}"
-        if principal.key_id is not None:
-            return f"key:{principal.key_id}"
+            return f"{key}:salt:{request.cache_salt}" if key else f"salt:{request.cache_salt}"
+        if key:
+            return key
         if request.user:
             return f"user:{request.user}"
         return None

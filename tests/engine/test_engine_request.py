@@ -77,6 +77,9 @@ def test_the_door_names_what_is_wrong(llm):
         engine.request("r", "hi", {"max_tokens": 3})
     with pytest.raises(ContextLengthExceeded, match="^max_tokens"):
         engine.request("r", "hi", SamplingParams(max_tokens=engine.max_request_tokens))
+    for salt in (123, "\ud800"):  # hashed on the engine thread, where it would end the loop
+        with pytest.raises(ValueError, match="^cache_salt"):
+            engine.request("r", "hi", PARAMS, cache_salt=salt)
     assert not engine.has_unfinished_requests()
 
 

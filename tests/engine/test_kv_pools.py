@@ -28,3 +28,11 @@ def test_keeping_sliding_blocks_or_an_explicit_pool_size_keeps_the_even_split():
     assert (kept.full_blocks, kept.sliding_blocks) == (LAYER_BLOCKS // LAYERS, 0)
     explicit = kv_pool_sizes(EngineConfig(num_kv_blocks=40), LAYERS, SLIDING, WINDOW, BLOCK_BYTES)
     assert (explicit.full_blocks, explicit.sliding_blocks, explicit.window) == (40, 40, WINDOW)
+
+
+def test_a_tiny_budget_still_gives_the_sliding_pool_one_requests_worst_step():
+    """At 0.01 GiB an even split leaves 36 sliding blocks, fewer than one 512-token prefill chunk past a 512-token
+    window needs (65): a request the full pool admits could then never be scheduled."""
+    config = EngineConfig(kv_cache_gb=0.01)
+    sizes = kv_pool_sizes(config, LAYERS, SLIDING, WINDOW, BLOCK_BYTES)
+    assert sizes.sliding_blocks >= WINDOW // config.block_size + 1 + config.max_num_batched_tokens // config.block_size

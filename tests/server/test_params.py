@@ -89,6 +89,7 @@ def test_best_of_returns_the_most_likely_candidates(client, model):
         ({"n": 1, "best_of": 2, "stream": True}, "best_of"),
         ({"prompt": ["a"] * 50, "best_of": 3}, "best_of"),
         ({"echo": True, "logprobs": 1}, "echo"),
+        ({"prompt": [-1], "echo": True}, "prompt"),  # echoed ids are decoded only once found in the vocabulary
         ({"suffix": "and so on."}, "suffix"),
         ({"logit_bias": {"123456789": 5}}, "logit_bias"),
         ({"logit_bias": {"banana": 5}}, "logit_bias"),

@@ -53,6 +53,10 @@ def test_a_cached_prefix_is_shared_only_by_the_same_key(app):
     assert cached(FIRST) == 0
     assert cached(SECOND) == 0  # not the first key's blocks, though its key starts the same
     assert cached(FIRST) > 0  # the first key's own second request does reuse them
+    body["cache_salt"] = "shared-salt"  # a salt narrows a key's cache; it never opens another key's
+    assert cached(FIRST) == 0
+    assert cached(SECOND) == 0
+    assert cached(FIRST) > 0
 
 
 def test_files_are_private_to_the_key_that_uploaded_them(app):
