@@ -120,8 +120,8 @@ def serve(args: argparse.Namespace, configs: dict) -> int:
     ledger = None if args.api_key else open_ledger_gate(args.db, args.prices, served_models=tuple(configs))
     # So is the batch dir (created, writable, and this database's), so no store fails after minutes of loading.
     db_path = args.db or default_db_path()
-    batch_dir = args.batch_dir or default_batch_dir(db_path)
-    claim_batch_dir(batch_dir, db_path)
+    batch_dir = args.batch_dir or default_batch_dir(db_path, ledger=ledger is not None)
+    batch_dir_lock = claim_batch_dir(batch_dir, db_path if ledger else None)  # held while this server runs
     # One loop steps every model's engine, on this (the main) thread: see AsyncEngine for why. The models load
     # before the port opens, so /health answers only when all are ready.
     engine_loop = EngineLoop()
@@ -171,4 +171,5 @@ def serve(args: argparse.Namespace, configs: dict) -> int:
         http.join()
         if ledger:
             ledger.close()
+        batch_dir_lock.close()
     return 0 if server.started else 1

@@ -9,7 +9,7 @@ import pytest
 from carpool.cli import main
 from carpool.economics import keys
 from carpool.economics.db import connect
-from carpool.server.batch.home import OWNER_FILE, claim_batch_dir, default_batch_dir
+from carpool.server.batch.home import OWNER_FILE, BatchDirUnusable, claim_batch_dir, default_batch_dir
 
 
 class ModelLoaded(AssertionError):
@@ -137,6 +137,26 @@ def test_a_batch_dir_claimed_by_another_database_is_refused(capsys, tmp_path, no
     assert (shared / OWNER_FILE).read_text().strip() == str(first.resolve())
     complaint = serve(capsys, second, "--batch-dir", str(shared))
     assert str(shared) in complaint and str(first.resolve()) in complaint
+
+
+def test_a_server_without_a_ledger_never_runs_a_ledgers_batches(tmp_path, monkeypatch):
+    """An --api-key server bills nothing: its default dir is its own, and a ledger's dir is refused to it."""
+    monkeypatch.delenv("CARPOOL_BATCH_DIR", raising=False)
+    db = tmp_path / "carpool.db"
+    assert default_batch_dir(db, ledger=False) != default_batch_dir(db)
+    claim_batch_dir(tmp_path / "batches", db)
+    with pytest.raises(BatchDirUnusable, match="holds the batches of the database"):
+        claim_batch_dir(tmp_path / "batches", None)
+
+
+def test_one_running_server_per_batch_dir(tmp_path):
+    """Two live servers on one database would each resume, run and bill the same batches."""
+    db = tmp_path / "carpool.db"
+    lock = claim_batch_dir(tmp_path / "batches", db)
+    with pytest.raises(BatchDirUnusable, match="in use by another running carpool server"):
+        claim_batch_dir(tmp_path / "batches", db)
+    lock.close()  # that server stopped
+    claim_batch_dir(tmp_path / "batches", db).close()
 
 
 def test_the_checks_pass_a_sound_store(tmp_path, no_model):

@@ -3,9 +3,13 @@
 A batch dir's files and batches are billed to one economics database. Two servers with different databases
 sharing one dir would list each other's files under same-named tenants and run each other's batches, billing
 them in both. So the default dir sits beside the database (`<db>.batches`), and a dir names the database that
-owns it in its `database` file: a server with another database refuses it at start-up.
+owns it in its `database` file: a server with another database refuses it at start-up. A server with fixed
+`--api-key`s keeps no ledger, so its batches are billed nowhere: its dir is its own (`<db>.api-key-batches`),
+owned by no database, and never one a ledger's server runs. And a dir is run by one live server at a time (an
+exclusive lock held while it serves), or two servers on one database would run, and bill, each batch twice.
 """
 
+import fcntl
 import os
 import sqlite3
 import tempfile
@@ -14,23 +18,26 @@ from pathlib import Path
 from carpool.server.batch.store import BatchStore
 
 OWNER_FILE = "database"
+LOCK_FILE = "lock"
+NO_LEDGER = "none (a server with fixed --api-key keys, which keeps no ledger)"
 
 
 class BatchDirUnusable(ValueError):
     """The batch dir cannot be used by this server: `<dir>: <cause>`."""
 
 
-def default_batch_dir(db_path: str | Path) -> Path:
-    """`CARPOOL_BATCH_DIR`, else `<db>.batches` beside the database."""
+def default_batch_dir(db_path: str | Path, ledger: bool = True) -> Path:
+    """`CARPOOL_BATCH_DIR`, else `<db>.batches` beside the database (`<db>.api-key-batches` without a ledger)."""
     override = os.environ.get("CARPOOL_BATCH_DIR")
-    return Path(override) if override else Path(f"{db_path}.batches")
+    return Path(override) if override else Path(f"{db_path}.{'batches' if ledger else 'api-key-batches'}")
 
 
-def claim_batch_dir(batch_dir: str | Path, db_path: str | Path) -> None:
-    """Run before the model loads: the dir exists (created if need be), can be written, its store opens, and it
-    belongs to `db_path` (a dir no database owns yet is claimed for it)."""
+def claim_batch_dir(batch_dir: str | Path, db_path: str | Path | None):
+    """Run before the model loads: the dir exists (created if need be), can be written, its store opens, it
+    belongs to `db_path` (None: no ledger; a dir nobody owns yet is claimed), and no other live server runs it.
+    Returns the lock: the dir stays this process's while the returned file is open."""
     root = Path(batch_dir)
-    database = str(Path(db_path).expanduser().resolve())
+    database = NO_LEDGER if db_path is None else str(Path(db_path).expanduser().resolve())
     try:
         root.mkdir(parents=True, exist_ok=True)
         marker = root / OWNER_FILE
@@ -42,11 +49,19 @@ def claim_batch_dir(batch_dir: str | Path, db_path: str | Path) -> None:
                     f"--batch-dir of its own (or delete {marker} if that database is gone)")
         else:
             _write_atomically(marker, database + "\n")
+        lock = open(root / LOCK_FILE, "a")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            raise BatchDirUnusable(f"{root}: in use by another running carpool server; give this one a "
+                                   "--batch-dir of its own") from None
         store = BatchStore(root)
         try:
             store.check_writable()
         finally:
             store.close()
+        return lock
     except (OSError, sqlite3.Error) as error:
         cause = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
         raise BatchDirUnusable(f"{root}: {cause}") from None
