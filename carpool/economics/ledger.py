@@ -65,6 +65,7 @@ class LedgerWriter:
         self.problem: str | None = None  # why the last commit failed; None once a commit succeeds
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
+        self._closing = threading.Lock()  # a row is queued before close() queues its stop, or refused
         connect(db_path).close()  # create the schema now, so a bad path fails at startup, not at the first row
         self._thread = threading.Thread(target=self._run, name="carpool-ledger", daemon=True)
         self._thread.start()
@@ -72,11 +73,12 @@ class LedgerWriter:
     def submit(self, usage: UsageRecord, cost: float) -> Future:
         """Queue one row; returns at once, with a Future that resolves when the row is committed."""
         written: Future = Future()
-        if self._closed:
-            log.error("ledger closed; row not written: %r cost=%r", usage, cost)
-            written.set_exception(LedgerUnwritable("the ledger is closed"))
-            return written
-        self._queue.put((ledger_row(usage, cost), written))
+        with self._closing:
+            if not self._closed:
+                self._queue.put((ledger_row(usage, cost), written))
+                return written
+        log.error("ledger %s; row not written: %r cost=%r", self.problem or "closed", usage, cost)
+        written.set_exception(LedgerUnwritable(self.problem or "the ledger is closed"))
         return written
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -90,10 +92,11 @@ class LedgerWriter:
 
     def close(self, timeout: float | None = 30) -> None:
         """Commit what is queued and stop the thread. Call it once nothing records any more (engine stopped)."""
-        if self._closed:
-            return
-        self._closed = True
-        self._queue.put(None)
+        with self._closing:
+            if self._closed:
+                return
+            self._closed = True
+            self._queue.put(None)
         self._thread.join(timeout)
 
     def _run(self) -> None:
@@ -121,6 +124,23 @@ class LedgerWriter:
                         stopping = True
             if held:  # still failing at shutdown: the log keeps them, in full, for a replay by hand
                 log.error("ledger: %d rows not written: %r", len(held), [row for row, _ in held])
+        except BaseException as error:  # the writer is gone: say so (the gate then refuses billable work), and
+            # fail every waiting response rather than leave it hanging on a row nobody will commit
+            with self._closing:  # from here submit() refuses rows, so the drain below misses none
+                self.problem = f"the usage ledger writer stopped: {error!r}"
+                self._closed = True
+            log.exception("ledger %s: writer stopped", self.db_path)
+            pending = list(held)
+            while not self._queue.empty():
+                item = self._queue.get_nowait()
+                if isinstance(item, tuple):
+                    pending.append(item)
+                elif isinstance(item, threading.Event):
+                    item.set()
+            for row, written in pending:
+                log.error("ledger: row not written: %r", row)
+                if not written.done():
+                    written.set_exception(LedgerUnwritable(self.problem))
         finally:
             conn.close()
 

@@ -130,3 +130,18 @@ def test_a_ledger_that_cannot_write_refuses_billable_work_until_it_can(monkeypat
         assert sqlite3.connect(db_path).execute("SELECT request_id FROM ledger").fetchall() == [("ran",)]
     finally:
         gate.close()
+
+
+def test_a_writer_that_dies_fails_what_waits_and_refuses_new_rows(gate):
+    """No response may hang on a row nobody will commit, and a dead ledger admits no billable work."""
+    def broken(conn, rows):
+        raise RuntimeError("writer bug")
+
+    gate._writer._commit = broken  # read by the writer thread at its next commit
+    for request_id in ("waiting", "after"):  # queued when the writer died; submitted after it
+        with pytest.raises(GateError) as withheld:
+            gate.record(gate.authenticate(None), usage(request_id=request_id)).result(timeout=30)
+        assert withheld.value.status == 503 and "writer stopped" in withheld.value.message
+    with pytest.raises(GateError) as refused:
+        gate.admit(gate.authenticate(None), "default", 10)
+    assert refused.value.status == 503
