@@ -94,16 +94,17 @@ class LedgerGate:
             usage, key_id=usage.key_id or principal.key_id, tenant=usage.tenant or principal.tenant
         )
         cost = self.prices.cost(usage)
-        self._spend.add(usage.key_id, cost, usage.created)
-        if self._cost_counter is not None:
-            tenant = {"tenant": usage.tenant or ANONYMOUS} if self._cost_by_tenant else {}
-            self._cost_counter.labels(tier=usage.tier, **tenant).inc(cost)
+        self._spend.add(usage.key_id, cost, usage.created)  # now, so concurrent requests see it at admission
         durable: Future = Future()
 
         def settle(written: Future) -> None:
             if written.exception() is None:
+                if self._cost_counter is not None:
+                    tenant = {"tenant": usage.tenant or ANONYMOUS} if self._cost_by_tenant else {}
+                    self._cost_counter.labels(tier=usage.tier, **tenant).inc(cost)
                 durable.set_result(None)
-            else:
+            else:  # the client is told 503, not the result: the ledger writes the row at no cost, so refund it
+                self._spend.add(usage.key_id, -cost, usage.created)
                 durable.set_exception(GateError(503, f"The request ran, but {written.exception()}; its result "
                                                      "is withheld.", "ledger_unavailable", retry_after=RETRY_SECONDS))
 

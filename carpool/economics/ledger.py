@@ -10,8 +10,9 @@ request one commit's latency and the server no throughput: the engine never wait
 
 A commit that fails (disk full, file made read-only, a lock held past the timeout) fails its rows' Futures, so
 those clients get an error instead of a success, and marks the ledger unhealthy (`problem`): the gate stops
-admitting billable work until a retry, every RETRY_SECONDS, writes the held rows and clears it. (Those requests
-ran: their rows are still owed, and are written once the database takes them.)
+admitting billable work until a retry, every RETRY_SECONDS, writes the held rows and clears it. Those requests
+ran but their clients never got the result, so their rows are written as `withheld` at no cost: the operator
+still sees the compute, and a client that retries is billed once, for the answer it received.
 """
 
 import logging
@@ -33,6 +34,7 @@ _INSERT = (
 )
 _MAX_ROWS_PER_COMMIT = 1000
 RETRY_SECONDS = 1.0
+WITHHELD = "withheld"  # the finish_reason of a row whose client was answered 503 instead of the result
 
 
 class LedgerUnwritable(Exception):
@@ -57,6 +59,11 @@ def ledger_row(usage: UsageRecord, cost: float) -> tuple:
         usage.finish_reason,
         cost,
     )
+
+
+def withheld_row(row: tuple) -> tuple:
+    """The row of a request whose result was withheld: its tokens and timings, no cost."""
+    return (*row[:-2], WITHHELD, 0.0)
 
 
 class LedgerWriter:
@@ -157,7 +164,7 @@ class LedgerWriter:
             for _, written in rows:
                 if not written.done():
                     written.set_exception(LedgerUnwritable(self.problem))
-            return rows
+            return [(withheld_row(row), written) for row, written in rows]
         if self.problem is not None:
             log.warning("ledger %s: writable again; %d held rows written", self.db_path, len(rows))
         self.problem = None
