@@ -1,5 +1,5 @@
-"""`carpool bench serve`: drive any OpenAI-compatible server with streaming chat requests, a closed loop of N
-concurrent streams per level, and report output tokens/s, TTFT p50/p99 and ITL p50/p99 per level, as a table,
+"""`carpool bench serve`: drive any OpenAI-compatible server with streaming chat requests (or, for a base model
+without a chat template, plain completions: `--api completions`), a closed loop of N concurrent streams per level, and report output tokens/s, TTFT p50/p99 and ITL p50/p99 per level, as a table,
 a JSON file and a PNG plot.
 
 Prompts are the first human turns of chat_prompts.jsonl (shipped in carpool/bench/data), in file order, each
@@ -20,6 +20,10 @@ import httpx
 import numpy as np
 
 from carpool.bench.datasets import first_human_turns
+
+
+# Each API's path and how a streamed chunk carries its text.
+ENDPOINTS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
 
 @dataclass
@@ -58,6 +62,9 @@ def add_parser(modes) -> None:
     parser.add_argument("--max-prompt-chars", type=int, default=None,
                         help="skip longer prompts (for servers with small per-slot contexts)")
     parser.add_argument("--model", default=None, help="default: the first model the server lists")
+    parser.add_argument("--api", choices=ENDPOINTS, default="chat",
+                        help="chat: /v1/chat/completions with the prompt as the user turn; completions: "
+                             "/v1/completions with the prompt as raw text (base models have no chat template)")
     parser.add_argument("--api-key", default=None, help="sent as the bearer token to every server")
     parser.add_argument("--label", action="append", default=None,
                         help="each server's name in the report, in --url order (default: the model)")
@@ -117,19 +124,20 @@ async def run(args: argparse.Namespace, url: str, label: str | None) -> dict:
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=httpx.Timeout(600.0),
                                  limits=limits) as client:
         model = args.model or await _first_model(client)
-        warmup = await _one_request(client, model, prompts.pop(0), args.max_tokens)
+        warmup = await _one_request(client, model, prompts.pop(0), args.max_tokens, args.api)
         if not warmup.ok:
             raise RuntimeError(f"the warm-up request failed: {warmup.error}")
         reports = []
         for concurrency, count in zip(levels, counts):
             level_prompts, prompts = prompts[:count], prompts[count:]
-            reports.append(await _run_level(client, model, level_prompts, concurrency, args.max_tokens))
+            reports.append(await _run_level(client, model, level_prompts, concurrency, args.max_tokens, args.api))
             print(f"concurrency {concurrency}: {reports[-1].output_tokens_per_s:.1f} output tokens/s", flush=True)
     return {
         "url": url,
         "model": model,
         "label": label or model,
         "max_tokens": args.max_tokens,
+        "api": args.api,
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "levels": [asdict(r) for r in reports],
     }
@@ -141,23 +149,29 @@ async def _first_model(client: httpx.AsyncClient) -> str:
     return response.json()["data"][0]["id"]
 
 
-async def _run_level(client, model: str, prompts: list[str], concurrency: int, max_tokens: int) -> LevelReport:
+async def _run_level(client, model: str, prompts: list[str], concurrency: int, max_tokens: int,
+                     api: str) -> LevelReport:
     pending = list(reversed(prompts))
     results: list[RequestResult] = []
 
     async def stream_worker():
         while pending:
-            results.append(await _one_request(client, model, pending.pop(), max_tokens))
+            results.append(await _one_request(client, model, pending.pop(), max_tokens, api))
 
     start = time.perf_counter()
     await asyncio.gather(*(stream_worker() for _ in range(concurrency)))
     return summarize(concurrency, results, time.perf_counter() - start)
 
 
-async def _one_request(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int) -> RequestResult:
+def _chunk_text(choice: dict) -> str | None:
+    return (choice.get("delta") or {}).get("content") if "delta" in choice else choice.get("text")
+
+
+async def _one_request(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int,
+                       api: str = "chat") -> RequestResult:
     body = {
         "model": model,
-        "messages": [{"role": "user", "content": prompt}],
+        **({"messages": [{"role": "user", "content": prompt}]} if api == "chat" else {"prompt": prompt}),
         "max_tokens": max_tokens,
         "temperature": 0,
         "stream": True,
@@ -167,7 +181,7 @@ async def _one_request(client: httpx.AsyncClient, model: str, prompt: str, max_t
     text_chunks, last = 0, None
     start = time.perf_counter()
     try:
-        async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        async with client.stream("POST", ENDPOINTS[api], json=body) as response:
             if response.status_code != 200:
                 result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
                 return result
@@ -178,7 +192,7 @@ async def _one_request(client: httpx.AsyncClient, model: str, prompt: str, max_t
                 now = time.perf_counter()
                 if chunk.get("usage"):
                     result.output_tokens = chunk["usage"]["completion_tokens"]
-                if any((c.get("delta") or {}).get("content") for c in chunk.get("choices") or []):
+                if any(_chunk_text(c) for c in chunk.get("choices") or []):
                     text_chunks += 1
                     if last is None:
                         result.ttft = now - start
@@ -222,7 +236,7 @@ def table(report: dict) -> str:
         return "-" if value is None else f"{value * 1000:.0f}"
 
     lines = [
-        f"{report['label']} at {report['url']}, max_tokens {report['max_tokens']}, greedy",
+        f"{report['label']} at {report['url']}, {report.get('api', 'chat')}, max_tokens {report['max_tokens']}, greedy",
         f"{'streams':>7} {'requests':>8} {'errors':>6} {'out tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} "
         f"{'ITL p50':>8} {'ITL p99':>8}   (latencies in ms)",
     ]
@@ -264,7 +278,7 @@ def plot(reports: list[dict], path: Path) -> None:
         axis.set_xticks(x, [str(v) for v in x])
         axis.grid(alpha=0.3)
     labels = " vs ".join(r["label"] for r in reports)
-    figure.suptitle(f"{labels}: streaming chat, max_tokens {reports[0]['max_tokens']}, greedy")
+    figure.suptitle(f"{labels}: streaming {reports[0].get('api', 'chat')}, max_tokens {reports[0]['max_tokens']}, greedy")
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)

@@ -46,7 +46,22 @@ def scripted_app() -> Starlette:
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    return Starlette(routes=[Route("/v1/models", models), Route("/v1/chat/completions", chat, methods=["POST"])])
+    async def completions(request):  # as llama.cpp's server streams them: text in choices, no usage chunk
+        body = await request.json()
+        assert body["stream"] and isinstance(body["prompt"], str) and "messages" not in body
+
+        async def events():
+            await asyncio.sleep(FIRST_TOKEN_DELAY)
+            for i in range(TOKENS):
+                if i:
+                    await asyncio.sleep(TOKEN_GAP)
+                yield f"data: {json.dumps({'object': 'text_completion', 'choices': [{'index': 0, 'text': f't{i}'}]})}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return Starlette(routes=[Route("/v1/models", models), Route("/v1/chat/completions", chat, methods=["POST"]),
+                             Route("/v1/completions", completions, methods=["POST"])])
 
 
 @pytest.fixture(scope="module")
@@ -102,3 +117,14 @@ def test_bench_serve_compares_servers_side_by_side(scripted_url, tmp_path, capsy
     assert all(r["levels"][0]["output_tokens"] == 2 * TOKENS for r in reports)
     out = capsys.readouterr().out
     assert "first / second:" in out and "2 streams: output tokens/s x" in out
+
+
+def test_bench_serve_drives_plain_completions_for_base_models(scripted_url, tmp_path):
+    prefix = tmp_path / "completions"
+    assert main(["bench", "serve", "--url", scripted_url, "--api", "completions", "--concurrency", "2",
+                 "--num-requests", "2", "--max-tokens", "4", "--out", str(prefix)]) == 0
+    report = json.loads(prefix.with_suffix(".json").read_text())
+    level = report["levels"][0]
+    assert report["api"] == "completions"
+    assert (level["num_errors"], level["output_tokens"]) == (0, 2 * TOKENS)  # counted from text chunks
+    assert level["ttft_p50_s"] >= FIRST_TOKEN_DELAY and level["itl_p50_s"] >= TOKEN_GAP * 0.9
