@@ -18,6 +18,7 @@ from carpool.engine.sampler import sample
 from carpool.engine.sampling_params import SamplingParams, check_text
 from carpool.engine.scheduler import ScheduledBatch, Scheduler
 from carpool.engine.sequence import Sequence
+from carpool.engine.structured.grammars import GrammarCompiler
 from carpool.engine.tiers import BY_NAME, DEFAULT_TIER, TIER_NAMES
 from carpool.models import load_model
 
@@ -62,6 +63,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, pools.full_blocks, self.config.block_size, self.device, self.dtype,
                                   pools.window, pools.sliding_blocks)
         self.detokenizer = Detokenizer(self.tokenizer)
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
         # The n choices of a request (and its retries) share their bad words: each list is tokenized once.
         self._bad_words_token_ids = functools.lru_cache(maxsize=256)(self._spell_bad_words)
         self.seqs: dict[str, Sequence] = {}
@@ -86,6 +88,8 @@ class LLMEngine:
         self._check_vocabulary("prompt", token_ids)
         self._check_length(len(token_ids), params.max_tokens)
         bad_words = self._check_params(params)
+        if params.structured is not None:  # compiled here, so a bad grammar is the caller's 400, not the loop's
+            params = dataclasses.replace(params, structured=self.grammars.bind(params.structured))
         return EngineRequest(request_id, token_ids, params, tier, cache_salt, bad_words_token_ids=bad_words)
 
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:

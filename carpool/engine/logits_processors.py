@@ -1,5 +1,6 @@
-"""What a request's parameters do to its next-token logits before sampling: penalties, logit_bias and banned
-tokens (min_tokens, bad_words).
+"""What a request's parameters do to its next-token logits before sampling: penalties, logit_bias, banned
+tokens (min_tokens, bad_words) and the grammar of a structured output (applied last, so nothing re-allows a
+token it forbids).
 
 Each adjustment is batched over the rows that ask for it and touches nothing else: a batch whose requests use
 none of them costs one pass over their parameters and no tensor work. Python loops run over a request's own
@@ -11,6 +12,7 @@ import itertools
 import torch
 
 from carpool.engine.sequence import Sequence
+from carpool.engine.structured.masks import apply_grammar_masks
 
 
 def adjust_logits(logits: torch.Tensor, seqs: list[Sequence], end_token_ids: frozenset[int]) -> torch.Tensor:
@@ -19,7 +21,8 @@ def adjust_logits(logits: torch.Tensor, seqs: list[Sequence], end_token_ids: fro
     penalized = [row for row, seq in enumerate(seqs) if seq.params.penalized]
     biased = [row for row, seq in enumerate(seqs) if seq.params.logit_bias]
     banned = [(row, token) for row, seq in enumerate(seqs) for token in _banned_tokens(seq, end_token_ids)]
-    if not (penalized or biased or banned):
+    constrained = [row for row, seq in enumerate(seqs) if seq.params.structured]
+    if not (penalized or biased or banned or constrained):
         return logits
     logits = logits.clone()
     if penalized:
@@ -33,6 +36,8 @@ def adjust_logits(logits: torch.Tensor, seqs: list[Sequence], end_token_ids: fro
     if banned:
         rows, tokens = zip(*banned)
         logits[_long(rows, logits.device), _long(tokens, logits.device)] = float("-inf")
+    if constrained:
+        apply_grammar_masks(logits, seqs, constrained, end_token_ids)
     return logits
 
 

@@ -2,6 +2,8 @@ import math
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from carpool.engine.structured.spec import StructuredOutput
+
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value, either sign
 MAX_PENALTY = 2.0  # OpenAI's range for presence_penalty and frequency_penalty, either sign
@@ -20,6 +22,7 @@ class SamplingParams:
     stop_token_ids (and stop strings) until that many tokens are out. bad_words: a token that would complete
     one of these words (as the tokenizer spells it, with or without a leading space) is never picked.
     best_of: generate this many candidates and keep the one with the highest cumulative logprob.
+    structured: what the output must match (a JSON schema, regex, choice or grammar); None: unconstrained.
     """
 
     max_tokens: int = 16
@@ -39,6 +42,8 @@ class SamplingParams:
     min_tokens: int = 0
     bad_words: list[str] | None = None
     best_of: int = 1
+    structured: StructuredOutput | None = None
+    speculative: bool = True  # False: this request never speculates (the engine's drafter sits it out)
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -77,6 +82,10 @@ class SamplingParams:
             raise ValueError("bad_words must not be empty or blank")
         if not _is_int(self.best_of) or self.best_of < 1:
             raise ValueError(f"best_of must be a positive integer, got {self.best_of!r}")
+        if not isinstance(self.speculative, bool):
+            raise ValueError(f"speculative must be true or false, got {self.speculative!r}")
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise ValueError(f"structured must be a StructuredOutput, got {type(self.structured).__name__}")
 
     def _check_logit_bias(self) -> None:
         if not isinstance(self.logit_bias, dict) or not _token_ids(list(self.logit_bias)):

@@ -180,6 +180,10 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
+    def to_json(self) -> str:
+        """The tokenizer as a tokenizer.json text (what grammar libraries build their token tables from)."""
+        return self._tokenizer.to_str()
+
     def id_to_token(self, token_id: int) -> str:
         return self._tokenizer.id_to_token(token_id)
 

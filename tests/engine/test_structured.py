@@ -1,0 +1,95 @@
+"""Constrained decoding through the whole engine on the default model: every output matches its constraint,
+unconstrained neighbours in the batch are untouched, and a bad constraint fails at the door naming its field."""
+
+import json
+import re
+
+import pytest
+
+from carpool import SamplingParams
+from carpool.engine.structured import StructuredOutput
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+          "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0}}}
+
+
+def chat(llm, question: str) -> str:
+    return llm.chat_prompt([{"role": "user", "content": question}])
+
+
+def constrained(kind, value, **kwargs) -> SamplingParams:
+    return SamplingParams(**{"max_tokens": 40, "temperature": 0} | kwargs,
+                          structured=StructuredOutput(kind, value, "response_format"))
+
+
+def check_person(text: str) -> None:
+    person = json.loads(text)
+    assert set(person) == {"name", "age"} and isinstance(person["age"], int) and len(person["name"]) <= 12
+
+
+def test_json_schema_output_parses_and_validates_greedy_and_sampled(llm):
+    prompt = chat(llm, "Describe a person as JSON.")
+    plain = llm.generate([prompt], SamplingParams(max_tokens=40, temperature=0))[0]
+    with pytest.raises(ValueError):  # the model left to itself does not answer with this JSON
+        check_person(plain.text)
+    outs = llm.generate([prompt] * 3, [constrained("json", PERSON), constrained("json", PERSON, temperature=1.0, seed=1),
+                                       constrained("json", PERSON, temperature=1.0, seed=2)])
+    for out in outs:
+        assert out.finish_reason == "stop", out.text
+        check_person(out.text)
+
+
+def test_regex_choice_and_grammar(llm):
+    prompt = chat(llm, "What is your favourite number?")
+    regex, choice, grammar = llm.generate([prompt] * 3, [
+        constrained("regex", r"[0-9]{3}-[a-z]{2}"),
+        constrained("choice", ["red", "green", "blue"]),
+        constrained("grammar", 'start: "yes" | "no" | "maybe " NUM\nNUM: /[0-9]/'),
+    ])
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", regex.text) and regex.finish_reason == "stop"
+    assert choice.text in ("red", "green", "blue")
+    assert re.fullmatch(r"yes|no|maybe [0-9]", grammar.text)
+
+
+def test_unconstrained_rows_of_a_constrained_batch_are_unchanged(llm):
+    prompt = chat(llm, "Name a colour.")
+    alone = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0))[0]
+    mixed = llm.generate([prompt, prompt], [SamplingParams(max_tokens=12, temperature=0),
+                                            constrained("json_object", None, max_tokens=12)])
+    assert mixed[0].token_ids == alone.token_ids
+    assert mixed[1].text.startswith("{")
+
+
+def test_logprobs_are_the_models_raw_distribution(llm):
+    """As vLLM's default (raw logprobs): the sampled token's logprob is the unconstrained model's, so the
+    constrained first token's logprob equals its logprob in an unconstrained run's top list."""
+    prompt = chat(llm, "Pick a colour.")
+    out = llm.generate([prompt], constrained("choice", ["green"], logprobs=5))[0]
+    free = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0, logprobs=20))[0]
+    first = out.logprobs[0]
+    assert out.text == "green"
+    expected = free.logprobs[0].top[:5]
+    assert [token for token, _ in first.top] == [token for token, _ in expected]
+    assert [lp for _, lp in first.top] == pytest.approx([lp for _, lp in expected], abs=1e-4)
+    assert first.logprob < -1e-3  # not renormalized over the allowed tokens (that would make it 0)
+
+
+def test_max_tokens_cuts_a_constrained_output_with_length(llm):
+    out = llm.generate([chat(llm, "Describe a person as JSON.")], constrained("json", PERSON, max_tokens=3))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 3
+
+
+@pytest.mark.parametrize("kind, value, words", [
+    ("json", {"type": "object", "properties": {"a": {"not": {"type": "string"}}}}, "not"),
+    ("json", {"type": "strin"}, "strin"),
+    ("regex", "(a", "unclosed group"),
+    ("grammar", "start: foo", "foo"),
+])
+def test_bad_constraint_fails_at_the_door_naming_the_field(llm, kind, value, words):
+    with pytest.raises(ValueError, match=rf"^response_format: .*{words}"):
+        llm.engine.request("bad", [1, 2, 3], constrained(kind, value))
+
+
+def test_oversized_constraint_is_refused():
+    with pytest.raises(ValueError, match=r"^guided_regex: .* at most"):
+        StructuredOutput("regex", "a" * 70_000, "guided_regex")
