@@ -64,6 +64,20 @@ def attention_metadata(metadata: AttentionMetadata):
         _current = previous
 
 
+def decode_only_metadata(num_tokens: int) -> AttentionMetadata | None:
+    """The current step's metadata when its `num_tokens` tokens are all decodes in one group (as the model runner
+    groups them on the CPU), in the sliding group too; None otherwise. Such a step can run as one fused call."""
+
+    def one_group(meta: AttentionMetadata) -> bool:
+        groups = meta.decode_groups
+        return not meta.prefills and len(groups) == 1 and groups[0].start == 0 and groups[0].end == num_tokens
+
+    meta = _current
+    if meta is None or not one_group(meta) or (meta.sliding is not None and not one_group(meta.sliding)):
+        return None
+    return meta
+
+
 class PagedAttention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None, window: int = 0):
         super().__init__()

@@ -27,6 +27,11 @@ class Gemma3DecoderLayer(nn.Module):
         x = x + self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(x)))
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
+    def fused_norms(self) -> tuple[RMSNorm, RMSNorm, RMSNorm, RMSNorm]:
+        """Before attention, on its output, before the MLP, on its output (see DecoderLayer.fused_norms)."""
+        attention = self.input_layernorm, self.post_attention_layernorm
+        return *attention, self.pre_feedforward_layernorm, self.post_feedforward_layernorm
+
 
 class Gemma3ForCausalLM(CausalLM):
     gguf_architecture = "gemma3"

@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import carpool.kernels  # noqa: F401  (registers torch.ops.carpool)
-from carpool.models.attention import PagedAttention
+from carpool.models.attention import AttentionMetadata, PagedAttention, decode_only_metadata
 from carpool.models.config import ModelConfig
-from carpool.models.quantization import concat_rows, install_ggml_modules
+from carpool.models.quantization import GGMLLinear, concat_rows, install_ggml_modules
 
 # Rotary tables start this long and double when a position needs more, so a 32K-context model does not hold
 # 32K rows of cos/sin per rope base (64 MiB for Gemma 3's head_dim 256 in fp32) to serve short requests.
@@ -114,6 +114,14 @@ class FusedLinear(nn.Module):
         return state
 
 
+def projection_parts(module: nn.Module) -> tuple[list[torch.Tensor], list[int]]:
+    """A linear (nn.Linear, GGMLLinear or FusedLinear) as the fused decode step takes it: its weight parts in
+    output order, GGML blocks with their qtype and dense matrices with -1."""
+    modules = module.parts if isinstance(module, FusedLinear) else [module]
+    weights = [m.qweight if isinstance(m, GGMLLinear) else m.weight for m in modules]
+    return weights, [m.qtype if isinstance(m, GGMLLinear) else -1 for m in modules]
+
+
 class QKVAttention(nn.Module):
     """Grouped-query attention over the paged KV cache; optionally RMSNorm on each query and key head (Gemma 3)."""
 
@@ -182,6 +190,11 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(positions, self.input_layernorm(x))
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def fused_norms(self) -> tuple[RMSNorm, RMSNorm | None, RMSNorm, RMSNorm | None]:
+        """The norms as the fused decode step places them: before attention, on its output, before the MLP, on
+        its output (Llama has no output norms)."""
+        return self.input_layernorm, None, self.post_attention_layernorm, None
+
 
 class CausalLM(nn.Module):
     """Embedding, decoder layers, final norm, LM head. Subclasses set what differs in their architecture."""
@@ -199,6 +212,10 @@ class CausalLM(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
+        # Decode-only CPU steps run every layer in one C++ call (carpool/kernels/csrc/decode_layer.cpp) with the
+        # same kernels as the layers' forward, which stays the reference; False runs the layers one by one.
+        self.fused_decode = True
+        self._decode_stack = None  # (what it was built from, the stack): rebuilt when the weights or caches change
 
         def rotary(layer_type: str) -> RotaryEmbedding:
             local = layer_type != "full_attention"
@@ -225,9 +242,52 @@ class CausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         if self.embedding_scaled:  # in the activations' dtype, as Hugging Face rounds it
             x = x * x.new_tensor(self.config.hidden_size**0.5)
-        for layer in self.layers:
-            x = layer(positions, x)
+        fused = self.fused_decode and x.device.type == "cpu" and hasattr(self.layer_class, "fused_norms")
+        meta = decode_only_metadata(input_ids.numel()) if fused else None
+        if meta is not None:
+            x = self._fused_decode(positions, x, meta)
+        else:
+            for layer in self.layers:
+                x = layer(positions, x)
         return self.norm(x)
+
+    def _fused_decode(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        rotaries = list(self.rotaries.values())
+        group, sliding = meta.decode_groups[0], meta.sliding
+        sliding_group = sliding.decode_groups[0] if sliding is not None else None
+        return self.decode_stack().forward(
+            x, positions, [r.cos for r in rotaries], [r.sin for r in rotaries],
+            meta.slot_mapping, group.block_tables, group.context_lens,
+            None if sliding is None else sliding.slot_mapping,
+            None if sliding is None else sliding_group.block_tables,
+            None if sliding is None else sliding_group.context_lens,
+        )
+
+    def decode_stack(self):
+        """The layers' weights and KV cache views gathered once into a `torch.classes.carpool.DecodeStack`."""
+        first = self.layers[0]
+        source = (first.self_attn.attn.k_cache, first.input_layernorm.weight, first.mlp.down_proj)
+        if self._decode_stack is not None and all(a is b for a, b in zip(source, self._decode_stack[0])):
+            return self._decode_stack[1]
+        config, rotaries = self.config, list(self.rotaries.values())
+        attn = first.self_attn.attn
+        stack = torch.classes.carpool.DecodeStack(
+            config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps, attn.scale,
+            first.mlp.activation,
+        )
+        for layer in self.layers:
+            attention = layer.self_attn
+            norms = [None if norm is None else norm.weight for norm in layer.fused_norms()]
+            q_norm, k_norm = attention.q_norm, attention.k_norm
+            stack.add_layer(
+                *norms, None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
+                *projection_parts(attention.qkv_proj), attention.qkv_proj.bias,
+                *projection_parts(attention.o_proj), *projection_parts(layer.mlp.gate_up_proj),
+                *projection_parts(layer.mlp.down_proj), attention.attn.k_cache, attention.attn.v_cache,
+                next(i for i, r in enumerate(rotaries) if r is attention.rotary), attention.attn.window,
+            )
+        self._decode_stack = (source, stack)
+        return stack
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
