@@ -187,11 +187,18 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str:
         return self._tokenizer.id_to_token(token_id)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    @property
+    def supports_tools(self) -> bool:
+        """Whether the chat template renders a `tools` list (Qwen2.5's does; SmolLM2's and Gemma 3's do not)."""
+        return "tools" in (self.chat_template or "")
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
         if self._template is None:
             raise ValueError("messages: this model has no chat template; send a raw prompt instead")
         return self._template.render(
             messages=messages,
+            tools=tools,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",

@@ -8,12 +8,14 @@ Extensions are vLLM's, with vLLM's names and meanings. Text must be valid Unicod
 ("\\ud800" in the JSON) is a 400 naming the field, found in the same validation pass as every other error.
 """
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
 from carpool.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY
+from carpool.engine.structured import StructuredOutput
 from carpool.engine.tiers import LIVE_TIERS
 
 MAX_CHOICES = 128  # n (or best_of) times the number of prompts
@@ -61,6 +63,17 @@ class TextPart(Body):
     text: Text
 
 
+class FunctionCall(Body):
+    name: Text
+    arguments: Text  # a JSON object, as text
+
+
+class ToolCall(Body):
+    id: Text
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | Annotated[list[TextPart], NonEmpty] | None = None
@@ -69,15 +82,58 @@ class ChatMessage(Body):
     refusal: Unsupported = None
     annotations: Unsupported = None
     audio: Unsupported = None
-    tool_calls: Unsupported = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn's calls, sent back with their results
+    tool_call_id: Text | None = None  # the call a `tool` message answers
     function_call: Unsupported = None
-    tool_call_id: Unsupported = None
 
     @property
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
+
+
+class JsonSchema(Body):
+    name: Text = Field(max_length=64)
+    description: Text | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = Field(None, description="always enforced: the output matches the schema by construction")
+
+
+class ResponseFormat(Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+
+class StructuredOutputs(Body):
+    """vLLM's `structured_outputs`: exactly one of these."""
+
+    json_: dict | Text | None = Field(None, alias="json")
+    regex: Text | None = None
+    choice: Annotated[list[Text], NonEmpty] | None = None
+    grammar: Text | None = None
+    json_object: bool | None = None
+
+
+class FunctionDefinition(Body):
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: Text | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(Body):
+    name: Text
+
+
+class NamedToolChoice(Body):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class GenerationRequest(Body):
@@ -115,6 +171,13 @@ class GenerationRequest(Body):
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     bad_words: Annotated[list[Text], Field(max_length=MAX_BAD_WORDS)] | None = Field(
         None, description="never complete one of these words (as tokenized alone or after a space)")
+    speculative: bool | None = Field(None, description="false: no speculative decoding for this request "
+                                                       "(default: the server's --speculative-model, if any)")
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: Annotated[list[Text], NonEmpty] | None = None
+    guided_grammar: Text | None = Field(None, description="Lark, or llama.cpp's GBNF")
     # OpenAI parameters carpool does not implement.
     store: Unsupported = None
     metadata: Unsupported = None
@@ -129,6 +192,17 @@ class GenerationRequest(Body):
             raise PydanticCustomError("token_id", "keys must be token ids (decimal integers), got {keys}",
                                       {"keys": ascii(bad[:5])})
         return bias
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The one constraint the body asks for; ValueError naming the field if it asks for several or a bad one."""
+        asked = [(name, getattr(self, name)) for name in ("response_format", "structured_outputs", "guided_json",
+                                                          "guided_regex", "guided_choice", "guided_grammar")
+                 if getattr(self, name, None) is not None]
+        specs = [spec for name, value in asked if (spec := _structured(name, value)) is not None]
+        if len(specs) > 1:
+            raise ValueError(f"{specs[1].source}: only one of response_format, structured_outputs and guided_* may "
+                             f"be given, got also {specs[0].source}")
+        return specs[0] if specs else None
 
     def sampling_options(self) -> dict:
         """The SamplingParams fields the body sets as they are (max_tokens, seed, logprobs and best_of depend
@@ -147,6 +221,7 @@ class GenerationRequest(Body):
             "min_tokens": self.min_tokens or 0,
             "stop_token_ids": self.stop_token_ids,
             "bad_words": self.bad_words,
+            "speculative": self.speculative is not False,
         }
 
 
@@ -155,13 +230,13 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     # OpenAI parameters carpool does not implement.
-    tools: Unsupported = None
-    tool_choice: Unsupported = None
-    parallel_tool_calls: Unsupported = None
     functions: Unsupported = None
     function_call: Unsupported = None
-    response_format: Unsupported = None
     modalities: Unsupported = None
     audio: Unsupported = None
     prediction: Unsupported = None
@@ -195,3 +270,31 @@ class TokenizeRequest(Body):
 class DetokenizeRequest(Body):
     model: Text | None = None
     tokens: list[int]
+
+
+def _structured(name: str, value) -> StructuredOutput | None:
+    if name == "response_format":
+        if value.type == "text":
+            return None
+        if value.type == "json_object":
+            return StructuredOutput("json_object", None, name)
+        if value.json_schema is None:
+            raise ValueError("response_format: json_schema is required when type is 'json_schema'")
+        return StructuredOutput("json", value.json_schema.schema_ or {}, name)
+    if name == "structured_outputs":
+        given = {key: item for key, item in value if item is not None and item is not False}
+        if len(given) != 1:
+            raise ValueError("structured_outputs: give exactly one of json, regex, choice, grammar, json_object")
+        [(key, item)] = given.items()
+        kind = {"json_": "json", "json_object": "json_object"}.get(key, key)
+        return StructuredOutput(kind, None if kind == "json_object" else item, name)
+    if name == "guided_json" and isinstance(value, str):
+        value = _json_text(name, value)
+    return StructuredOutput(name.removeprefix("guided_"), value, name)
+
+
+def _json_text(name: str, text: str):
+    try:
+        return json.loads(text)
+    except ValueError as error:
+        raise ValueError(f"{name}: not a JSON schema ({error})") from None

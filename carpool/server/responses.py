@@ -7,6 +7,7 @@ completion logprobs carry running text offsets).
 from carpool.engine.outputs import RequestOutput
 from carpool.engine.sequence import TokenLogprob
 from carpool.server.generation import Choice, Generation
+from carpool.server.tool_calls import ToolCallParser, parse_tool_calls
 
 
 class _Format:
@@ -39,25 +40,45 @@ class _Format:
 
 
 class ChatFormat(_Format):
+    """With `parse_tools` (the request rendered tools), tool calls in the output become `tool_calls` and the
+    finish_reason "tool_calls"; a stream sends each call whole, once its closing tag is out."""
+
     response_object = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
+    def __init__(self, tokenizer, logprobs: bool, parse_tools: bool = False):
+        super().__init__(tokenizer, logprobs)
+        self.parsers: dict[int, ToolCallParser] | None = {} if parse_tools else None
+
     def choice(self, choice: Choice) -> dict:
         output = choice.last
+        message = {"role": "assistant", "content": output.text, "refusal": None}
+        finish_reason = output.finish_reason
+        if self.parsers is not None:
+            message["content"], calls = parse_tool_calls(output.text)
+            if calls:
+                message["tool_calls"], finish_reason = calls, "tool_calls"
         return {
             "index": choice.index,
-            "message": {"role": "assistant", "content": output.text, "refusal": None},
+            "message": message,
             "logprobs": self._logprobs(output.logprobs or []) if self.logprobs else None,
-            "finish_reason": output.finish_reason,
+            "finish_reason": finish_reason,
         }
 
     def chunk_choice(self, choice: Choice, output: RequestOutput, first: bool) -> dict:
-        delta = {"role": "assistant", "content": output.delta_text} if first else {"content": output.delta_text}
+        delta, finish_reason = {"content": output.delta_text}, output.finish_reason
+        if self.parsers is not None:
+            parser = self.parsers.setdefault(choice.index, ToolCallParser())
+            delta["content"], calls = parser.feed(output.text, output.finished)
+            if calls:
+                delta["tool_calls"] = calls
+            if parser.calls and output.finished:
+                finish_reason = "tool_calls"
         return {
             "index": choice.index,
-            "delta": delta,
+            "delta": {"role": "assistant"} | delta if first else delta,
             "logprobs": self._logprobs(output.delta_logprobs) if self.logprobs else None,
-            "finish_reason": output.finish_reason if output.finished else None,
+            "finish_reason": finish_reason if output.finished else None,
         }
 
     def _logprobs(self, logprobs: list[TokenLogprob]) -> dict:

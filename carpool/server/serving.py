@@ -7,6 +7,7 @@ from carpool.economics.contract import Principal
 from carpool.engine.llm_engine import ContextLengthExceeded
 from carpool.engine.request import EngineRequest
 from carpool.engine.sampling_params import SamplingParams
+from carpool.engine.structured import StructuredOutput
 from carpool.engine.tiers import BY_PRIORITY, DEFAULT_TIER
 from carpool.server.errors import APIError
 from carpool.server.generation import Backends, Choice, Generation
@@ -20,6 +21,7 @@ from carpool.server.protocol import (
     TokenizeRequest,
 )
 from carpool.server.responses import ChatFormat, CompletionFormat
+from carpool.server.tool_calls import call_grammar, template_arguments
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 
@@ -68,11 +70,15 @@ class ModelServing:
         self.model_name = backends.model_name
         self.tokenizer = backends.engine.tokenizer
 
-    def chat_prompt(self, messages: list[ChatMessage]) -> str:
+    def chat_prompt(self, messages: list[ChatMessage], tools: list[dict] | None = None) -> str:
         turns = [{"role": "system" if m.role == "developer" else m.role, "content": m.text}
-                 | ({"name": m.name} if m.name is not None else {}) for m in messages]
+                 | ({"name": m.name} if m.name is not None else {})
+                 | ({"tool_call_id": m.tool_call_id} if m.tool_call_id is not None else {})
+                 | ({"tool_calls": [{"id": c.id, "type": c.type, "function": {
+                     "name": c.function.name, "arguments": template_arguments(c.function.arguments)}}
+                     for c in m.tool_calls]} if m.tool_calls else {}) for m in messages]
         try:
-            return self.tokenizer.apply_chat_template(turns)
+            return self.tokenizer.apply_chat_template(turns, tools=tools)
         except Exception as error:  # a chat template is code run on the caller's input: its failures are theirs
             message = str(error) if str(error).startswith("messages") else f"messages: {error}"
             raise APIError(400, message, param="messages") from error
@@ -85,11 +91,44 @@ class ModelServing:
             renamed["max_tokens"] = "max_completion_tokens"
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
-        prompt_ids = self._tokenize(self.chat_prompt(request.messages), request, renamed)
+        tools, structured = self._tools(request)
+        prompt_ids = self._tokenize(self.chat_prompt(request.messages, tools), request, renamed)
         max_tokens = request.max_completion_tokens or request.max_tokens
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        gen = self._start(request, principal, [prompt_ids], max_tokens, logprobs, renamed)
-        return gen, ChatFormat(self.tokenizer, logprobs is not None)
+        gen = self._start(request, principal, [prompt_ids], max_tokens, logprobs, renamed,
+                          structured=structured or self._structured(request))
+        return gen, ChatFormat(self.tokenizer, logprobs is not None, parse_tools=tools is not None)
+
+    def _tools(self, request: ChatCompletionRequest) -> tuple[list[dict] | None, StructuredOutput | None]:
+        """The tools the chat template renders (None: no tools, or tool_choice "none") and, for tool_choice
+        "required" or a named function, the grammar that makes the output those calls."""
+        choice = request.tool_choice
+        if not request.tools:
+            if choice not in (None, "none", "auto"):
+                raise APIError(400, "tool_choice: requires tools", param="tool_choice")
+            return None, None
+        if choice == "none":
+            return None, None
+        if not self.tokenizer.supports_tools:
+            raise APIError(400, f"tools: the model {self.model_name!r} does not support tool calling (its chat "
+                                "template has no tools)", param="tools")
+        tools = [tool.model_dump(exclude_none=True) for tool in request.tools]
+        if choice is None or choice == "auto":
+            return tools, None
+        name = None if choice == "required" else choice.function.name
+        if name is not None and name not in {tool["function"]["name"] for tool in tools}:
+            raise APIError(400, f"tool_choice: no tool is named {name!r}", param="tool_choice")
+        if self._structured(request) is not None:
+            raise APIError(400, "tool_choice: a required or named tool call cannot be combined with "
+                                "response_format or structured_outputs", param="tool_choice")
+        return tools, call_grammar(tools, name, request.parallel_tool_calls is not False)
+
+    @staticmethod
+    def _structured(request: GenerationRequest) -> StructuredOutput | None:
+        try:
+            return request.structured_output()
+        except ValueError as error:
+            raise APIError.from_value_error(error, type(request).model_fields) from error
 
     def start_completion(self, request: CompletionRequest, principal: Principal) -> tuple[Generation, CompletionFormat]:
         prompt = request.prompt
@@ -107,7 +146,8 @@ class ModelServing:
         # Echo the prompt as given: its text, or the text of its token ids once the engine's door has checked them.
         echoes = prompts if request.echo else None
         max_tokens = request.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
-        gen = self._start(request, principal, prompt_ids, max_tokens, request.logprobs, {}, best_of, echoes)
+        gen = self._start(request, principal, prompt_ids, max_tokens, request.logprobs, {}, best_of, echoes,
+                          self._structured(request))
         return gen, CompletionFormat(self.tokenizer, request.logprobs is not None)
 
     def _tokenize(self, prompt: str | list[int], request: GenerationRequest, renamed=None) -> list[int]:
@@ -118,7 +158,7 @@ class ModelServing:
 
     def _start(self, request: GenerationRequest, principal: Principal, prompts: list[list[int]],
                max_tokens: int | None, logprobs: int | None, renamed: dict, best_of: int | None = None,
-               echoes: list[str | list[int]] | None = None) -> Generation:
+               echoes: list[str | list[int]] | None = None, structured: StructuredOutput | None = None) -> Generation:
         """Each prompt runs best_of (default n) candidates; with best_of > n the n best of each are returned."""
         tier = requested_tier(request)
         n = request.n or 1
@@ -135,7 +175,7 @@ class ModelServing:
             echo = ""
             for j in range(candidates):
                 params = self._params(request, prompt_ids, max_tokens, logprobs, j, renamed,
-                                      best_of=candidates if candidates > n else 1)
+                                      best_of=candidates if candidates > n else 1, structured=structured)
                 engine_request = self._engine_request(request, f"{request_id}-{len(choices)}", prompt_ids, params,
                                                       tier, cache_salt, renamed)
                 if echoes and j == 0:  # token ids are decoded only once the door has found them in the vocabulary
@@ -167,7 +207,8 @@ class ModelServing:
         return None
 
     def _params(self, request: GenerationRequest, prompt_ids: list[int], max_tokens: int | None,
-                logprobs: int | None, choice: int, renamed: dict, best_of: int = 1) -> SamplingParams:
+                logprobs: int | None, choice: int, renamed: dict, best_of: int = 1,
+                structured: StructuredOutput | None = None) -> SamplingParams:
         try:
             return SamplingParams(
                 # Chat without max_tokens may use the rest of the context window, as OpenAI's does.
@@ -176,6 +217,7 @@ class ModelServing:
                 seed=None if request.seed is None else request.seed + choice,
                 logprobs=logprobs,
                 best_of=best_of,
+                structured=structured,
                 **request.sampling_options(),
             )
         except ValueError as error:

@@ -111,12 +111,8 @@ def test_bad_values_are_400_naming_the_parameter(client, model, kwargs, param):
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
-        ({"tool_choice": "required"}, "tool_choice"),
-        ({"parallel_tool_calls": True}, "parallel_tool_calls"),
         ({"functions": [{"name": "f"}]}, "functions"),
         ({"function_call": "auto"}, "function_call"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"modalities": ["text", "audio"]}, "modalities"),
         ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
         ({"prediction": {"type": "content", "content": "Paris"}}, "prediction"),
@@ -136,10 +132,10 @@ def test_unsupported_parameters_asking_for_nothing_are_accepted(client, model):
     reply = client.chat.completions.create(model=model, max_tokens=1, messages=history, tools=[],
                                            response_format={"type": "text"}, store=False, modalities=["text"])
     assert reply.choices[0].message.content is not None
-    history[1]["tool_calls"] = [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    history[1]["function_call"] = {"name": "f", "arguments": "{}"}
     with pytest.raises(openai.BadRequestError) as raised:
         client.chat.completions.create(model=model, max_tokens=1, messages=history)
-    assert raised.value.body["message"].startswith("messages[1].tool_calls: not supported")
+    assert raised.value.body["message"].startswith("messages[1].function_call: not supported")
 
 
 def test_unknown_parameters_are_400_naming_them(client, model):

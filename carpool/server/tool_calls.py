@@ -1,0 +1,108 @@
+"""Tool calling in the chat format of Qwen2.5 (and Hermes-style templates): the model writes each call as
+`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, which becomes an OpenAI `tool_calls` entry.
+
+`tool_choice` "required" or a named function constrains the output with a grammar of exactly such blocks, whose
+JSON is each function's own schema: the arguments always parse and validate. "auto" parses what the model
+chooses to write; "none" renders no tools and parses nothing.
+"""
+
+import json
+import uuid
+
+from carpool.engine.structured import StructuredOutput
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+
+def call_grammar(tools: list[dict], name: str | None, parallel: bool) -> StructuredOutput:
+    """One call (of the function `name`, or of any tool), or with `parallel` one or more, and nothing else."""
+    functions = [tool["function"] for tool in tools if name is None or tool["function"]["name"] == name]
+    calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+              "properties": {"name": {"const": f["name"]},
+                             "arguments": f.get("parameters") or {"type": "object", "properties": {}}}}
+             for f in functions]
+    schema = json.dumps(calls[0] if len(calls) == 1 else {"anyOf": calls})
+    repeat = ' ("\\n" call)*' if parallel else ""
+    # The tags are single tokens in Qwen's vocabulary, named as tokens: llguidance treats every added token as
+    # special, so the tag spelled as a "string" is matched by the token's text but not accepted by the parser.
+    lark = f'start: call{repeat}\ncall: {OPEN} "\\n" %json {schema} "\\n" {CLOSE}\n'
+    return StructuredOutput("grammar", lark, "tools")
+
+
+class ToolCallParser:
+    """Splits one choice's output text into content and complete tool calls, as the text grows: `feed(text)`
+    with the whole text so far returns what is new since the last feed. A call still being written (or the start
+    of an OPEN tag) is held back until it completes; at the end, whatever never became a call is content."""
+
+    def __init__(self):
+        self.cursor = 0  # text before this is sent, as content or calls
+        self.pending = ""  # whitespace content held until something follows it (none is sent between calls)
+        self.calls: list[dict] = []
+
+    def feed(self, text: str, finished: bool) -> tuple[str, list[dict]]:
+        content, calls = "", []
+        while True:
+            start = text.find(OPEN, self.cursor)
+            if start < 0:
+                end = len(text) if finished else _held_back(text, self.cursor)
+                content += self._content(text[self.cursor:end], finished)
+                self.cursor = end
+                return content, calls
+            content += self._content(text[self.cursor:start], False)
+            close = text.find(CLOSE, start)
+            if close < 0:
+                if finished:
+                    content += self._content(text[start:], True)
+                    self.cursor = len(text)
+                return content, calls
+            call = _parse_call(text[start + len(OPEN):close], len(self.calls))
+            if call is None:
+                content += self._content(text[start:close + len(CLOSE)], False)
+            else:
+                self.calls.append(call)
+                calls.append(call)
+                self.pending = ""
+            self.cursor = close + len(CLOSE)
+
+    def _content(self, text: str, finished: bool) -> str:
+        text = self.pending + text
+        if not text.strip():
+            self.pending = "" if finished else text
+            return ""
+        self.pending = ""
+        return text.strip() if self.calls else text
+
+
+def _held_back(text: str, cursor: int) -> int:
+    """Where sendable text ends: before a suffix that could be the start of an OPEN tag."""
+    for size in range(min(len(OPEN) - 1, len(text) - cursor), 0, -1):
+        if OPEN.startswith(text[len(text) - size:]):
+            return len(text) - size
+    return len(text)
+
+
+def _parse_call(body: str, index: int) -> dict | None:
+    try:
+        call = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return None
+    arguments = call.get("arguments", call.get("parameters", {}))
+    return {"index": index, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": call["name"], "arguments": json.dumps(arguments, ensure_ascii=False)}}
+
+
+def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
+    """A whole output's content (None when it is only calls) and its calls, without the stream's `index`."""
+    content, calls = ToolCallParser().feed(text, finished=True)
+    return (content.strip() or None) if calls else text, [{k: v for k, v in c.items() if k != "index"} for c in calls]
+
+
+def template_arguments(arguments: str):
+    """A call's arguments as the chat template wants them (Qwen's prints them with `tojson`): the JSON object,
+    or the text as it is when it is not JSON."""
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
