@@ -25,6 +25,7 @@ from carpool.engine.outputs import RequestOutput
 from carpool.engine.request import EngineRequest
 from carpool.engine.sampling_params import SamplingParams
 from carpool.engine.tiers import DEFAULT_TIER
+from carpool.engine.warmup import warm_up
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,8 @@ class EngineLoop:
 
     def _loop(self) -> None:
         try:
+            for engine in self._engines:  # before any command: requests sent meanwhile wait in the queue
+                engine._warm_up()
             while not self._stopped.is_set():
                 if not any(engine.engine.has_unfinished_requests() for engine in self._engines):
                     try:  # idle: sleep until something arrives; the timeout lets signals reach a main thread
@@ -124,7 +127,7 @@ class EngineLoop:
 
 class AsyncEngine:
     def __init__(self, config: EngineConfig | None = None, engine: LLMEngine | None = None,
-                 engine_loop: EngineLoop | None = None):
+                 engine_loop: EngineLoop | None = None, warmup: bool = False):
         self.engine = engine or LLMEngine(config or EngineConfig())
         self.config = self.engine.config
         self.tokenizer = self.engine.tokenizer
@@ -134,6 +137,12 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._step_listeners: list[Callable[[StepStats | None, list[RequestOutput]], None]] = []
         self.error: BaseException | None = None
+        # warmup: run every step shape once on the engine thread (carpool.engine.warmup) before serving; until
+        # then `ready` is clear and requests wait in the command queue.
+        self.warmup = warmup
+        self.ready = threading.Event()
+        if not warmup:
+            self.ready.set()
 
     # Lifecycle: that of the engine loop, shared with the other engines on it ------------------------------
 
@@ -203,6 +212,11 @@ class AsyncEngine:
         )
 
     # The engine thread -------------------------------------------------------------------------------
+
+    def _warm_up(self) -> None:
+        if not self.ready.is_set():
+            warm_up(self.engine)
+            self.ready.set()
 
     def _deliver(self, items: list[tuple[str, object]]) -> None:
         """(request id, output or error) pairs to their streams, one hand-off per event loop: a step's outputs

@@ -104,10 +104,12 @@ def create_app(
 
     @app.get("/health")
     def health() -> Response:
-        """Ok only while every model's engine runs and the gate works (its ledger can write)."""
+        """Ok only while every model's engine runs, warmed up, and the gate works (its ledger can write)."""
         stopped = [f"{name!r}: {engine.error!r}" for name, engine in engines.items() if engine.error is not None]
         if stopped:
             return JSONResponse(error_body(503, f"The engine stopped: {'; '.join(stopped)}"), 503)
+        if warming := [name for name, engine in engines.items() if not engine.ready.is_set()]:
+            return JSONResponse({"status": "warming", "models": warming}, 503)
         if (problem := gate.health()) is not None:
             return JSONResponse(error_body(503, f"Billable requests are refused: {problem}"), 503)
         return JSONResponse({"status": "ok"})

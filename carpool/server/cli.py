@@ -42,6 +42,9 @@ def add_serve_parser(subparsers) -> None:
     parser.add_argument("--batch-dir", default=None,
                         help="where batches and files live, for this --db only (default: $CARPOOL_BATCH_DIR, else "
                              "<db>.batches beside the database)")
+    parser.add_argument("--no-warmup", action="store_true",
+                        help="serve at once instead of first running every step shape once (/health says "
+                             "\"warming\" until then; without it the first requests pay for the cold start)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                         help="server log verbosity (default: info)")
     add_gate_args(parser)
@@ -125,7 +128,8 @@ def serve(args: argparse.Namespace, configs: dict) -> int:
     # One loop steps every model's engine, on this (the main) thread: see AsyncEngine for why. The models load
     # before the port opens, so /health answers only when all are ready.
     engine_loop = EngineLoop()
-    engines = {name: AsyncEngine(config, engine_loop=engine_loop) for name, config in configs.items()}
+    engines = {name: AsyncEngine(config, engine_loop=engine_loop, warmup=not args.no_warmup)
+               for name, config in configs.items()}
     app = create_app(
         engines,
         ledger or OpenGate(args.api_key),

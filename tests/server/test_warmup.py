@@ -1,0 +1,111 @@
+"""Warm start: /health says "warming" (503) until every step shape has run once on the engine thread, requests
+sent meanwhile wait and then run, and the warm-up leaves no trace in the engine or its metrics."""
+
+import threading
+import time
+
+import httpx
+import pytest
+
+import carpool.engine.async_engine as async_engine
+from carpool.engine.async_engine import AsyncEngine
+from carpool.engine.warmup import decode_batch_sizes, warm_up
+from carpool.server.app import create_app
+
+
+@pytest.fixture
+def held_warmup(monkeypatch):
+    """A warm-up that lasts until the test releases it (what it runs is the last test's business)."""
+    release, started = threading.Event(), threading.Event()
+
+    def held(engine):
+        started.set()
+        assert release.wait(60)
+
+    monkeypatch.setattr(async_engine, "warm_up", held)
+    return started, release
+
+
+def test_health_is_warming_until_the_warmup_ends_and_requests_wait_for_it(llm, held_warmup):
+    started, release = held_warmup
+    engine = AsyncEngine(engine=llm.engine, warmup=True)
+    app = create_app(engine, model_name="tiny")
+    with ServedApp(app) as client:
+        assert started.wait(60)
+        warming = client.get("/health")
+        assert (warming.status_code, warming.json()) == (503, {"status": "warming", "models": ["tiny"]})
+        answer: dict = {}
+        sender = threading.Thread(target=lambda: answer.update(response=client.post(
+            "/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 2})))
+        sender.start()
+        time.sleep(0.5)
+        assert sender.is_alive(), "a request sent during the warm-up must wait for it"
+        release.set()
+        sender.join(60)
+        assert answer["response"].status_code == 200
+        assert answer["response"].json()["usage"]["completion_tokens"] == 2
+        assert client.get("/health").json() == {"status": "ok"}
+
+
+def test_without_warmup_health_is_ready_at_once(llm, held_warmup):
+    started, _ = held_warmup
+    app = create_app(AsyncEngine(engine=llm.engine), model_name="tiny")
+    with ServedApp(app) as client:
+        assert client.get("/health").status_code == 200
+    assert not started.is_set()
+
+
+def test_warmup_runs_every_decode_batch_size_and_a_full_budget_prefill_then_leaves_nothing(llm):
+    engine = llm.engine
+    shapes = []
+    real_step = engine.step
+
+    def recording_step():
+        outputs = real_step()
+        shapes.append((engine.last_step.num_seqs, engine.last_step.num_prefill_tokens))
+        return outputs
+
+    engine.step = recording_step
+    try:
+        report = warm_up(engine)
+    finally:
+        del engine.step
+    decode_sizes = {seqs for seqs, prefill in shapes if prefill == 0}
+    assert set(decode_batch_sizes(engine.config.max_num_seqs)) <= decode_sizes
+    assert max(prefill for _, prefill in shapes) == engine.config.max_num_batched_tokens
+    assert report.steps == len(shapes)
+    assert not engine.has_unfinished_requests() and not engine.seqs
+    assert engine.block_manager.usage() == 0
+
+
+def test_decode_batch_sizes_cover_up_to_the_slot_count():
+    assert decode_batch_sizes(1) == [1]
+    assert decode_batch_sizes(8) == [1, 2, 4, 8]
+    assert decode_batch_sizes(12) == [1, 2, 4, 8, 12]
+
+
+class ServedApp:
+    """The app served by uvicorn on a loopback port in a thread (lifespan included), with an httpx client."""
+
+    def __init__(self, app):
+        import uvicorn
+
+        from live_server import free_port
+
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> httpx.Client:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        self.client = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=60)
+        return self.client
+
+    def __exit__(self, *exc):
+        self.client.close()
+        self.server.should_exit = True
+        self.thread.join(30)
