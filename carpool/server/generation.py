@@ -68,6 +68,9 @@ class Generation:
         # Only a stream reads outputs one by one; a whole response is built from each choice's last output.
         self._events: asyncio.Queue | None = asyncio.Queue() if streaming else None
         self._open = len(choices)
+        structured = choices[0].request.params.structured if choices else None
+        if structured is not None:  # counted once per request, whatever its n
+            self.metrics.on_structured("tools" if structured.source == "tools" else structured.kind)
         self._tasks = []
         for choice in choices:
             task = asyncio.create_task(self._run(backends.engine, choice))

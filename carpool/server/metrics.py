@@ -57,6 +57,9 @@ class ServerMetrics:
         self.request_success = counter("request_success", "Finished requests by finish reason.",
                                        tiered + ["finished_reason"])
         self.preemptions = counter("num_preemptions", "Sequences preempted (to be recomputed).", model)
+        self.structured_requests = counter("structured_requests", "Requests whose output a grammar constrains, by "
+                                           "kind (json, json_object, regex, choice, grammar, tools).",
+                                           ["model_name", "kind"])
         self.running = gauge("num_requests_running", "Sequences in the running batch.")
         self.waiting = gauge("num_requests_waiting", "Sequences waiting to be scheduled.")
         self.kv_usage = gauge("kv_cache_usage_perc", "Share of KV blocks held by live sequences (0 to 1).")
@@ -122,6 +125,9 @@ class Metrics:
         self.prefix_hits.inc(output.num_cached_tokens)
         self._prefix_totals[0] += output.num_prompt_tokens
         self._prefix_totals[1] += output.num_cached_tokens
+
+    def on_structured(self, kind: str) -> None:
+        self.families.structured_requests.labels(self.model_name, kind).inc()
 
     def on_tokens(self, tier: str, count: int) -> None:
         self.families.generation_tokens.labels(self.model_name, tier).inc(count)

@@ -7,9 +7,11 @@ import re
 import sys
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 from live_server import LiveServer
+from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel, Field
 
 sys.path.insert(0, str(Path(__file__).parent / "batch"))
@@ -158,3 +160,18 @@ def test_a_batch_line_with_response_format(client):
     assert batch.status == "completed", batch
     for line in result_lines(client, batch.output_file_id):
         Person.model_validate_json(line["response"]["body"]["choices"][0]["message"]["content"])
+
+
+def structured_count(server, model: str, kind: str) -> float:
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == "carpool:structured_requests_total"
+               and sample.labels == {"model_name": model, "kind": kind})
+
+
+def test_metrics_count_constrained_requests_once_each(server, client):
+    before = {kind: structured_count(server, SMOL, kind) for kind in ("choice", "json")}
+    client.chat.completions.create(model=SMOL, messages=ASK, max_tokens=2, n=2, extra_body={"guided_choice": ["a"]})
+    client.chat.completions.create(model=SMOL, messages=ASK, max_tokens=2)
+    assert structured_count(server, SMOL, "choice") == before["choice"] + 1
+    assert structured_count(server, SMOL, "json") == before["json"]
