@@ -18,12 +18,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from carpool.economics.contract import GateError, Principal, UsageRecord
 from carpool.economics.db import check_database, connect, default_db_path
-from carpool.economics.keys import ANONYMOUS, ApiKey, find_key, has_keys, lookup_key
+from carpool.economics.keys import ANONYMOUS, ApiKey, find_key, has_keys, list_keys, lookup_key
 from carpool.economics.ledger import RETRY_SECONDS, LedgerWriter
 from carpool.economics.prices import PriceSheet, PriceSheetError, load_price_sheet
 from carpool.economics.rate_limit import RateLimiter, RateLimitExceeded
 from carpool.economics.reports import UsageSummary, usage_summary
-from carpool.economics.spend import SpendTracker
+from carpool.economics.spend import PERIODS, SpendTracker
 
 
 class LedgerGate:
@@ -127,6 +127,15 @@ class LedgerGate:
                         "requests are refused)", registry=registry)
         healthy.set_function(lambda: float(self._writer.problem is None))
         return self._cost_counter
+
+    def key_spend(self) -> list[tuple[ApiKey, dict[str, float]]]:
+        """Every key not revoked, with what it spent so far this UTC day and month: the figures admission holds
+        budgets to (in memory, no ledger query)."""
+        now = self.clock()
+        with self._conn_lock:
+            keys = list_keys(self._conn)
+        return [(key, {period: self._spend.spent(key.key_id, period, now) for period in PERIODS})
+                for key in keys if key.revoked is None]
 
     def usage(self, group_by: str, start: float | None = None, end: float | None = None) -> list[UsageSummary]:
         """The usage report over [start, end), rows recorded so far included."""

@@ -3,7 +3,7 @@
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Annotated
 
@@ -15,10 +15,11 @@ from starlette.background import BackgroundTask
 from carpool.economics.contract import Gate, GateError, Principal
 from carpool.engine.async_engine import AsyncEngine
 from carpool.server import limits
-from carpool.server.admission import TierQueues
+from carpool.server.admission import TierQueues, register_queue_metrics
 from carpool.server.auth import Authenticate, request_principal
 from carpool.server.batch.service import BatchService
 from carpool.server.body_limit import BodyLimit
+from carpool.server.dashboard import dashboard_router
 from carpool.server.errors import APIError, error_body, install_error_handlers
 from carpool.server.gate import OpenGate
 from carpool.server.generation import Backends, Generation, GenerationFailed
@@ -41,9 +42,11 @@ def create_app(
     max_queued_per_tier: int = limits.MAX_QUEUED_PER_TIER,
     max_body_bytes: int = limits.MAX_BODY_BYTES,
     batch_dir: str | None = None,
+    ledger_panels: Callable[[], dict] | None = None,
 ) -> FastAPI:
     """`engines`: one engine, served as `model_name`, or {served name: engine} for several models, each with its
-    own tier queues (a flood on one model does not 429 another)."""
+    own tier queues (a flood on one model does not 429 another). `ledger_panels`: the ledger's part of
+    /dashboard (carpool.economics.dashboard), which then needs an admin key."""
     engines = {model_name: engines} if isinstance(engines, AsyncEngine) else engines
     gate = gate or OpenGate()
     metrics = ServerMetrics(list(engines))
@@ -52,6 +55,7 @@ def create_app(
         engine.add_step_listener(metrics.models[name].on_step)
         backends.append(Backends(engine, gate, metrics.models[name], TierQueues(max_queued_per_tier), name))
     serving = Serving(backends)
+    register_queue_metrics(metrics.registry, {backend.model_name: backend.queues for backend in backends})
     batches = BatchService(serving, gate, batch_dir) if batch_dir else None  # the Batch API, if given a home
     started = int(time.time())
 
@@ -76,6 +80,7 @@ def create_app(
     app.add_middleware(RequestId)  # outermost: every response carries x-request-id, a 401 or 413 too
     if batches:
         app.include_router(batches.router)
+    app.include_router(dashboard_router(engines, metrics, time.time(), batches, ledger_panels))
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request, caller: Caller):

@@ -1,7 +1,7 @@
 """The gate's first question, asked before a request body is even read: who is calling? (401 if nobody known.)
 
-Only /health and /metrics answer without a key. The API's schema and its pages (/openapi.json, /docs, /redoc)
-need one whenever the gate does: they are open exactly when the API is.
+Only /health, /metrics and the dashboard's page (not its data) answer without a key. The API's schema and its
+pages (/openapi.json, /docs, /redoc) need one whenever the gate does: they are open exactly when the API is.
 """
 
 from starlette.requests import Request
@@ -10,7 +10,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from carpool.economics.contract import Gate, GateError, Principal
 from carpool.server.errors import APIError, error_response
 
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+# The dashboard's page and script hold no data: its data endpoint needs a key like the rest.
+OPEN_PATHS = frozenset({"/health", "/metrics", "/dashboard", "/dashboard/dashboard.js"})
 
 
 class Authenticate:

@@ -108,6 +108,7 @@ def _values_per_model(args: argparse.Namespace, dest: str, broadcast: bool, num_
 def serve(args: argparse.Namespace, configs: dict) -> int:
     import uvicorn
 
+    from carpool.economics.dashboard import ledger_panels
     from carpool.economics.db import default_db_path
     from carpool.economics.gate import open_ledger_gate
     from carpool.economics.phase_meter import PhaseMeter, register_phase_metrics
@@ -136,6 +137,7 @@ def serve(args: argparse.Namespace, configs: dict) -> int:
         max_queued_per_tier=args.max_queued_per_tier,
         max_body_bytes=args.max_body_bytes,
         batch_dir=str(batch_dir),
+        ledger_panels=ledger_panels(ledger) if ledger else None,
     )
     registry = app.state.metrics.registry
     phases = {name: PhaseMeter() for name in engines}
