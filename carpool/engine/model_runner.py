@@ -52,10 +52,10 @@ class ModelRunner:
     def kv_bytes_per_block(config, block_size: int, dtype: torch.dtype = torch.float32) -> int:
         return config.num_layers * 2 * block_size * config.num_kv_heads * config.head_dim * dtype.itemsize
 
-    def _slots(self, table: list[int], start: int, end: int) -> torch.Tensor:
-        positions = torch.arange(start, end)
-        table = torch.tensor(table, dtype=torch.long)
-        return table[positions // self.block_size] * self.block_size + positions % self.block_size
+    def _slots(self, table: list[int], start: int, end: int) -> list[int]:
+        # Python ints: a decode's one slot cost 5 tensor ops (arange, tensor, index...) as tensors.
+        size = self.block_size
+        return [table[p // size] * size + p % size for p in range(start, end)]
 
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor | None, list[Sequence]]:
         """Forward the batch; returns logits [n, vocab] for the sequences that reached their last token."""
@@ -95,7 +95,7 @@ class ModelRunner:
         slots, decode_seqs, prefills = [], [], []
         for seq, offset, n in runs:
             start = seq.num_computed_tokens
-            slots.append(self._slots(table_of(seq), start, start + n))
+            slots.extend(self._slots(table_of(seq), start, start + n))
             if n == 1:
                 decode_seqs.append(seq)
                 continue
@@ -107,7 +107,8 @@ class ModelRunner:
                 context -= skipped * self.block_size
             prefills.append(PrefillSegment(offset, offset + n, context, blocks))
         return AttentionMetadata(
-            slot_mapping=torch.cat(slots).to(self.device), decode_groups=self._decode_groups(decode_seqs, table_of),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+            decode_groups=self._decode_groups(decode_seqs, table_of),
             prefills=prefills,
         )
 
@@ -125,10 +126,10 @@ class ModelRunner:
         return groups
 
     def _decode_tables(self, seqs: list[Sequence], table_of) -> tuple[torch.Tensor, torch.Tensor]:
-        lengths = torch.tensor([s.num_computed_tokens + 1 for s in seqs])
-        max_blocks = cdiv(int(lengths.max()), self.block_size)
-        tables = torch.zeros(len(seqs), max_blocks, dtype=torch.long)
-        for row, seq in enumerate(seqs):
-            table = table_of(seq)[:max_blocks]
-            tables[row, : len(table)] = torch.tensor(table, dtype=torch.long)
-        return tables.to(self.device), lengths.to(self.device)
+        # Padded as Python lists, then one tensor each (not a tensor op per sequence): this runs every step.
+        lengths = [s.num_computed_tokens + 1 for s in seqs]
+        max_blocks = cdiv(max(lengths), self.block_size)
+        tables = [table_of(seq)[:max_blocks] for seq in seqs]
+        tables = [table + [0] * (max_blocks - len(table)) for table in tables]
+        return (torch.tensor(tables, dtype=torch.long, device=self.device),
+                torch.tensor(lengths, dtype=torch.long, device=self.device))
