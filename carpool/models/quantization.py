@@ -26,6 +26,11 @@ GGML_TYPES = {
     "q8_0": gguf.GGMLQuantizationType.Q8_0,
 }
 QUANTIZATION_MODES = ("auto", "none", *GGML_TYPES)
+# How the block kernels multiply (torch.ops.carpool.set_matmul_mode): "exact" dequantizes every weight and
+# dots it with the activations as they are (bit-faithful to gguf-py's values); "int8-dot" quantizes each activation
+# row to int8 (per 32 values, or per 256 for K-quants) and runs integer dot products when a call has at most
+# int8_dot_max_rows() rows (decode), what llama.cpp does: 2-3x faster at batch 1, ~1% error per linear.
+MATMUL_MODES = ("exact", "int8-dot")
 # Every format torch.ops.carpool.ggml_linear / ggml_dequantize run from a GGUF file's own blocks.
 KERNEL_TYPES = frozenset(
     {
@@ -61,6 +66,13 @@ class GGMLWeight:
     def quantize(cls, weight: torch.Tensor, qtype: gguf.GGMLQuantizationType) -> "GGMLWeight":
         array = weight.detach().float().cpu().numpy()
         return cls(qtype, torch.from_numpy(np.ascontiguousarray(gguf.quants.quantize(array, qtype))))
+
+
+def set_matmul_mode(matmul: str) -> None:
+    """Make the calling thread's block-format linear layers run `matmul` (one of MATMUL_MODES)."""
+    if matmul not in MATMUL_MODES:
+        raise ValueError(f"matmul must be one of {MATMUL_MODES}, got {matmul!r}")
+    torch.ops.carpool.set_matmul_mode(MATMUL_MODES.index(matmul))
 
 
 def quantizable(shape, qtype: gguf.GGMLQuantizationType) -> bool:

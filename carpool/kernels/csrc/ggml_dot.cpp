@@ -1,0 +1,383 @@
+// The int8-dot path of ggml_linear (ggml_dot.h). Per weight block, with x quantized as q_x * d_x:
+//   Q8_0  d d_x sum(q q_x)                      Q4_0, Q5_0  d d_x sum((q - 8 or 16) q_x)
+//   Q4_1  d d_x sum(q q_x) + m d_x sum(q_x)
+//   Q4_K, Q5_K  d d_x sum_j sc_j sum(q q_x) - dmin d_x sum_j m_j sum_j(q_x)   (8 sub-blocks j of 32)
+//   Q6_K  d d_x (sum_s sc_s sum(q q_x) - 32 sum_s sc_s sum_s(q_x))           (16 sub-blocks s of 16)
+// The sums over sub-blocks stay in int32 (at most 2^29 for Q6_K's int8 scales), so each block costs one float
+// multiply-add per activation row. Weights are unpacked once per block and dotted with every activation row.
+//
+// AVX-512 and AVX2 share 256-bit code: u8 x s8 products summed in fours by VNNI's vpdpbusd (AVX2: vpmaddubsw +
+// vpmaddwd), int16 x scale pairs by vpdpwssd (AVX2: vpmaddwd + add). The signed formats use abs(w) and x with w's
+// sign, as u8 x s8 needs. The portable build computes the same integer sums in plain loops.
+#include "ggml_dot.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "ggml_blocks.h"
+#include "vec.h"
+
+namespace carpool::ggml {
+
+namespace {
+
+thread_local MatmulMode current_mode = MatmulMode::kExact;
+
+// x rows quantized to int8: q [M, K], a scale per `block` values, sums of q per 16 values.
+struct Int8Rows {
+  int64_t K = 0, block = 0;
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<int16_t> sums;
+
+  const int8_t* q_row(int64_t m) const { return q.data() + m * K; }
+  const float* d_row(int64_t m) const { return d.data() + m * (K / block); }
+  const int16_t* sums_row(int64_t m) const { return sums.data() + m * (K / 16); }
+};
+
+// Symmetric int8 per `block` values: d = max|x| / 127, q = round-half-even(x * (1 / d)) (0 where the block is 0).
+Int8Rows quantize_rows(const float* x, int64_t M, int64_t K, int64_t block) {
+  Int8Rows out;
+  out.K = K;
+  out.block = block;
+  out.q.resize(M * K);
+  out.d.resize(M * K / block);
+  out.sums.resize(M * K / 16);
+  for (int64_t b = 0; b < M * K / block; ++b) {
+    const float* xb = x + b * block;
+    int8_t* qb = out.q.data() + b * block;
+    float amax = 0.0f;
+    for (int64_t i = 0; i < block; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    const float d = amax / 127.0f, inverse = d != 0.0f ? 1.0f / d : 0.0f;
+    out.d[b] = d;
+    for (int64_t i = 0; i < block; ++i) qb[i] = static_cast<int8_t>(std::nearbyint(xb[i] * inverse));
+  }
+  for (int64_t s = 0; s < M * K / 16; ++s) {
+    int sum = 0;
+    for (int i = 0; i < 16; ++i) sum += out.q[s * 16 + i];
+    out.sums[s] = static_cast<int16_t>(sum);
+  }
+  return out;
+}
+
+// Q4_K / Q5_K sub-block scales and minimums, 6 bits each in 12 bytes, as 8 + 8 bytes.
+inline void k_scales_mins(const uint8_t* packed, uint8_t* scales, uint8_t* mins) {
+  for (int j = 0; j < 8; ++j) {
+    int scale, min;
+    k_scale_min(packed, j, scale, min);
+    scales[j] = static_cast<uint8_t>(scale);
+    mins[j] = static_cast<uint8_t>(min);
+  }
+}
+
+// sum_j mins[j] * (sums of x sub-block j): the minimums' share of a Q4_K / Q5_K block.
+inline int k_min_sum(const uint8_t* mins, const int16_t* sums) {
+  int total = 0;
+  for (int j = 0; j < 8; ++j) total += mins[j] * (sums[2 * j] + sums[2 * j + 1]);
+  return total;
+}
+
+// sum_s scales[s] * (sums of x sub-block s): Q6_K's offset of 32 times this.
+inline int q6_offset_sum(const int8_t* scales, const int16_t* sums) {
+  int total = 0;
+  for (int s = 0; s < 16; ++s) total += scales[s] * sums[s];
+  return total;
+}
+
+#ifdef CARPOOL_SIMD
+
+inline __m256i load256(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline __m256i bytes(int8_t v) { return _mm256_set1_epi8(v); }
+
+// acc + sums of four u8 x s8 products per int32 lane.
+inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
+#ifdef __AVX512VNNI__
+  return _mm256_dpbusd_epi32(acc, u, s);
+#else  // pairs fit int16: |u| <= 128 and |s| <= 127 here, so vpmaddubsw never saturates
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+// acc + sums of two int16 x int16 products per int32 lane.
+inline __m256i dot_i16(__m256i acc, __m256i a, __m256i b) {
+#ifdef __AVX512VNNI__
+  return _mm256_dpwssd_epi32(acc, a, b);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
+// Signed weights: |w| as u8 and x with w's sign.
+inline __m256i dot_s8s8(__m256i acc, __m256i w, __m256i x) {
+  return dot_u8s8(acc, _mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
+}
+// 16 bytes of nibbles -> 32 values: low nibbles (weights 0-15), then high nibbles (16-31).
+inline __m256i nibbles32(const uint8_t* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), bytes(0x0F));
+}
+// Byte i = 0x10 where bit i of the 32 bits is set (Q5_0's fifth bits).
+inline __m256i fifth_bits(const uint8_t* p) {
+  uint32_t bits;
+  std::memcpy(&bits, p, 4);
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(bits)),
+      _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+  const __m256i mask = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, mask), mask), bytes(0x10));
+}
+inline float hsum(__m256 v) { return carpool::reduce_add(v); }
+
+template <int64_t QT, int MR>
+void dot_block_rows(const uint8_t* row, const Int8Rows& x, int64_t m0, float* out) {
+  const int64_t blocks = x.K / Format<QT>::kWeights;
+  const int8_t* xq[MR];
+  const float* xd[MR];
+  const int16_t* xs[MR];
+  for (int i = 0; i < MR; ++i) {
+    xq[i] = x.q_row(m0 + i);
+    xd[i] = x.d_row(m0 + i);
+    xs[i] = x.sums_row(m0 + i);
+  }
+  __m256 acc[MR];
+  float extra[MR];
+  for (int i = 0; i < MR; ++i) {
+    acc[i] = _mm256_setzero_ps();
+    extra[i] = 0.0f;
+  }
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* p = row + b * Format<QT>::kBytes;
+    const int64_t k0 = b * Format<QT>::kWeights;
+    if constexpr (QT == kQ8_0 || QT == kQ4_0 || QT == kQ5_0) {
+      const float d = half_to_float(p);
+      __m256i w;
+      if constexpr (QT == kQ8_0) w = load256(p + 2);
+      if constexpr (QT == kQ4_0) w = _mm256_sub_epi8(nibbles32(p + 2), bytes(8));
+      if constexpr (QT == kQ5_0) w = _mm256_sub_epi8(_mm256_or_si256(nibbles32(p + 6), fifth_bits(p + 2)), bytes(16));
+      const __m256i u = _mm256_abs_epi8(w);
+      for (int i = 0; i < MR; ++i) {
+        const __m256i dot = dot_u8s8(_mm256_setzero_si256(), u, _mm256_sign_epi8(load256(xq[i] + k0), w));
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * xd[i][b]), acc[i]);
+      }
+    } else if constexpr (QT == kQ4_1) {
+      const float d = half_to_float(p), m = half_to_float(p + 2);
+      const __m256i q = nibbles32(p + 4);
+      for (int i = 0; i < MR; ++i) {
+        const __m256i dot = dot_u8s8(_mm256_setzero_si256(), q, load256(xq[i] + k0));
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * xd[i][b]), acc[i]);
+        extra[i] += m * (xd[i][b] * static_cast<float>(xs[i][2 * b] + xs[i][2 * b + 1]));
+      }
+    } else if constexpr (QT == kQ4_K || QT == kQ5_K) {
+      const float d = half_to_float(p), dmin = half_to_float(p + 2);
+      alignas(16) uint8_t scales[16], mins[8];
+      k_scales_mins(p + 4, scales, mins);
+      // Sub-block j's scale in every int16 lane: 8 int16 scales in each 128-bit half, picked by a byte shuffle.
+      const __m256i scale16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scales))));
+      const uint8_t* qs = p + (QT == kQ5_K ? 48 : 16);
+      __m256i high;
+      if constexpr (QT == kQ5_K) high = load256(p + 16);
+      __m256i isum[MR];
+      for (int i = 0; i < MR; ++i) isum[i] = _mm256_setzero_si256();
+      for (int c = 0; c < 4; ++c) {
+        const __m256i raw = load256(qs + 32 * c);
+        __m256i lo = _mm256_and_si256(raw, bytes(0x0F)), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), bytes(0x0F));
+        if constexpr (QT == kQ5_K) {  // bit 2c of high byte i is bit 4 of weight i of sub-block 2c, bit 2c+1 of 2c+1
+          lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(high, 4), bytes(0x10)));
+          hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(high, 3), bytes(0x10)));
+          high = _mm256_srli_epi16(high, 2);
+        }
+        const __m256i s_lo = _mm256_shuffle_epi8(scale16, _mm256_set1_epi16(static_cast<int16_t>((4 * c + 1) << 8 | 4 * c)));
+        const __m256i s_hi = _mm256_shuffle_epi8(scale16, _mm256_set1_epi16(static_cast<int16_t>((4 * c + 3) << 8 | (4 * c + 2))));
+        for (int i = 0; i < MR; ++i) {
+          isum[i] = dot_i16(isum[i], _mm256_maddubs_epi16(lo, load256(xq[i] + k0 + 64 * c)), s_lo);
+          isum[i] = dot_i16(isum[i], _mm256_maddubs_epi16(hi, load256(xq[i] + k0 + 64 * c + 32)), s_hi);
+        }
+      }
+      for (int i = 0; i < MR; ++i) {
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_set1_ps(d * xd[i][b]), acc[i]);
+        extra[i] -= dmin * xd[i][b] * static_cast<float>(k_min_sum(mins, xs[i] + 16 * b));
+      }
+    } else if constexpr (QT == kQ6_K) {
+      const int8_t* scales = reinterpret_cast<const int8_t*>(p + 192);
+      const float d = half_to_float(p + 208);
+      __m256i isum[MR];
+      for (int i = 0; i < MR; ++i) isum[i] = _mm256_setzero_si256();
+      for (int h = 0; h < 2; ++h) {
+        const __m256i low0 = load256(p + 64 * h), low1 = load256(p + 64 * h + 32), high = load256(p + 128 + 32 * h);
+        const __m256i q[4] = {
+            _mm256_or_si256(_mm256_and_si256(low0, bytes(0x0F)), _mm256_and_si256(_mm256_slli_epi16(high, 4), bytes(0x30))),
+            _mm256_or_si256(_mm256_and_si256(low1, bytes(0x0F)), _mm256_and_si256(_mm256_slli_epi16(high, 2), bytes(0x30))),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(low0, 4), bytes(0x0F)), _mm256_and_si256(high, bytes(0x30))),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(low1, 4), bytes(0x0F)),
+                            _mm256_and_si256(_mm256_srli_epi16(high, 2), bytes(0x30))),
+        };
+        // Sub-blocks 8h + 2k and 8h + 2k + 1 (16 weights each): one scale per 128-bit half of the int16 products.
+        const __m256i scale16 = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scales + 8 * h))));
+        for (int k = 0; k < 4; ++k) {
+          const int16_t first = static_cast<int16_t>((4 * k + 1) << 8 | 4 * k), second = static_cast<int16_t>((4 * k + 3) << 8 | (4 * k + 2));
+          const __m256i s = _mm256_shuffle_epi8(scale16, _mm256_set_m128i(_mm_set1_epi16(second), _mm_set1_epi16(first)));
+          for (int i = 0; i < MR; ++i)
+            isum[i] = dot_i16(isum[i], _mm256_maddubs_epi16(q[k], load256(xq[i] + k0 + 128 * h + 32 * k)), s);
+        }
+      }
+      for (int i = 0; i < MR; ++i) {
+        const float scale = d * xd[i][b];
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_set1_ps(scale), acc[i]);
+        extra[i] -= scale * static_cast<float>(32 * q6_offset_sum(scales, xs[i] + 16 * b));
+      }
+    } else {
+      static_assert(QT != QT, "not a GGML kernel type");
+    }
+  }
+  for (int i = 0; i < MR; ++i) out[i] = hsum(acc[i]) + extra[i];
+}
+
+#else  // portable: the same integer sums in plain loops
+
+// One block's weights as integers (before the offsets of Q4_0/Q5_0/Q6_K) and its per-sub-block integer scales.
+template <int64_t QT>
+void dot_block_rows_scalar(const uint8_t* p, const Int8Rows& x, int64_t m, int64_t b, float& acc) {
+  const int64_t k0 = b * Format<QT>::kWeights;
+  const int8_t* xq = x.q_row(m) + k0;
+  const float xd = x.d_row(m)[b];
+  const int16_t* sums = x.sums_row(m) + k0 / 16;
+  if constexpr (QT == kQ8_0 || QT == kQ4_0 || QT == kQ5_0 || QT == kQ4_1) {
+    int w[32];
+    if constexpr (QT == kQ8_0) {
+      for (int i = 0; i < 32; ++i) w[i] = static_cast<int8_t>(p[2 + i]);
+    } else {
+      const uint8_t* nibbles = p + (QT == kQ5_0 ? 6 : QT == kQ4_1 ? 4 : 2);
+      uint32_t high = 0;
+      if constexpr (QT == kQ5_0) std::memcpy(&high, p + 2, 4);
+      const int offset = QT == kQ4_0 ? 8 : QT == kQ5_0 ? 16 : 0;
+      for (int i = 0; i < 16; ++i) {
+        w[i] = (nibbles[i] & 0x0F) + static_cast<int>((high >> i) & 1) * 16 - offset;
+        w[i + 16] = (nibbles[i] >> 4) + static_cast<int>((high >> (i + 16)) & 1) * 16 - offset;
+      }
+    }
+    int dot = 0;
+    for (int i = 0; i < 32; ++i) dot += w[i] * xq[i];
+    acc += half_to_float(p) * xd * static_cast<float>(dot);
+    if constexpr (QT == kQ4_1) acc += half_to_float(p + 2) * (xd * static_cast<float>(sums[0] + sums[1]));
+  } else if constexpr (QT == kQ4_K || QT == kQ5_K) {
+    uint8_t scales[8], mins[8];
+    k_scales_mins(p + 4, scales, mins);
+    const uint8_t* qs = p + (QT == kQ5_K ? 48 : 16);
+    int total = 0;
+    for (int j = 0; j < 8; ++j) {
+      int dot = 0;
+      for (int i = 0; i < 32; ++i) {
+        int q = j % 2 ? qs[32 * (j / 2) + i] >> 4 : qs[32 * (j / 2) + i] & 0x0F;
+        if constexpr (QT == kQ5_K) q += ((p[16 + i] >> j) & 1) * 16;
+        dot += q * xq[32 * j + i];
+      }
+      total += scales[j] * dot;
+    }
+    acc += half_to_float(p) * xd * static_cast<float>(total);
+    acc -= half_to_float(p + 2) * xd * static_cast<float>(k_min_sum(mins, sums));
+  } else if constexpr (QT == kQ6_K) {
+    const int8_t* scales = reinterpret_cast<const int8_t*>(p + 192);
+    int total = 0;
+    for (int h = 0; h < 2; ++h)
+      for (int k = 0; k < 4; ++k)
+        for (int half = 0; half < 2; ++half) {
+          int dot = 0;
+          for (int l = 16 * half; l < 16 * half + 16; ++l) {
+            const uint8_t low = p[64 * h + 32 * (k % 2) + l], high = p[128 + 32 * h + l];
+            const int q = (k < 2 ? low & 0x0F : low >> 4) | (((high >> (2 * k)) & 3) << 4);
+            dot += q * xq[128 * h + 32 * k + l];
+          }
+          total += scales[8 * h + 2 * k + half] * dot;
+        }
+    const float scale = half_to_float(p + 208) * xd;
+    acc += scale * static_cast<float>(total);
+    acc -= scale * static_cast<float>(32 * q6_offset_sum(scales, sums));
+  } else {
+    static_assert(QT != QT, "not a GGML kernel type");
+  }
+}
+
+template <int64_t QT, int MR>
+void dot_block_rows(const uint8_t* row, const Int8Rows& x, int64_t m0, float* out) {
+  for (int i = 0; i < MR; ++i) {
+    float acc = 0.0f;
+    for (int64_t b = 0; b < x.K / Format<QT>::kWeights; ++b)
+      dot_block_rows_scalar<QT>(row + b * Format<QT>::kBytes, x, m0 + i, b, acc);
+    out[i] = acc;
+  }
+}
+
+#endif
+
+template <int64_t QT, typename Y>
+void int8_dot_rows(const Int8Rows& x, const uint8_t* weight, int64_t M, int64_t N, Y* y) {
+  const int64_t row_bytes = x.K / Format<QT>::kWeights * Format<QT>::kBytes;
+  // Rows split evenly over the threads: at one activation row every core streams its share of the weights.
+  at::parallel_for(0, N, 8, [&](int64_t first, int64_t last) {
+    float out[kInt8DotMaxRows];
+    for (int64_t n = first; n < last; ++n) {
+      const uint8_t* row = weight + n * row_bytes;
+      for (int64_t m = 0; m < M; m += kInt8DotMaxRows) {
+        const int64_t mr = std::min(kInt8DotMaxRows, M - m);
+        switch (mr) {
+          case 1: dot_block_rows<QT, 1>(row, x, m, out); break;
+          case 2: dot_block_rows<QT, 2>(row, x, m, out); break;
+          case 3: dot_block_rows<QT, 3>(row, x, m, out); break;
+          default: dot_block_rows<QT, 4>(row, x, m, out); break;
+        }
+        for (int64_t i = 0; i < mr; ++i) y[(m + i) * N + n] = Y(out[i]);
+      }
+    }
+  });
+}
+
+int64_t set_matmul_mode(int64_t mode) {
+  TORCH_CHECK(mode == 0 || mode == 1, "matmul: mode must be 0 (exact) or 1 (int8-dot), got ", mode);
+  const int64_t previous = static_cast<int64_t>(current_mode);
+  current_mode = static_cast<MatmulMode>(mode);
+  return previous;
+}
+
+int64_t get_matmul_mode() { return static_cast<int64_t>(current_mode); }
+
+int64_t int8_dot_max_rows() { return kInt8DotMaxRows; }
+
+}  // namespace
+
+MatmulMode matmul_mode() { return current_mode; }
+
+at::Tensor int8_dot_linear(const at::Tensor& x, const uint8_t* weight, int64_t qtype, int64_t N) {
+  const int64_t M = x.size(0), K = x.size(1);
+  const at::Tensor wide = x.to(at::kFloat).contiguous();
+  at::Tensor y = at::empty({M, N}, x.options());
+  auto run = [&]<int64_t QT>() {
+    const Int8Rows q = quantize_rows(wide.data_ptr<float>(), M, K, Format<QT>::kWeights);
+    if (x.scalar_type() == at::kFloat)
+      int8_dot_rows<QT>(q, weight, M, N, y.data_ptr<float>());
+    else
+      int8_dot_rows<QT>(q, weight, M, N, y.data_ptr<c10::BFloat16>());
+  };
+  switch (qtype) {
+    case kQ4_0: run.template operator()<kQ4_0>(); break;
+    case kQ4_1: run.template operator()<kQ4_1>(); break;
+    case kQ5_0: run.template operator()<kQ5_0>(); break;
+    case kQ8_0: run.template operator()<kQ8_0>(); break;
+    case kQ4_K: run.template operator()<kQ4_K>(); break;
+    case kQ5_K: run.template operator()<kQ5_K>(); break;
+    case kQ6_K: run.template operator()<kQ6_K>(); break;
+    default: TORCH_CHECK(false, "qtype: unsupported GGML type ", qtype);
+  }
+  return y;
+}
+
+}  // namespace carpool::ggml
+
+TORCH_LIBRARY_FRAGMENT(carpool, m) {
+  m.def("set_matmul_mode(int mode) -> int", &carpool::ggml::set_matmul_mode);
+  m.def("get_matmul_mode() -> int", &carpool::ggml::get_matmul_mode);
+  m.def("int8_dot_max_rows() -> int", &carpool::ggml::int8_dot_max_rows);
+}
