@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: serve test venv dev models peers clean
+.PHONY: serve test venv dev chromium models peers clean
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -34,12 +34,17 @@ models: $(VENV)/.test-models
 	$(BIN)/pip install -q --no-deps $(QWEN_1_5B)
 
 venv: $(VENV)/.runtime
-dev: $(VENV)/.dev
+dev: $(VENV)/.dev chromium
+
+# The dashboard's browser test drives Debian's headless Chromium through Selenium (as root; nothing to do once
+# /usr/bin/chromium and chromedriver are there).
+chromium:
+	@test -x /usr/bin/chromium -a -x /usr/bin/chromedriver || (apt-get update -q && apt-get install -y -q chromium chromium-driver)
 
 serve: $(VENV)/.runtime
 	$(BIN)/carpool serve --host $(HOST) --port $(PORT)
 
-test: $(VENV)/.dev
+test: $(VENV)/.dev chromium
 	$(BIN)/python -m pytest -q
 
 # llama.cpp's server, built from source (about 15 minutes on 2 cores), for side-by-side benchmarks only.

@@ -82,7 +82,8 @@ def test_the_data_are_the_metrics(llm):
             for sample in family.samples:
                 key = sample.name, sample.labels.get("tier")
                 metrics[key] = metrics.get(key, 0) + sample.value
-    assert model["totals"]["requests"] == sum(v for (n, _), v in metrics.items() if n == "carpool:request_success_total")
+    finished = sum(v for (n, _), v in metrics.items() if n == "carpool:request_success_total")
+    assert model["totals"]["requests"] == finished == 2
     generated = sum(v for (n, _), v in metrics.items() if n == "carpool:generation_tokens_total")
     assert model["totals"]["generation_tokens"] == generated == 6
     assert model["gauges"]["kv_cache_usage"] == metrics[("carpool:kv_cache_usage_perc", None)]

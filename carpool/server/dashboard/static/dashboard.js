@@ -44,6 +44,10 @@ function canvasContext(id) {
   return { ctx, width, height };
 }
 
+function scaled(value, max) {
+  return value.toFixed(max >= 40 ? 0 : max >= 4 ? 1 : 2);
+}
+
 function niceMax(value) {
   if (!(value > 0)) return 1;
   const magnitude = Math.pow(10, Math.floor(Math.log10(value)));
@@ -65,11 +69,11 @@ function axes(ctx, width, height, max, format) {
 }
 
 // series: [{label, color, values: [number|null]}], one value per history point, oldest first.
-function lineChart(id, series, format = (v) => v.toFixed(1)) {
+function lineChart(id, series, suffix = "") {
   const { ctx, width, height } = canvasContext(id);
   const all = series.flatMap((s) => s.values).filter((v) => v !== null && v !== undefined);
   const max = niceMax(Math.max(0, ...all));
-  const box = axes(ctx, width, height, max, format);
+  const box = axes(ctx, width, height, max, (v) => scaled(v, max) + suffix);
   const dx = (box.right - box.left) / Math.max(1, HISTORY - 1);
   let legendX = box.left + 4;
   for (const s of series) {
@@ -96,7 +100,7 @@ function lineChart(id, series, format = (v) => v.toFixed(1)) {
 function barChart(id, bars, title) {
   const { ctx, width, height } = canvasContext(id);
   const max = niceMax(Math.max(0, ...bars.map((b) => b.value)));
-  const box = axes(ctx, width, height, max, (v) => integer(v));
+  const box = axes(ctx, width, height, max, (v) => scaled(v, max));
   const slot = (box.right - box.left) / Math.max(1, bars.length);
   ctx.textAlign = "center";
   bars.forEach((bar, i) => {
@@ -111,8 +115,8 @@ function barChart(id, bars, title) {
   ctx.fillText(title, width - 4, 16);
 }
 
-function progress(label, detail, share) {
-  const level = share >= 1 ? "bad" : share >= 0.8 ? "warn" : "";
+// level: "" (green), "warn" or "bad"; a budget turns amber at 80 % spent and red once spent.
+function progress(label, detail, share, level = "") {
   return element("div", { class: "progress" }, [
     element("div", { class: "label" }, [element("span", {}, [label]), element("span", {}, [detail])]),
     element("div", { class: "bar " + level }, [element("div", { style: `width: ${Math.min(100, 100 * share)}%` })]),
@@ -139,26 +143,27 @@ function renderModel(doc, model) {
   text("total-prompt-tokens", integer(model.totals.prompt_tokens));
   text("total-generation-tokens", integer(model.totals.generation_tokens));
   text("total-preemptions", integer(model.totals.preemptions));
-  lineChart("chart-tps", [{ label: "output tok/s", color: COLORS.value, values: series((m) => m.window.output_tokens_per_second) },
-                          { label: "prompt tok/s", color: COLORS.prefill, values: series((m) => m.window.prompt_tokens_per_second) }]);
+  lineChart("chart-tps", [
+    { label: "output tok/s", color: COLORS.value, values: series((m) => m.window.output_tokens_per_second) },
+    { label: "prompt tok/s", color: COLORS.prefill, values: series((m) => m.window.prompt_tokens_per_second) }]);
 
   table("ttft-table", ["tier", "p50", "p99", "requests"],
     TIERS.map((t) => [t, ms(w.ttft[t].p50), ms(w.ttft[t].p99), integer(w.ttft[t].count)]));
   lineChart("chart-ttft", TIERS.map((t) => ({ label: t + " p99", color: COLORS[t],
-    values: series((m) => (m.window.ttft[t].p99 === null ? null : 1000 * m.window.ttft[t].p99)) })), (v) => v.toFixed(0) + "ms");
+    values: series((m) => (m.window.ttft[t].p99 === null ? null : 1000 * m.window.ttft[t].p99)) })), " ms");
 
   text("itl-p50", ms(w.itl.p50));
   text("itl-p99", ms(w.itl.p99));
   text("itl-count", integer(w.itl.count));
   lineChart("chart-itl", ["p50", "p99"].map((q) => ({ label: q, color: COLORS[q],
-    values: series((m) => (m.window.itl[q] === null ? null : 1000 * m.window.itl[q])) })), (v) => v.toFixed(0) + "ms");
+    values: series((m) => (m.window.itl[q] === null ? null : 1000 * m.window.itl[q])) })), " ms");
 
   text("prefill-share", percent(w.prefill_share));
   text("decode-share", percent(w.prefill_share === null ? null : 1 - w.prefill_share));
   text("busy-share", percent(w.busy_share));
   lineChart("chart-phase", [{ label: "prefill share %", color: COLORS.prefill,
     values: series((m) => (m.window.prefill_share === null ? null : 100 * m.window.prefill_share)) },
-    { label: "engine busy %", color: COLORS.decode, values: series((m) => 100 * m.window.busy_share) }], (v) => v.toFixed(0) + "%");
+    { label: "engine busy %", color: COLORS.decode, values: series((m) => 100 * m.window.busy_share) }], "%");
 
   barChart("chart-step-tokens", bucketBars(w.step_tokens), "tokens per step");
   barChart("chart-step-seqs", bucketBars(w.step_seqs), "sequences per step");
@@ -166,23 +171,31 @@ function renderModel(doc, model) {
   text("kv-usage", percent(model.gauges.kv_cache_usage));
   text("running", integer(model.gauges.running));
   text("waiting", integer(model.gauges.waiting));
-  lineChart("chart-kv", [{ label: "KV in use %", color: COLORS.value, values: series((m) => 100 * m.gauges.kv_cache_usage) }],
-    (v) => v.toFixed(0) + "%");
+  lineChart("chart-kv",
+    [{ label: "KV in use %", color: COLORS.value, values: series((m) => 100 * m.gauges.kv_cache_usage) }], "%");
 
   table("queue-table", ["tier", ...TIERS], [["queued", ...TIERS.map((t) => integer(model.queued[t]))]]);
-  lineChart("chart-queue", TIERS.map((t) => ({ label: t, color: COLORS[t], values: series((m) => m.queued[t]) })),
-    (v) => v.toFixed(0));
+  lineChart("chart-queue", TIERS.map((t) => ({ label: t, color: COLORS[t], values: series((m) => m.queued[t]) })));
 
   text("hit-rate-window", percent(w.prefix_cache_hit_rate));
   text("hit-rate-total", percent(model.gauges.prefix_cache_hit_rate));
   lineChart("chart-hits", [{ label: "hit rate % (window)", color: COLORS.value,
     values: series((m) => (m.window.prefix_cache_hit_rate === null ? null : 100 * m.window.prefix_cache_hit_rate)) }],
-    (v) => v.toFixed(0) + "%");
+    "%");
+}
+
+function budgetBar(k) {
+  const label = `${k.tenant} (${k.key_id}${k.is_admin ? ", admin" : ""})`;
+  if (k.budget === null) return progress(label, `${dollars(k.spent)} this ${k.period}, no budget`, 0);
+  const share = k.budget > 0 ? k.spent / k.budget : 1;
+  return progress(label, `${dollars(k.spent)} of ${dollars(k.budget)} per ${k.period}`, share,
+    share >= 1 ? "bad" : share >= 0.8 ? "warn" : "");
 }
 
 function renderServer(doc) {
   table("tier-cost-table", ["tier", "tokens", "cost", "$ / 1K tokens"],
-    TIERS.map((t) => [t, integer(doc.tiers[t].tokens), dollars(doc.tiers[t].cost), dollars(doc.tiers[t].cost_per_1k_tokens)]));
+    TIERS.map((t) => [t, integer(doc.tiers[t].tokens), dollars(doc.tiers[t].cost),
+                      dollars(doc.tiers[t].cost_per_1k_tokens)]));
 
   const ledger = doc.ledger;
   if (!ledger) {
@@ -190,11 +203,10 @@ function renderServer(doc) {
     $("budgets").replaceChildren(element("div", { class: "empty" }, ["no ledger on this server: no budgets"]));
   } else {
     table("tenant-table", ["tenant", "requests", "tokens", "cost", "$ / 1K tokens"],
-      ledger.tenants.map((r) => [r.tenant, integer(r.requests), integer(r.tokens), dollars(r.cost), dollars(r.cost_per_1k_tokens)]));
-    $("budgets").replaceChildren(...(ledger.budgets.length ? ledger.budgets.map((k) => progress(
-      `${k.tenant} (${k.key_id}${k.is_admin ? ", admin" : ""})`,
-      k.budget === null ? `${dollars(k.spent)} this ${k.period}, no budget` : `${dollars(k.spent)} of ${dollars(k.budget)} per ${k.period}`,
-      k.budget === null ? 0 : k.budget > 0 ? k.spent / k.budget : 1)) : [element("div", { class: "empty" }, ["no keys"])]));
+      ledger.tenants.map((r) => [r.tenant, integer(r.requests), integer(r.tokens), dollars(r.cost),
+                                 dollars(r.cost_per_1k_tokens)]));
+    $("budgets").replaceChildren(...(ledger.budgets.length ? ledger.budgets.map(budgetBar)
+      : [element("div", { class: "empty" }, ["no keys"])]));
   }
 
   const batches = doc.batches;
@@ -202,7 +214,7 @@ function renderServer(doc) {
     : !batches.length ? [element("div", { class: "empty" }, ["no batches yet"])]
     : batches.map((b) => progress(`${b.id} · ${b.status}`,
         `${integer(b.completed)} done, ${integer(b.failed)} failed of ${integer(b.total)}`,
-        b.total ? (b.completed + b.failed) / b.total : 0))));
+        b.total ? (b.completed + b.failed) / b.total : 0, b.failed ? "warn" : ""))));
 }
 
 function render(doc) {
