@@ -1,0 +1,133 @@
+"""Where a single-stream decode step's time goes: the fused decode step (one C++ call for every decoder layer)
+against the Python layers, interleaved in one run so that a shared machine's noise hits both alike.
+
+    python -m carpool.bench.decode_step --model smollm2-135m --rounds 30 --threads 2
+
+Per mode: the step's wall and process CPU time (with --threads 1 the CPU time is the step's own work, whatever
+else the machine runs; with more, idle threads' spinning counts too). Beside them: every projection and the LM
+head run alone at batch 1 (the matmuls) and the attention alone at the sequence's context, so that
+overhead = step - matmuls - attention is what neither kernel accounts for (norms, rotary, cache writes,
+allocations, Python, metadata, sampling); and the weight-bytes floor: the bytes one step streams over
+--bandwidth-gbs.
+"""
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from carpool import LLM, SamplingParams
+from carpool.models.layers import projection_parts
+
+
+def weight_bytes(model) -> int:
+    """Bytes of every projection and the LM head: what a decode step streams at least once."""
+    return sum(w.numel() * w.element_size() for m in projections(model) for w in projection_parts(m)[0])
+
+
+def projections(model) -> list:
+    per_layer = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+                 for layer in model.layers]
+    return [module for modules in per_layer for module in modules] + [model.lm_head]
+
+
+def matmuls_ms(model, dtype: torch.dtype, repeats: int) -> tuple[float, float]:
+    calls = []
+    for module in projections(model):
+        for weight, qtype in zip(*projection_parts(module)):
+            x = torch.randn(1, module.in_features, dtype=dtype)
+            if qtype >= 0:
+                calls.append(lambda x=x, w=weight, q=qtype: torch.ops.carpool.ggml_linear(x, w, q))
+            else:
+                calls.append(lambda x=x, w=weight: torch.nn.functional.linear(x, w))
+    return _median_ms(calls, repeats)
+
+
+def attention_ms(engine, dtype: torch.dtype, repeats: int) -> tuple[float, float]:
+    model, seq = engine.model, engine.scheduler.running[0]
+    context, block_size = seq.num_computed_tokens, engine.runner.block_size
+    table = torch.tensor([seq.block_table[: -(-context // block_size)]])
+    lengths = torch.tensor([context])
+    q = torch.randn(1, model.config.num_heads, model.config.head_dim, dtype=dtype)
+    calls = [
+        lambda a=layer.self_attn.attn: torch.ops.carpool.paged_decode_attention(
+            q, a.k_cache, a.v_cache, table, lengths, a.scale, a.window
+        )
+        for layer in model.layers
+    ]
+    return _median_ms(calls, repeats)
+
+
+def _median_ms(calls: list, repeats: int) -> tuple[float, float]:
+    """Median wall and CPU milliseconds of one pass over `calls`."""
+    times = []
+    for _ in range(repeats):
+        wall, cpu = time.perf_counter(), time.process_time()
+        for call in calls:
+            call()
+        times.append(((time.perf_counter() - wall) * 1000, (time.process_time() - cpu) * 1000))
+    return statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)
+
+
+def run(model_name: str, rounds: int, steps: int, threads: int, bandwidth_gbs: float) -> dict:
+    torch.set_num_threads(threads)
+    llm = LLM(model=model_name, max_num_seqs=1)
+    engine, model = llm.engine, llm.engine.model
+    params = SamplingParams(max_tokens=rounds * 2 * (steps + 1) + 8, temperature=0, ignore_eos=True)
+    engine.add_request("bench", "Write a story about a dog and a cat.", params)
+    for _ in range(3):  # prefill and warm-up
+        engine.step()
+    dtype = model.norm.weight.dtype
+    samples = {"fused": [], "python": []}
+    attention = []
+    for _ in range(rounds):
+        for mode in samples:
+            model.fused_decode = mode == "fused"
+            engine.step()
+            wall, cpu = time.perf_counter(), time.process_time()
+            for _ in range(steps):
+                engine.step()
+            wall, cpu = (time.perf_counter() - wall) * 1000 / steps, (time.process_time() - cpu) * 1000 / steps
+            samples[mode].append((wall, cpu))
+        attention.append(attention_ms(engine, dtype, 3))
+    matmuls = matmuls_ms(model, dtype, 5)
+    attend = tuple(statistics.mean(a[i] for a in attention) for i in range(2))
+    floor = weight_bytes(model) / (bandwidth_gbs * 1e9) * 1000
+    report = {"model": model_name, "threads": threads, "dtype": str(dtype), "steps_per_round": steps, "rounds": rounds,
+              "matmuls_ms": matmuls, "attention_ms": attend, "weight_bytes": weight_bytes(model),
+              "weight_floor_ms": floor, "bandwidth_gbs": bandwidth_gbs}
+    for mode, values in samples.items():
+        wall, cpu = statistics.median(v[0] for v in values), statistics.median(v[1] for v in values)
+        report[mode] = {"wall_ms": wall, "cpu_ms": cpu, "overhead_wall_ms": wall - matmuls[0] - attend[0],
+                        "overhead_cpu_ms": cpu - matmuls[1] - attend[1], "x_floor": wall / floor}
+    return report
+
+
+def main(args: argparse.Namespace) -> None:
+    report = run(args.model, args.rounds, args.steps, args.threads, args.bandwidth_gbs)
+    (matmul_wall, matmul_cpu), (attention_wall, attention_cpu) = report["matmuls_ms"], report["attention_ms"]
+    print(f"{report['model']} ({report['dtype']}, {report['threads']} threads): matmuls alone "
+          f"{matmul_wall:.2f} ms ({matmul_cpu:.2f} CPU), attention alone {attention_wall:.2f} ms "
+          f"({attention_cpu:.2f} CPU), weight floor "
+          f"{report['weight_floor_ms']:.2f} ms ({report['weight_bytes'] / 1e6:.0f} MB at {args.bandwidth_gbs} GB/s)")
+    for mode in ("python", "fused"):
+        r = report[mode]
+        print(f"  {mode:6s} layers: {r['wall_ms']:.2f} ms/step ({r['cpu_ms']:.2f} CPU), overhead "
+              f"{r['overhead_wall_ms']:.2f} ms ({r['overhead_cpu_ms']:.2f} CPU), {r['x_floor']:.2f}x the floor")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m", help="catalog name or path")
+    parser.add_argument("--rounds", type=int, default=30, help="alternations of the two modes")
+    parser.add_argument("--steps", type=int, default=10, help="decode steps timed per mode and round")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch CPU threads")
+    parser.add_argument("--bandwidth-gbs", type=float, default=53.0, help="memory bandwidth for the weight floor")
+    parser.add_argument("--out", default="", help="also write the JSON report here")
+    main(parser.parse_args())
