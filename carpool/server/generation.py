@@ -83,8 +83,8 @@ class Generation:
             if choice.last is None:
                 self.queues.release(self.tier)
                 self.metrics.on_first_output(self.tier, output)
+            self.metrics.on_tokens(self.tier, output, choice.last)
             choice.last = output
-            self.metrics.on_tokens(self.tier, len(output.delta_token_ids))
             if self._events is not None:
                 self._events.put_nowait((choice, output))
 

@@ -44,6 +44,10 @@ class ServerMetrics:
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.", tiered, LATENCY_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Gap between consecutive tokens of a request.",
                              model, ITL_BUCKETS)
+        # The same gaps by tier, as the server hands the tokens on (it knows each request's tier; the engine thread
+        # that observes the series above does not).
+        self.itl_by_tier = histogram("inter_token_latency_by_tier_seconds", "Gap between consecutive tokens of a "
+                                     "request, by service tier.", tiered, ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.", tiered, REQUEST_BUCKETS)
         self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduled.", tiered, REQUEST_BUCKETS)
         self.prefill = histogram("request_prefill_time_seconds", "First scheduled to first token.", tiered,
@@ -129,8 +133,12 @@ class Metrics:
     def on_structured(self, kind: str) -> None:
         self.families.structured_requests.labels(self.model_name, kind).inc()
 
-    def on_tokens(self, tier: str, count: int) -> None:
-        self.families.generation_tokens.labels(self.model_name, tier).inc(count)
+    def on_tokens(self, tier: str, output: RequestOutput, previous: RequestOutput | None) -> None:
+        """A request's new tokens; `previous`, its output before this one (None for the first)."""
+        self.families.generation_tokens.labels(self.model_name, tier).inc(len(output.delta_token_ids))
+        last = previous.times.last_token if previous is not None and previous.times else None
+        if last is not None and output.delta_token_ids and output.times:
+            self.families.itl_by_tier.labels(self.model_name, tier).observe(output.times.last_token - last)
 
     def on_finished(self, tier: str, reason: str, output: RequestOutput | None) -> None:
         families = self.families

@@ -91,7 +91,9 @@ def test_the_data_are_the_metrics(llm):
     for tier in ("priority", "flex"):
         assert window["ttft"][tier]["count"] == metrics[("carpool:time_to_first_token_seconds_count", tier)] == 1
     assert window["ttft"]["default"] == {"p50": None, "p99": None, "count": 0}
-    assert window["itl"]["count"] == metrics[("carpool:inter_token_latency_seconds_count", None)] == 4
+    for tier in ("priority", "flex"):  # 3 tokens, 2 gaps each; the engine's own series counts the same gaps
+        assert window["itl"][tier]["count"] == metrics[("carpool:inter_token_latency_by_tier_seconds_count", tier)] == 2
+    assert window["itl"]["default"]["count"] == 0 and metrics[("carpool:inter_token_latency_seconds_count", None)] == 4
     assert sum(bucket["count"] for bucket in window["step_seqs"]) == metrics[("carpool:iteration_seqs_count", None)]
     assert model["queued"] == {"priority": 0, "default": 0, "flex": 0, "batch": 0}
 

@@ -152,7 +152,7 @@ class DashboardData:
                 "prompt_tokens_per_second": delta("carpool:prompt_tokens_total") / seconds,
                 "requests_per_second": delta("carpool:request_success_total") / seconds,
                 "ttft": {tier: latency("carpool:time_to_first_token_seconds", tier=tier) for tier in TIER_NAMES},
-                "itl": latency("carpool:inter_token_latency_seconds"),
+                "itl": {tier: latency("carpool:inter_token_latency_by_tier_seconds", tier=tier) for tier in TIER_NAMES},
                 "prefill_share": ratio(prefill, prefill + decode),
                 "busy_share": (prefill + decode) / seconds,
                 "prefix_cache_hit_rate": ratio(delta("carpool:prefix_cache_hits_total"),

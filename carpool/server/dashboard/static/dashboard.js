@@ -6,7 +6,7 @@ const REFRESH_MS = 2000;
 const HISTORY = 150; // five minutes at one point every two seconds
 const TIERS = ["priority", "default", "flex", "batch"];
 const COLORS = { priority: "#f85149", default: "#58a6ff", flex: "#3fb950", batch: "#d29922",
-                 p50: "#58a6ff", p99: "#f85149", prefill: "#d2a8ff", decode: "#58a6ff", value: "#3fb950" };
+                 prefill: "#d2a8ff", decode: "#58a6ff", value: "#3fb950" };
 const history = {}; // model name -> [{t, document's model entry}]
 let refreshes = 0;
 
@@ -152,11 +152,10 @@ function renderModel(doc, model) {
   lineChart("chart-ttft", TIERS.map((t) => ({ label: t + " p99", color: COLORS[t],
     values: series((m) => (m.window.ttft[t].p99 === null ? null : 1000 * m.window.ttft[t].p99)) })), " ms");
 
-  text("itl-p50", ms(w.itl.p50));
-  text("itl-p99", ms(w.itl.p99));
-  text("itl-count", integer(w.itl.count));
-  lineChart("chart-itl", ["p50", "p99"].map((q) => ({ label: q, color: COLORS[q],
-    values: series((m) => (m.window.itl[q] === null ? null : 1000 * m.window.itl[q])) })), " ms");
+  table("itl-table", ["tier", "p50", "p99", "gaps"],
+    TIERS.map((t) => [t, ms(w.itl[t].p50), ms(w.itl[t].p99), integer(w.itl[t].count)]));
+  lineChart("chart-itl", TIERS.map((t) => ({ label: t + " p99", color: COLORS[t],
+    values: series((m) => (m.window.itl[t].p99 === null ? null : 1000 * m.window.itl[t].p99)) })), " ms");
 
   text("prefill-share", percent(w.prefill_share));
   text("decode-share", percent(w.prefill_share === null ? null : 1 - w.prefill_share));
