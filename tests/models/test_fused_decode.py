@@ -1,8 +1,8 @@
 """The fused decode step (one C++ call for every decoder layer, carpool/kernels/csrc/decode_layer.cpp) computes
 what the Python layers compute: every decode-only step of a run is computed both ways and their logits compared,
 on the three architectures' real GGUF files (Qwen2.5-0.5B's q/k/v are split parts of two block types, Gemma 3
-has q/k norms, sandwich norms, GeGLU and sliding-window layers), in fp32 and bf16, one sequence and then three
-with different context lengths (one past Gemma's 512-key window)."""
+has q/k norms, sandwich norms, GeGLU and sliding-window layers), in fp32 and bf16, and dense; one sequence and
+then three with different context lengths (one past Gemma's 512-key window)."""
 
 import pytest
 import torch
@@ -10,7 +10,13 @@ import torch
 from carpool import LLM, SamplingParams
 from carpool.models.attention import decode_only_metadata
 
-MODELS = ["smollm2-135m", "qwen2.5-coder-0.5b", "gemma-3-270m"]
+# (model, dtype, quantization): GGUF blocks in both dtypes, and dense matrices (Qwen2's q/k/v bias then rides
+# in the one dense matmul, as F.linear's).
+CASES = [
+    *((name, dtype, "auto") for name in ("smollm2-135m", "qwen2.5-coder-0.5b", "gemma-3-270m")
+      for dtype in ("float32", "bfloat16")),
+    ("qwen2.5-coder-0.5b", "float32", "none"),
+]
 STEPS = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 
 
@@ -37,11 +43,11 @@ def prompt(words: int) -> str:
     return " ".join(f"word{i % 50}" for i in range(words))
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("name", MODELS)
-def test_fused_decode_logits_equal_the_python_layers(name, dtype):
+@pytest.mark.parametrize(("name", "dtype", "quantization"), CASES)
+def test_fused_decode_logits_equal_the_python_layers(name, dtype, quantization):
     # Every prompt prefilled in one step, so that the three sequences then decode together.
-    llm = LLM(model=name, dtype=dtype, max_num_seqs=4, num_kv_blocks=256, max_num_batched_tokens=1024)
+    llm = LLM(model=name, dtype=dtype, quantization=quantization, max_num_seqs=4, num_kv_blocks=256,
+              max_num_batched_tokens=1024)
     model = llm.engine.model
     both = BothPaths(model)
     model.forward = both
