@@ -1,0 +1,43 @@
+"""The tool-call parser alone (no model): Qwen's `<tool_call>` blocks become OpenAI tool calls, whole or as the
+text streams in, with nothing of a call leaking into the content."""
+
+import json
+
+from carpool.server.tool_calls import ToolCallParser, call_grammar, parse_tool_calls
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def test_whole_output_with_two_calls_and_text():
+    content, calls = parse_tool_calls(f"Let me check.\n{CALL}\n{CALL.replace('Paris', 'Rome')}")
+    assert content == "Let me check."
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Paris"}, {"city": "Rome"}]
+    assert all(c["type"] == "function" and c["function"]["name"] == "get_weather" for c in calls)
+    assert len({c["id"] for c in calls}) == 2
+
+
+def test_text_without_calls_or_with_a_broken_call_stays_content():
+    assert parse_tool_calls("Just text.") == ("Just text.", [])
+    broken = "<tool_call>\n{not json}\n</tool_call>"
+    assert parse_tool_calls(broken) == (broken, [])
+    cut = '<tool_call>\n{"name": "get_wea'  # max_tokens ended it mid-call
+    assert parse_tool_calls(cut) == (cut, [])
+
+
+def test_streaming_holds_back_a_call_until_it_closes():
+    text = f"Sure. {CALL}\n{CALL}"
+    parser, content, calls = ToolCallParser(), "", []
+    for end in range(1, len(text) + 1):
+        delta, new = parser.feed(text[:end], finished=end == len(text))
+        assert "<" not in delta  # not even the start of a tag reaches the content
+        content += delta
+        calls += new
+    assert content.strip() == "Sure." and [c["index"] for c in calls] == [0, 1]
+    assert all(json.loads(c["function"]["arguments"]) == {"city": "Paris"} for c in calls)
+
+
+def test_required_grammar_names_each_tool_and_its_schema():
+    tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in ("a", "b")]
+    both, only_b = call_grammar(tools, None, True).value, call_grammar(tools, "b", False).value
+    assert '"const": "a"' in both and '"const": "b"' in both and "call)*" in both
+    assert '"const": "a"' not in only_b and "call)*" not in only_b
