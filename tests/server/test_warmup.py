@@ -1,11 +1,14 @@
 """Warm start: /health says "warming" (503) until every step shape has run once on the engine thread, requests
-sent meanwhile wait and then run, and the warm-up leaves no trace in the engine or its metrics."""
+sent meanwhile wait and then run, and the warm-up leaves no trace in the engine or its metrics; `carpool serve`
+says so too (warm-up on by default, `--no-warmup` to skip it)."""
 
 import threading
 import time
 
 import httpx
 import pytest
+import uvicorn
+from live_server import STARTUP_SECONDS, LiveServer, free_port
 
 import carpool.engine.async_engine as async_engine
 from carpool.engine.async_engine import AsyncEngine
@@ -88,10 +91,6 @@ class ServedApp:
     """The app served by uvicorn on a loopback port in a thread (lifespan included), with an httpx client."""
 
     def __init__(self, app):
-        import uvicorn
-
-        from live_server import free_port
-
         self.port = free_port()
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -109,3 +108,31 @@ class ServedApp:
         self.client.close()
         self.server.should_exit = True
         self.thread.join(30)
+
+
+class WatchedServer(LiveServer):
+    """A live server whose /health answers are recorded, every 20 ms, until the first 200."""
+
+    def _wait_ready(self) -> None:
+        self.answers = []
+        deadline = time.monotonic() + STARTUP_SECONDS
+        while time.monotonic() < deadline and self.process.poll() is None:
+            try:
+                response = httpx.get(f"{self.url}/health", timeout=1)
+                self.answers.append((response.status_code, response.json()))
+                if response.status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.02)
+        super()._wait_ready()  # fails with the server's output
+
+
+def test_carpool_serve_says_warming_before_it_says_ok():
+    live = WatchedServer("--max-num-seqs", "4")
+    try:
+        name = httpx.get(f"{live.url}/v1/models").json()["data"][0]["id"]
+    finally:
+        live.stop()
+    assert (503, {"status": "warming", "models": [name]}) in live.answers
+    assert live.answers[-1] == (200, {"status": "ok"})
