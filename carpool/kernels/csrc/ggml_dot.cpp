@@ -31,13 +31,13 @@ thread_local MatmulMode current_mode = MatmulMode::kExact;
 
 // x rows quantized to int8: q [M, K], a scale per `block` values, sums of q per 16 values.
 struct Int8Rows {
-  int64_t K = 0, block = 0;
+  int64_t K = 0, block = 0, blocks_per_row = 0;  // the division once, not per weight row
   std::vector<int8_t> q;
   std::vector<float> d;
   std::vector<int16_t> sums;
 
   const int8_t* q_row(int64_t m) const { return q.data() + m * K; }
-  const float* d_row(int64_t m) const { return d.data() + m * (K / block); }
+  const float* d_row(int64_t m) const { return d.data() + m * blocks_per_row; }
   const int16_t* sums_row(int64_t m) const { return sums.data() + m * (K / 16); }
 };
 
@@ -46,6 +46,7 @@ Int8Rows quantize_rows(const float* x, int64_t M, int64_t K, int64_t block) {
   Int8Rows out;
   out.K = K;
   out.block = block;
+  out.blocks_per_row = K / block;
   out.q.resize(M * K);
   out.d.resize(M * K / block);
   out.sums.resize(M * K / 16);
@@ -66,28 +67,16 @@ Int8Rows quantize_rows(const float* x, int64_t M, int64_t K, int64_t block) {
   return out;
 }
 
-// Q4_K / Q5_K sub-block scales and minimums, 6 bits each in 12 bytes, as 8 + 8 bytes.
-inline void k_scales_mins(const uint8_t* packed, uint8_t* scales, uint8_t* mins) {
-  for (int j = 0; j < 8; ++j) {
-    int scale, min;
-    k_scale_min(packed, j, scale, min);
-    scales[j] = static_cast<uint8_t>(scale);
-    mins[j] = static_cast<uint8_t>(min);
-  }
-}
-
-// sum_j mins[j] * (sums of x sub-block j): the minimums' share of a Q4_K / Q5_K block.
-inline int k_min_sum(const uint8_t* mins, const int16_t* sums) {
-  int total = 0;
-  for (int j = 0; j < 8; ++j) total += mins[j] * (sums[2 * j] + sums[2 * j + 1]);
-  return total;
-}
-
-// sum_s scales[s] * (sums of x sub-block s): Q6_K's offset of 32 times this.
-inline int q6_offset_sum(const int8_t* scales, const int16_t* sums) {
-  int total = 0;
-  for (int s = 0; s < 16; ++s) total += scales[s] * sums[s];
-  return total;
+// Q4_K / Q5_K sub-block scales and minimums, 6 bits each in 12 bytes, as 8 scale bytes and 8 minimum bytes in
+// two words (llama.cpp's get_scale_min_k4 for every j at once, in 32-bit operations: no byte stores to reload).
+inline void k_scales_mins_packed(const uint8_t* packed, uint64_t& scales, uint64_t& mins) {
+  uint32_t u[3];
+  std::memcpy(u, packed, 12);
+  constexpr uint32_t kLow6 = 0x3F3F3F3F, kLow4 = 0x0F0F0F0F, kLow2 = 0x03030303;
+  const uint32_t scales_lo = u[0] & kLow6, scales_hi = (u[2] & kLow4) | (((u[0] >> 6) & kLow2) << 4);
+  const uint32_t mins_lo = u[1] & kLow6, mins_hi = ((u[2] >> 4) & kLow4) | (((u[1] >> 6) & kLow2) << 4);
+  scales = scales_lo | static_cast<uint64_t>(scales_hi) << 32;
+  mins = mins_lo | static_cast<uint64_t>(mins_hi) << 32;
 }
 
 #ifdef CARPOOL_SIMD
@@ -173,15 +162,18 @@ void dot_block_rows(const uint8_t* row, const Int8Rows& x, int64_t m0, float* ou
       }
     } else if constexpr (QT == kQ4_K || QT == kQ5_K) {
       const float d = half_to_float(p), dmin = half_to_float(p + 2);
-      alignas(16) uint8_t scales[16], mins[8];
-      k_scales_mins(p + 4, scales, mins);
+      uint64_t scales, mins;
+      k_scales_mins_packed(p + 4, scales, mins);
       // Sub-block j's scale in every int16 lane: 8 int16 scales in each 128-bit half, picked by a byte shuffle.
-      const __m256i scale16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scales))));
+      const __m256i scale16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<int64_t>(scales))));
+      // Each minimum twice, against x's sums of the two 16-value halves of its sub-block.
+      const __m128i min8 = _mm_cvtsi64_si128(static_cast<int64_t>(mins));
+      const __m256i min16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(min8, min8));
       const uint8_t* qs = p + (QT == kQ5_K ? 48 : 16);
       __m256i high;
       if constexpr (QT == kQ5_K) high = load256(p + 16);
-      __m256i isum[MR];
-      for (int i = 0; i < MR; ++i) isum[i] = _mm256_setzero_si256();
+      __m256i isum[MR][2];
+      for (int i = 0; i < MR; ++i) isum[i][0] = isum[i][1] = _mm256_setzero_si256();
       for (int c = 0; c < 4; ++c) {
         const __m256i raw = load256(qs + 32 * c);
         __m256i lo = _mm256_and_si256(raw, bytes(0x0F)), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), bytes(0x0F));
@@ -192,14 +184,16 @@ void dot_block_rows(const uint8_t* row, const Int8Rows& x, int64_t m0, float* ou
         }
         const __m256i s_lo = _mm256_shuffle_epi8(scale16, _mm256_set1_epi16(static_cast<int16_t>((4 * c + 1) << 8 | 4 * c)));
         const __m256i s_hi = _mm256_shuffle_epi8(scale16, _mm256_set1_epi16(static_cast<int16_t>((4 * c + 3) << 8 | (4 * c + 2))));
-        for (int i = 0; i < MR; ++i) {
-          isum[i] = dot_i16(isum[i], _mm256_maddubs_epi16(lo, load256(xq[i] + k0 + 64 * c)), s_lo);
-          isum[i] = dot_i16(isum[i], _mm256_maddubs_epi16(hi, load256(xq[i] + k0 + 64 * c + 32)), s_hi);
+        for (int i = 0; i < MR; ++i) {  // two accumulators: half the dependency chain of vpdpwssd
+          isum[i][0] = dot_i16(isum[i][0], _mm256_maddubs_epi16(lo, load256(xq[i] + k0 + 64 * c)), s_lo);
+          isum[i][1] = dot_i16(isum[i][1], _mm256_maddubs_epi16(hi, load256(xq[i] + k0 + 64 * c + 32)), s_hi);
         }
       }
       for (int i = 0; i < MR; ++i) {
-        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_set1_ps(d * xd[i][b]), acc[i]);
-        extra[i] -= dmin * xd[i][b] * static_cast<float>(k_min_sum(mins, xs[i] + 16 * b));
+        const __m256i min_sum = _mm256_madd_epi16(min16, load256(xs[i] + 16 * b));
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(isum[i][0], isum[i][1])),
+                                 _mm256_set1_ps(d * xd[i][b]), acc[i]);
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(min_sum), _mm256_set1_ps(-(dmin * xd[i][b])), acc[i]);
       }
     } else if constexpr (QT == kQ6_K) {
       const int8_t* scales = reinterpret_cast<const int8_t*>(p + 192);
@@ -224,10 +218,10 @@ void dot_block_rows(const uint8_t* row, const Int8Rows& x, int64_t m0, float* ou
             isum[i] = dot_i16(isum[i], _mm256_maddubs_epi16(q[k], load256(xq[i] + k0 + 128 * h + 32 * k)), s);
         }
       }
-      for (int i = 0; i < MR; ++i) {
-        const float scale = d * xd[i][b];
-        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_set1_ps(scale), acc[i]);
-        extra[i] -= scale * static_cast<float>(32 * q6_offset_sum(scales, xs[i] + 16 * b));
+      const __m256i scale16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales)));
+      for (int i = 0; i < MR; ++i) {  // minus 32 sum_s sc_s sum_s(q_x): the q - 32 offset
+        const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(scale16, load256(xs[i] + 16 * b)), 5);
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(isum[i], offset)), _mm256_set1_ps(d * xd[i][b]), acc[i]);
       }
     } else {
       static_assert(QT != QT, "not a GGML kernel type");
@@ -264,10 +258,10 @@ void dot_block_rows_scalar(const uint8_t* p, const Int8Rows& x, int64_t m, int64
     acc += half_to_float(p) * xd * static_cast<float>(dot);
     if constexpr (QT == kQ4_1) acc += half_to_float(p + 2) * (xd * static_cast<float>(sums[0] + sums[1]));
   } else if constexpr (QT == kQ4_K || QT == kQ5_K) {
-    uint8_t scales[8], mins[8];
-    k_scales_mins(p + 4, scales, mins);
+    uint64_t scales, mins;
+    k_scales_mins_packed(p + 4, scales, mins);
     const uint8_t* qs = p + (QT == kQ5_K ? 48 : 16);
-    int total = 0;
+    int total = 0, min_total = 0;
     for (int j = 0; j < 8; ++j) {
       int dot = 0;
       for (int i = 0; i < 32; ++i) {
@@ -275,13 +269,15 @@ void dot_block_rows_scalar(const uint8_t* p, const Int8Rows& x, int64_t m, int64
         if constexpr (QT == kQ5_K) q += ((p[16 + i] >> j) & 1) * 16;
         dot += q * xq[32 * j + i];
       }
-      total += scales[j] * dot;
+      total += static_cast<int>((scales >> 8 * j) & 0xFF) * dot;
+      min_total += static_cast<int>((mins >> 8 * j) & 0xFF) * (sums[2 * j] + sums[2 * j + 1]);
     }
     acc += half_to_float(p) * xd * static_cast<float>(total);
-    acc -= half_to_float(p + 2) * xd * static_cast<float>(k_min_sum(mins, sums));
+    acc -= half_to_float(p + 2) * xd * static_cast<float>(min_total);
   } else if constexpr (QT == kQ6_K) {
     const int8_t* scales = reinterpret_cast<const int8_t*>(p + 192);
-    int total = 0;
+    int total = 0, offset = 0;
+    for (int s = 0; s < 16; ++s) offset += scales[s] * sums[s];
     for (int h = 0; h < 2; ++h)
       for (int k = 0; k < 4; ++k)
         for (int half = 0; half < 2; ++half) {
@@ -295,7 +291,7 @@ void dot_block_rows_scalar(const uint8_t* p, const Int8Rows& x, int64_t m, int64
         }
     const float scale = half_to_float(p + 208) * xd;
     acc += scale * static_cast<float>(total);
-    acc -= scale * static_cast<float>(32 * q6_offset_sum(scales, sums));
+    acc -= scale * static_cast<float>(32 * offset);
   } else {
     static_assert(QT != QT, "not a GGML kernel type");
   }
