@@ -4,7 +4,7 @@
 import argparse
 
 from carpool.engine.config import DTYPES, EngineConfig
-from carpool.models.quantization import QUANTIZATION_MODES
+from carpool.models.quantization import MATMUL_MODES, QUANTIZATION_MODES
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -18,6 +18,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization", default=defaults.quantization, choices=list(QUANTIZATION_MODES),
                         help="weight format: auto keeps a GGUF file's Q4_0/Q4_1/Q8_0 blocks (CPU kernels), none "
                              "dequantizes to --dtype, q8_0/q4_1/q4_0 quantize at load (default: auto)")
+    parser.add_argument("--matmul", default=defaults.matmul, choices=list(MATMUL_MODES),
+                        help="block-format linear layers at decode: int8-dot quantizes activations to int8 and runs "
+                             "integer dot products (llama.cpp's method, faster), exact multiplies them as they are "
+                             f"(default: {defaults.matmul})")
     parser.add_argument("--block-size", type=int, default=defaults.block_size,
                         help=f"tokens per KV-cache block, the unit of paging and prefix sharing (default: "
                              f"{defaults.block_size})")

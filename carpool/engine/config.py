@@ -3,7 +3,7 @@ from dataclasses import dataclass
 import torch
 
 from carpool.kernels import kernel_path
-from carpool.models.quantization import QUANTIZATION_MODES
+from carpool.models.quantization import MATMUL_MODES, QUANTIZATION_MODES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -37,6 +37,10 @@ class EngineConfig:
     # them with block kernels (a decode step streams ~3x fewer bytes than bf16); "none" dequantizes everything
     # to `dtype`; "q8_0", "q4_1", "q4_0" quantize every weight matrix at load.
     quantization: str = "auto"
+    # How block-format linear layers multiply (carpool.models.quantization.MATMUL_MODES): "int8-dot" (llama.cpp's
+    # method) quantizes activations to int8 and runs integer dot products at decode's few rows, 2-3x faster at batch
+    # 1; "exact" dequantizes the weights and multiplies the activations as they are (bit-faithful to gguf-py).
+    matmul: str = "int8-dot"
     block_size: int = 16
     num_kv_blocks: int | None = None  # exact pool size; overrides kv_cache_gb
     kv_cache_gb: float = 1.0
@@ -68,5 +72,7 @@ class EngineConfig:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.quantization not in QUANTIZATION_MODES:
             raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, got {self.quantization!r}")
+        if self.matmul not in MATMUL_MODES:
+            raise ValueError(f"matmul must be one of {MATMUL_MODES}, got {self.matmul!r}")
         if self.priority_aging_seconds <= 0:
             raise ValueError(f"priority_aging_seconds must be > 0, got {self.priority_aging_seconds!r}")

@@ -21,6 +21,7 @@ from carpool.engine.sequence import Sequence
 from carpool.engine.structured.grammars import GrammarCompiler
 from carpool.engine.tiers import BY_NAME, DEFAULT_TIER, TIER_NAMES
 from carpool.models import load_model
+from carpool.models.quantization import set_matmul_mode
 
 
 class ContextLengthExceeded(ValueError):
@@ -177,6 +178,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         start = time.monotonic()
+        set_matmul_mode(self.config.matmul)  # per thread: each engine's steps run its own mode
         batch = self.scheduler.schedule()
         if not batch:
             return []

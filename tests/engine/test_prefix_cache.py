@@ -34,7 +34,7 @@ def chats():
 
 
 def test_outputs_identical_with_cache_on_and_off_over_100_conversations(llm, chats):
-    uncached = LLM(dtype="float32", max_num_seqs=32, enable_prefix_caching=False)
+    uncached = LLM(dtype="float32", max_num_seqs=32, enable_prefix_caching=False, matmul="exact")
     expected, _ = replay(uncached, chats)
     got, last_turn = replay(llm, chats)
     assert got == expected
@@ -79,7 +79,7 @@ def test_waiting_requests_with_a_shared_uncached_prefix_let_one_compute_it(llm, 
 
 
 def test_accounting_exact_under_eviction_preemption_and_abort(tokenizer):
-    small = LLM(dtype="float32", num_kv_blocks=24, max_num_seqs=8, max_num_batched_tokens=96)
+    small = LLM(dtype="float32", num_kv_blocks=24, max_num_seqs=8, max_num_batched_tokens=96, matmul="exact")
     engine = small.engine
     base = "Shared context about the solar system and its planets. " * 4
     own = first_human_turns(12, max_chars=300)

@@ -25,7 +25,8 @@ class RealModel:
 
     @cached_property
     def blocks(self) -> LLM:
-        return LLM(model=self.name, quantization="auto", dtype="float32", max_num_seqs=8, num_kv_blocks=512)
+        return LLM(model=self.name, quantization="auto", dtype="float32", max_num_seqs=8, num_kv_blocks=512,
+                   matmul="exact")
 
     @cached_property
     def hf(self):

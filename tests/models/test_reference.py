@@ -80,7 +80,7 @@ def test_bfloat16_tracks_float32(llm):
     """The bf16 path (the default where the CPU has bf16 units) stays close to the exact fp32 model."""
     from carpool import LLM
 
-    fast = LLM(dtype="bfloat16", max_num_seqs=8)
+    fast = LLM(dtype="bfloat16", max_num_seqs=8, matmul="exact")
     prompts = [llm.tokenizer.encode(p) for p in PROMPTS]
     params = SamplingParams(max_tokens=1, temperature=0, logprobs=5)
     exact = llm.generate(prompts, params)

@@ -1,0 +1,49 @@
+"""The `matmul` engine setting end to end: "int8-dot" (the default) and "exact" both generate, each engine's steps
+run its own mode even when two share a thread, and a bad value is refused naming the field."""
+
+import argparse
+
+import pytest
+import torch
+
+from carpool import LLM, SamplingParams
+from carpool.engine.args import add_engine_args, engine_config
+from carpool.engine.config import EngineConfig
+
+from test_reference import PROMPTS
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0)
+
+
+def logprobs(llm: LLM) -> list[list[float]]:
+    return [[token.logprob for token in output.logprobs] for output in llm.generate(PROMPTS[:2], GREEDY)]
+
+
+def test_exact_and_int8_dot_engines_each_run_their_own_mode():
+    assert EngineConfig().matmul == "int8-dot"
+    fast = LLM(dtype="float32", max_num_seqs=2, num_kv_blocks=32)
+    exact = LLM(dtype="float32", max_num_seqs=2, num_kv_blocks=32, matmul="exact")
+    fast_run, exact_run, fast_again = logprobs(fast), logprobs(exact), logprobs(fast)
+    assert fast_again == fast_run  # deterministic, and not left in the other engine's mode
+    # int8 activations move the logits a little: the LM head (2 rows) of the prefill step, every linear of a decode
+    # step (2 rows) after it
+    assert fast_run != exact_run
+    for fast_seq, exact_seq in zip(fast_run, exact_run):
+        assert abs(fast_seq[0] - exact_seq[0]) < 0.05  # the same context: only the LM head's rounding differs
+    assert torch.ops.carpool.get_matmul_mode() == 1  # the mode of this thread's last step
+    for llm in (fast, exact):
+        assert all(len(output.token_ids) == 8 for output in llm.generate(PROMPTS[:2], GREEDY))
+
+
+def test_a_bad_matmul_value_names_the_field():
+    with pytest.raises(ValueError, match="matmul"):
+        LLM(matmul="int4")
+
+
+def test_the_cli_flag_sets_the_field():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_config(parser.parse_args(["--matmul", "exact"])).matmul == "exact"
+    assert engine_config(parser.parse_args([])).matmul == "int8-dot"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--matmul", "int4"])
