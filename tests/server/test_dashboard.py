@@ -4,7 +4,7 @@ import math
 
 import pytest
 from fastapi.testclient import TestClient
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
 from carpool.economics.dashboard import ledger_panels
@@ -14,7 +14,8 @@ from carpool.economics.keys import create_key
 from carpool.economics.prices import load_price_sheet
 from carpool.engine.async_engine import AsyncEngine
 from carpool.server.app import create_app
-from carpool.server.dashboard.data import buckets, quantile, read_samples
+import carpool.server.dashboard.data as data_module
+from carpool.server.dashboard.data import DashboardData, buckets, quantile, read_samples
 from carpool.server.gate import OpenGate
 
 
@@ -111,3 +112,23 @@ def test_quantiles_interpolate_within_a_bucket_as_prometheus_does():
     histogram.observe(100.0)  # past every finite bound: the largest finite bound is all one can say
     assert quantile(0.99, buckets(read_samples(registry), "h")) == 4.0
     assert quantile(0.5, []) is None
+
+
+def test_the_window_is_the_newest_reading_old_enough(monkeypatch):
+    registry = CollectorRegistry()
+    counter = Counter("c", "test", registry=registry)
+    clock = [1000.0]
+    monkeypatch.setattr(data_module.time, "time", lambda: clock[0])
+    data = DashboardData(registry, [], started=900.0)
+
+    def window_after(seconds: float) -> float:
+        clock[0] += seconds
+        counter.inc()
+        return data.document()["window_seconds"]
+
+    assert window_after(0) == 100  # nothing remembered yet: since the server started
+    assert window_after(2) == 102  # a reading 2 s old is too young to be a window
+    assert window_after(3) == 5  # the oldest reading old enough
+    for _ in range(20):
+        window_after(2)
+    assert window_after(2) == pytest.approx(30, abs=2)  # the newest reading at least 30 s old

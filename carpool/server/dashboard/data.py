@@ -1,8 +1,9 @@
 """The numbers behind /dashboard, read from the registry /metrics renders, so the two always agree.
 
 Totals are the counters as /metrics shows them. Rates, quantiles and distributions cover a recent window: the
-difference between now and the newest reading at least WINDOW_SECONDS old (the server's start, with every
-counter at zero, until there is one), as Prometheus' `rate()` and `histogram_quantile()` over a range would.
+difference between now and the newest reading at least WINDOW_SECONDS old, as Prometheus' `rate()` and
+`histogram_quantile()` over a range would. Until there is one, the oldest reading at least MIN_WINDOW_SECONDS old
+(a page just opened), and before that the server's start, with every counter at zero.
 """
 
 import math
@@ -15,6 +16,7 @@ from prometheus_client import CollectorRegistry
 from carpool.engine.tiers import TIER_NAMES
 
 WINDOW_SECONDS = 30.0
+MIN_WINDOW_SECONDS = 4.0  # two refreshes of the page
 HISTORY_SECONDS = 4 * WINDOW_SECONDS
 QUANTILES = {"p50": 0.5, "p99": 0.99}
 
@@ -110,9 +112,10 @@ class DashboardData:
             while self._history and now - self._history[0][0] > HISTORY_SECONDS:
                 self._history.popleft()
             baseline = (self.started, {})
-            for at, old in self._history:
-                if now - at >= WINDOW_SECONDS:
-                    baseline = (at, old)
+            old_enough = [(at, old) for at, old in self._history if now - at >= MIN_WINDOW_SECONDS]
+            if old_enough:
+                full = [(at, old) for at, old in old_enough if now - at >= WINDOW_SECONDS]
+                baseline = full[-1] if full else old_enough[0]
             if not self._history or now - self._history[-1][0] >= 1.0:
                 self._history.append((now, samples))
             return baseline
