@@ -40,22 +40,23 @@ class _Format:
 
 
 class ChatFormat(_Format):
-    """With `parse_tools` (the request rendered tools), tool calls in the output become `tool_calls` and the
+    """With `tool_names` (the request rendered tools), tool calls in the output become `tool_calls` and the
     finish_reason "tool_calls"; a stream sends each call whole, once its closing tag is out."""
 
     response_object = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
-    def __init__(self, tokenizer, logprobs: bool, parse_tools: bool = False):
+    def __init__(self, tokenizer, logprobs: bool, tool_names: frozenset[str] | None = None):
         super().__init__(tokenizer, logprobs)
-        self.parsers: dict[int, ToolCallParser] | None = {} if parse_tools else None
+        self.tool_names = tool_names
+        self.parsers: dict[int, ToolCallParser] | None = {} if tool_names is not None else None
 
     def choice(self, choice: Choice) -> dict:
         output = choice.last
         message = {"role": "assistant", "content": output.text, "refusal": None}
         finish_reason = output.finish_reason
         if self.parsers is not None:
-            message["content"], calls = parse_tool_calls(output.text)
+            message["content"], calls = parse_tool_calls(output.text, self.tool_names)
             if calls:
                 message["tool_calls"], finish_reason = calls, "tool_calls"
         return {
@@ -68,7 +69,7 @@ class ChatFormat(_Format):
     def chunk_choice(self, choice: Choice, output: RequestOutput, first: bool) -> dict:
         delta, finish_reason = {"content": output.delta_text}, output.finish_reason
         if self.parsers is not None:
-            parser = self.parsers.setdefault(choice.index, ToolCallParser())
+            parser = self.parsers.setdefault(choice.index, ToolCallParser(self.tool_names))
             delta["content"], calls = parser.feed(output.text, output.finished)
             if calls:
                 delta["tool_calls"] = calls

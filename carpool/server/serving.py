@@ -97,7 +97,8 @@ class ModelServing:
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         gen = self._start(request, principal, [prompt_ids], max_tokens, logprobs, renamed,
                           structured=structured or self._structured(request))
-        return gen, ChatFormat(self.tokenizer, logprobs is not None, parse_tools=tools is not None)
+        names = None if tools is None else frozenset(tool["function"]["name"] for tool in tools)
+        return gen, ChatFormat(self.tokenizer, logprobs is not None, tool_names=names)
 
     def _tools(self, request: ChatCompletionRequest) -> tuple[list[dict] | None, StructuredOutput | None]:
         """The tools the chat template renders (None: no tools, or tool_choice "none") and, for tool_choice

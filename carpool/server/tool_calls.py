@@ -3,7 +3,8 @@
 
 `tool_choice` "required" or a named function constrains the output with a grammar of exactly such blocks, whose
 JSON is each function's own schema: the arguments always parse and validate. "auto" parses what the model
-chooses to write; "none" renders no tools and parses nothing.
+chooses to write, also a bare call with no tags (Qwen2.5-Coder 0.5B answers "What is the weather in Paris?"
+with just `{"name": "get_weather", "arguments": {...}}`); "none" renders no tools and parses nothing.
 """
 
 import json
@@ -32,14 +33,24 @@ def call_grammar(tools: list[dict], name: str | None, parallel: bool) -> Structu
 class ToolCallParser:
     """Splits one choice's output text into content and complete tool calls, as the text grows: `feed(text)`
     with the whole text so far returns what is new since the last feed. A call still being written (or the start
-    of an OPEN tag) is held back until it completes; at the end, whatever never became a call is content."""
+    of an OPEN tag) is held back until it completes; at the end, whatever never became a call is content. An
+    output that starts with "{" is held to the end: the whole of it may be a bare call of one of `tool_names`."""
 
-    def __init__(self):
+    def __init__(self, tool_names: frozenset[str]):
+        self.tool_names = tool_names
         self.cursor = 0  # text before this is sent, as content or calls
         self.pending = ""  # whitespace content held until something follows it (none is sent between calls)
         self.calls: list[dict] = []
 
     def feed(self, text: str, finished: bool) -> tuple[str, list[dict]]:
+        if self.cursor == 0 and text.lstrip().startswith("{"):
+            if not finished:
+                return "", []
+            call = _parse_call(text, 0)
+            if call is not None and call["function"]["name"] in self.tool_names:
+                self.calls.append(call)
+                self.cursor = len(text)
+                return "", [call]
         content, calls = "", []
         while True:
             start = text.find(OPEN, self.cursor)
@@ -93,9 +104,9 @@ def _parse_call(body: str, index: int) -> dict | None:
             "function": {"name": call["name"], "arguments": json.dumps(arguments, ensure_ascii=False)}}
 
 
-def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
+def parse_tool_calls(text: str, tool_names: frozenset[str]) -> tuple[str | None, list[dict]]:
     """A whole output's content (None when it is only calls) and its calls, without the stream's `index`."""
-    content, calls = ToolCallParser().feed(text, finished=True)
+    content, calls = ToolCallParser(tool_names).feed(text, finished=True)
     return (content.strip() or None) if calls else text, [{k: v for k, v in c.items() if k != "index"} for c in calls]
 
 

@@ -175,3 +175,18 @@ def test_metrics_count_constrained_requests_once_each(server, client):
     client.chat.completions.create(model=SMOL, messages=ASK, max_tokens=2)
     assert structured_count(server, SMOL, "choice") == before["choice"] + 1
     assert structured_count(server, SMOL, "json") == before["json"]
+
+
+def test_auto_tool_choice_parses_the_call_the_model_writes(client):
+    """Qwen2.5-Coder 0.5B writes a bare call (no <tool_call> tags) for this question, whole or streamed."""
+    whole = client.chat.completions.create(model=QWEN, messages=WEATHER_ASK, tools=[WEATHER, TIME], max_tokens=60,
+                                           temperature=0)
+    [call] = whole.choices[0].message.tool_calls
+    check_weather_call(call)
+    assert whole.choices[0].finish_reason == "tool_calls" and not whole.choices[0].message.content
+    stream = client.chat.completions.create(model=QWEN, messages=WEATHER_ASK, tools=[WEATHER, TIME], max_tokens=60,
+                                            temperature=0, stream=True)
+    deltas = [chunk.choices[0].delta for chunk in stream if chunk.choices]
+    [streamed] = [call for delta in deltas for call in delta.tool_calls or []]
+    assert streamed.function.arguments == call.function.arguments
+    assert not "".join(delta.content or "" for delta in deltas)

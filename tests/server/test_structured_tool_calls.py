@@ -5,11 +5,12 @@ import json
 
 from carpool.server.tool_calls import ToolCallParser, call_grammar, parse_tool_calls
 
+NAMES = frozenset({"get_weather"})
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
 
 def test_whole_output_with_two_calls_and_text():
-    content, calls = parse_tool_calls(f"Let me check.\n{CALL}\n{CALL.replace('Paris', 'Rome')}")
+    content, calls = parse_tool_calls(f"Let me check.\n{CALL}\n{CALL.replace('Paris', 'Rome')}", NAMES)
     assert content == "Let me check."
     assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Paris"}, {"city": "Rome"}]
     assert all(c["type"] == "function" and c["function"]["name"] == "get_weather" for c in calls)
@@ -17,16 +18,16 @@ def test_whole_output_with_two_calls_and_text():
 
 
 def test_text_without_calls_or_with_a_broken_call_stays_content():
-    assert parse_tool_calls("Just text.") == ("Just text.", [])
+    assert parse_tool_calls("Just text.", NAMES) == ("Just text.", [])
     broken = "<tool_call>\n{not json}\n</tool_call>"
-    assert parse_tool_calls(broken) == (broken, [])
+    assert parse_tool_calls(broken, NAMES) == (broken, [])
     cut = '<tool_call>\n{"name": "get_wea'  # max_tokens ended it mid-call
-    assert parse_tool_calls(cut) == (cut, [])
+    assert parse_tool_calls(cut, NAMES) == (cut, [])
 
 
 def test_streaming_holds_back_a_call_until_it_closes():
     text = f"Sure. {CALL}\n{CALL}"
-    parser, content, calls = ToolCallParser(), "", []
+    parser, content, calls = ToolCallParser(NAMES), "", []
     for end in range(1, len(text) + 1):
         delta, new = parser.feed(text[:end], finished=end == len(text))
         assert "<" not in delta  # not even the start of a tag reaches the content
@@ -41,3 +42,13 @@ def test_required_grammar_names_each_tool_and_its_schema():
     both, only_b = call_grammar(tools, None, True).value, call_grammar(tools, "b", False).value
     assert '"const": "a"' in both and '"const": "b"' in both and "call)*" in both
     assert '"const": "a"' not in only_b and "call)*" not in only_b
+
+
+def test_a_bare_call_of_a_known_tool_is_a_call_and_other_json_is_content():
+    bare = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    parser = ToolCallParser(NAMES)
+    assert parser.feed(bare[:20], finished=False) == ("", [])  # held: it may become a call
+    content, [call] = parser.feed(bare, finished=True)
+    assert content == "" and call["function"]["name"] == "get_weather"
+    other = '{"name": "Ann", "arguments": {}}'
+    assert parse_tool_calls(other, NAMES) == (other, [])
