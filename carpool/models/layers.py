@@ -5,6 +5,8 @@ MLPs, linears fused over several projections, and the decoder-only causal LM ske
 that will be sampled. Attention reads and writes the paged KV cache through `PagedAttention`.
 On the CPU the element-wise steps (RMSNorm, rotary, SwiGLU) run as fused kernels (`torch.ops.carpool`); each
 module's `forward_native` is the torch version, used on other devices and as the kernels' reference.
+A step of decodes only runs every decoder layer as one C++ call instead (`CausalLM.decode_stack`, the same
+kernels in the same order); the modules' forward stays its reference and runs prefill and mixed steps.
 Weights arrive as a state dict with Hugging Face names and values (carpool.models.loader); an architecture
 class says how its GGUF file names and stores them differently.
 """
