@@ -23,6 +23,9 @@ def free_port() -> int:
 
 class LiveServer:
     def __init__(self, *args: str, api_key: str | None = None, home: str | None = None):
+        # No warm-up: it runs every step shape once (seconds a server, minutes on a loaded CI machine) and these
+        # tests are about behaviour, not first-request latency (tests/server/test_warmup.py covers it).
+        args = ("--no-warmup", *args) if "--no-warmup" not in args else args
         self.args, self.api_key = args, api_key
         self.home = home or tempfile.mkdtemp(prefix="carpool-test-home-")
         self.port = free_port()
