@@ -5,6 +5,9 @@ A matcher catches up with its sequence's output lazily, at the next mask: whatev
 sampled token, several accepted draft tokens) needs no hook, and a sequence whose output no longer extends what
 the matcher consumed (rolled back) gets a fresh matcher replaying its output. Preemption keeps the output tokens,
 so a recomputed sequence continues from the same grammar state.
+
+Cost per step, one thread on the loaded dev machine: 0.25 / 0.5 / 1.8 ms for 1 / 8 / 32 constrained rows of
+SmolLM2's 49K vocabulary, 0.4 / 2.4 / 9.6 ms on Qwen2.5's 152K, mostly writing -inf across each row.
 """
 
 import weakref
