@@ -1,0 +1,105 @@
+"""Kernel micro-benchmark: ggml_linear at decode's few activation rows, matmul "exact" against "int8-dot" side by
+side in one run (the machine may be shared: compare the ratio, not the absolute figures).
+
+    python -m carpool.bench.gemv [--model qwen2.5-coder-1.5b] [--rows 1 4 8] [--threads 1 2]
+
+Q4_K and Q6_K come from the model's GGUF file (its largest tensor of each); Q4_0, Q4_1, Q5_0 and Q8_0 are the
+same shape quantized by gguf-py. GB/s counts the weight blocks one call streams. Then the error of one int8-dot
+call against the exact path.
+"""
+
+import argparse
+import functools
+import time
+
+import gguf
+import numpy as np
+import torch
+
+from carpool.kernels import kernel_path
+from carpool.models.catalog import model_path
+from carpool.models.quantization import MATMUL_MODES, set_matmul_mode
+
+Q = gguf.GGMLQuantizationType
+FILE_TYPES = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
+QUANTIZED_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0)
+
+
+def weights(model: str) -> dict:
+    """qtype -> uint8 blocks [rows, bytes]: the file's largest tensor of each K-quant type, and that shape in the
+    gguf-py formats."""
+    reader = gguf.GGUFReader(model_path(model))
+    found = {}
+    for tensor in reader.tensors:
+        if tensor.tensor_type in FILE_TYPES and len(tensor.shape) == 2 and tensor.name != "token_embd.weight":
+            best = found.get(tensor.tensor_type)
+            if best is None or tensor.n_bytes > best.n_bytes:
+                found[tensor.tensor_type] = tensor
+    out = {qtype: torch.from_numpy(np.array(t.data)) for qtype, t in found.items()}
+    cols, rows = (int(n) for n in found[Q.Q4_K].shape)
+    dense = np.random.default_rng(0).standard_normal((rows, cols)).astype(np.float32) * 0.02
+    for qtype in QUANTIZED_TYPES:
+        out[qtype] = torch.from_numpy(np.ascontiguousarray(gguf.quants.quantize(dense, qtype)))
+    return out
+
+
+def seconds_per_call(calls: dict, min_time: float = 0.1, rounds: int = 7) -> dict:
+    """name -> the fastest seconds per call over `rounds`, the candidates taking turns so both see the same load."""
+    counts = {}
+    for name, fn in calls.items():
+        fn()
+        start, n = time.perf_counter(), 0
+        while time.perf_counter() - start < 0.02:
+            fn()
+            n += 1
+        counts[name] = max(1, int(n * min_time / 0.02))
+    best = dict.fromkeys(calls, float("inf"))
+    for _ in range(rounds):
+        for name, fn in calls.items():
+            start = time.perf_counter()
+            for _ in range(counts[name]):
+                fn()
+            best[name] = min(best[name], (time.perf_counter() - start) / counts[name])
+    return best
+
+
+def linear(mode: str, x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch.Tensor:
+    set_matmul_mode(mode)
+    return torch.ops.carpool.ggml_linear(x, blocks, qtype)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen2.5-coder-1.5b")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8])
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    args = parser.parse_args()
+    blocks = weights(args.model)
+    print(f"kernel path {kernel_path()}, {args.dtype} activations; GB/s of weight blocks (ms per call)")
+    print("| format | shape | threads | rows | " + " | ".join(MATMUL_MODES) + " | speed-up |")
+    print("| --- | --- | --- | --- | " + " | ".join("---" for _ in MATMUL_MODES) + " | --- |")
+    for qtype, data in sorted(blocks.items()):
+        cols = data.shape[1] // gguf.GGML_QUANT_SIZES[qtype][1] * gguf.GGML_QUANT_SIZES[qtype][0]
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+            for rows in args.rows:
+                x = torch.randn(rows, cols).to(getattr(torch, args.dtype))
+                times = seconds_per_call({mode: functools.partial(linear, mode, x, data, int(qtype))
+                                          for mode in MATMUL_MODES})
+                cells = " | ".join(f"{data.numel() / t / 1e9:.1f} ({t * 1e3:.3f})" for t in times.values())
+                print(f"| {qtype.name} | {data.shape[0]}x{cols} | {threads} | {rows} | {cells} | "
+                      f"{times['exact'] / times['int8-dot']:.2f}x |", flush=True)
+    print("\nint8-dot against exact, one fp32 row of N(0, 1) activations: max |error| / max |y|, rms error / rms y")
+    for qtype, data in sorted(blocks.items()):
+        cols = data.shape[1] // gguf.GGML_QUANT_SIZES[qtype][1] * gguf.GGML_QUANT_SIZES[qtype][0]
+        x = torch.randn(1, cols)
+        exact, fast = (linear(mode, x, data, int(qtype)) for mode in MATMUL_MODES)
+        error = fast - exact
+        print(f"| {qtype.name} | {(error.abs().max() / exact.abs().max()).item():.2e} | "
+              f"{(error.norm() / exact.norm()).item():.2e} |")
+    set_matmul_mode("exact")
+
+
+if __name__ == "__main__":
+    main()
