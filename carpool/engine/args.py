@@ -45,6 +45,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help=f"tiers a request can gain by waiting at most (default: {defaults.max_priority_boost})")
     parser.add_argument("--num-threads", type=int, default=None,
                         help="torch threads on CPU (default: torch's own choice)")
+    parser.add_argument("--speculative-model", default=None, metavar="ngram|NAME|PATH",
+                        help="speculative decoding: 'ngram' (prompt lookup) or a draft model sharing the target's "
+                             "tokenizer; greedy and seeded outputs stay the target's (default: off)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=defaults.num_speculative_tokens,
+                        help=f"draft tokens per sequence and step at most; fewer, down to none, as the batch grows "
+                             f"(default: {defaults.num_speculative_tokens})")
+    parser.add_argument("--ngram-min", type=int, default=defaults.ngram_min,
+                        help=f"shortest n-gram the ngram drafter matches (default: {defaults.ngram_min})")
+    parser.add_argument("--ngram-max", type=int, default=defaults.ngram_max,
+                        help=f"longest n-gram the ngram drafter matches (default: {defaults.ngram_max})")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

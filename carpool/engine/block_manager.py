@@ -218,6 +218,18 @@ class BlockManager:
         table.clear()
         seq.num_computed_tokens = 0
 
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back seq's blocks past the first num_tokens tokens (rejected speculative tokens' slots). Those
+        blocks were never registered in the prefix cache: only computed, accepted tokens' blocks are."""
+        keep = cdiv(num_tokens, self.block_size)
+        del seq.block_hashes[num_tokens // self.block_size :]
+        for group in filter(None, (self, self.sliding)):
+            table = group.table(seq)
+            while len(table) > keep:
+                block_id = table.pop()
+                if block_id != getattr(group, "null_block", None):
+                    group._release(block_id)
+
     def _release(self, block_id: int) -> None:
         block = self.blocks[block_id]
         block.ref_count -= 1

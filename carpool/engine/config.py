@@ -56,6 +56,13 @@ class EngineConfig:
     priority_aging_seconds: float = 30.0
     max_priority_boost: int = 2
     num_threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
+    # Speculative decoding (carpool.engine.spec_decode): None = off; "ngram" = prompt lookup (drafts copied from
+    # the prompt and output so far, n-grams of ngram_min..ngram_max tokens); else a draft model (GGUF, directory
+    # or catalog name) sharing the target's tokenizer, with its own KV pool inside kv_cache_gb.
+    speculative_model: str | None = None
+    num_speculative_tokens: int = 4  # drafts per sequence per step at most; the engine picks 0..this by load
+    ngram_min: int = 1
+    ngram_max: int = 4
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -76,3 +83,9 @@ class EngineConfig:
             raise ValueError(f"matmul must be one of {MATMUL_MODES}, got {self.matmul!r}")
         if self.priority_aging_seconds <= 0:
             raise ValueError(f"priority_aging_seconds must be > 0, got {self.priority_aging_seconds!r}")
+        for name in ("num_speculative_tokens", "ngram_min", "ngram_max"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"ngram_min ({self.ngram_min}) must not exceed ngram_max ({self.ngram_max})")

@@ -14,10 +14,13 @@ from carpool.engine.kv_pools import kv_pool_sizes
 from carpool.engine.model_runner import ModelRunner
 from carpool.engine.outputs import RequestOutput
 from carpool.engine.request import EngineRequest
-from carpool.engine.sampler import sample
 from carpool.engine.sampling_params import SamplingParams, check_text
 from carpool.engine.scheduler import ScheduledBatch, Scheduler
 from carpool.engine.sequence import Sequence
+from carpool.engine.spec_decode import Speculator, SpecStepStats
+from carpool.engine.spec_decode.draft_model import DraftModelDrafter
+from carpool.engine.spec_decode.ngram import NgramDrafter
+from carpool.engine.spec_decode.rejection_sampler import sample_verified
 from carpool.engine.structured.grammars import GrammarCompiler
 from carpool.engine.tiers import BY_NAME, DEFAULT_TIER, TIER_NAMES
 from carpool.models import load_model
@@ -38,6 +41,7 @@ class StepStats:
     num_decode_tokens: int
     num_preemptions: int
     duration: float
+    spec: SpecStepStats | None = None  # None: the engine does not speculate
 
 
 class LLMEngine:
@@ -56,6 +60,9 @@ class LLMEngine:
         )
         block_bytes = ModelRunner.kv_bytes_per_block(self.model_config, self.config.block_size, self.dtype)
         num_sliding_layers = sum(1 for i in range(self.model_config.num_layers) if self.model_config.layer_window(i))
+        draft_model = self._load_draft_model(num_sliding_layers)
+        if draft_model is not None:  # its pool has as many blocks as the target's, inside the same budget
+            block_bytes += DraftModelDrafter.kv_bytes_per_block(draft_model, self.config.block_size, self.dtype)
         pools = kv_pool_sizes(self.config, self.model_config.num_layers, num_sliding_layers,
                               self.model_config.sliding_window or 0, block_bytes)
         self.block_manager = BlockManager(pools.full_blocks, self.config.block_size, self.config.enable_prefix_caching,
@@ -64,11 +71,39 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, pools.full_blocks, self.config.block_size, self.device, self.dtype,
                                   pools.window, pools.sliding_blocks)
         self.detokenizer = Detokenizer(self.tokenizer)
+        self.speculator = self._speculator(draft_model, pools.full_blocks)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
         # The n choices of a request (and its retries) share their bad words: each list is tokenized once.
         self._bad_words_token_ids = functools.lru_cache(maxsize=256)(self._spell_bad_words)
         self.seqs: dict[str, Sequence] = {}
         self.last_step: StepStats | None = None
+
+    def _load_draft_model(self, num_sliding_layers: int):
+        name = self.config.speculative_model
+        if name is None or name == "ngram":
+            return None
+        if num_sliding_layers:
+            raise ValueError("speculative_model: a draft model needs a target without sliding-window layers "
+                             "(use ngram)")
+        model, tokenizer, config = load_model(name, self.device, self.dtype, self.config.quantization)
+        probe = "def speculative(x):\n    return x  # Speculation, 12 tokens!"
+        if tokenizer.vocab_size != self.tokenizer.vocab_size or tokenizer.encode(probe) != self.tokenizer.encode(probe):
+            raise ValueError(f"speculative_model: {name} does not share the target model's tokenizer")
+        if any(config.layer_window(i) for i in range(config.num_layers)):
+            raise ValueError(f"speculative_model: {name} has sliding-window layers, which a draft cannot have")
+        return model
+
+    def _speculator(self, draft_model, num_blocks: int) -> Speculator | None:
+        config = self.config
+        if config.speculative_model is None:
+            return None
+        if draft_model is None:
+            drafter = NgramDrafter(config.ngram_min, config.ngram_max)
+        else:
+            drafter = DraftModelDrafter(config.speculative_model, draft_model, num_blocks, config.block_size,
+                                        self.device, self.dtype, self.model_config.vocab_size,
+                                        self.tokenizer.stop_token_ids, config.enable_prefix_caching)
+        return Speculator(drafter, config.num_speculative_tokens)
 
     # Requests ----------------------------------------------------------------------------------------
 
@@ -179,39 +214,58 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         start = time.monotonic()
         set_matmul_mode(self.config.matmul)  # per thread: each engine's steps run its own mode
+        if self.speculator:
+            self.speculator.plan(self.scheduler.running, self.max_model_len)
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        if self.speculator:
+            self.speculator.propose(batch)
+        forward_start = time.monotonic()
         logits, sampling = self.runner.run(batch)
-        tokens, logprobs = sample(logits, sampling, self.tokenizer.stop_token_ids) if sampling else ([], [])
-        outputs = self._postprocess(batch, dict(zip(map(id, sampling), zip(tokens, logprobs))))
-        self._record_step(batch, time.monotonic() - start)
+        sampled = sample_verified(logits, sampling, self.tokenizer.stop_token_ids) if sampling else []
+        spec = self.speculator.observe(batch, sampling, sampled, time.monotonic() - forward_start) \
+            if self.speculator else None
+        num_decode_tokens = sum(n for seq, n in zip(batch.seqs, batch.num_new_tokens)
+                                if n == 1 or seq.spec_token_ids)
+        outputs = self._postprocess(batch, dict(zip(map(id, sampling), sampled)))
+        self._record_step(batch, num_decode_tokens, spec, time.monotonic() - start)
         return outputs
 
     def _postprocess(self, batch: ScheduledBatch, sampled: dict) -> list[RequestOutput]:
         outputs = []
         now = time.monotonic()
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += num_new
-            self.block_manager.cache_full_blocks(seq)
+            drafts, seq.spec_token_ids, seq.spec_probs = seq.spec_token_ids, [], None
+            seq.num_computed_tokens += num_new - len(drafts)
             if id(seq) not in sampled:
+                self.block_manager.cache_full_blocks(seq)
                 continue
-            token, logprob = sampled[id(seq)]
             emitted_before = self.detokenizer.settled_length(seq)
-            seq.token_ids.append(token)
-            if logprob is not None:
-                seq.cumulative_logprob += logprob.logprob
-                if seq.params.logprobs is not None:
-                    seq.logprobs.append(logprob)
+            reason, appended = None, 0
+            for token, logprob in zip(*sampled[id(seq)]):  # accepted drafts, then the token that follows them
+                seq.token_ids.append(token)
+                appended += 1
+                if logprob is not None:
+                    seq.cumulative_logprob += logprob.logprob
+                    if seq.params.logprobs is not None:
+                        seq.logprobs.append(logprob)
+                reason = self._finish_reason(seq, token)
+                if reason:  # tokens past a stop, EOS or max_tokens are discarded, as if never drafted
+                    break
+            # Accepted drafts became tokens whose KV the pass computed; the newest token's is computed next step.
+            seq.num_computed_tokens = seq.num_tokens - 1
+            self.block_manager.cache_full_blocks(seq)
             seq.times.first_token = seq.times.first_token or now
             seq.times.last_token = now
-            reason = self._finish_reason(seq, token)
             if reason:
                 seq.finish_reason = reason
                 seq.times.finished = now
                 self.scheduler.remove(seq)
                 del self.seqs[seq.request_id]
-            outputs.append(self._output(seq, emitted_before, 1))
+            else:  # slots reserved for drafts that were rejected, or never proposed, go back
+                self.block_manager.truncate(seq, seq.num_tokens)
+            outputs.append(self._output(seq, emitted_before, appended))
         return outputs
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
@@ -247,8 +301,7 @@ class LLMEngine:
             times=dataclasses.replace(seq.times),  # a snapshot: the server reads it on another thread
         )
 
-    def _record_step(self, batch: ScheduledBatch, duration: float) -> None:
-        decode = sum(1 for n in batch.num_new_tokens if n == 1)
+    def _record_step(self, batch: ScheduledBatch, decode: int, spec: SpecStepStats | None, duration: float) -> None:
         self.last_step = StepStats(
             num_tokens=batch.num_tokens,
             num_seqs=len(batch.seqs),
@@ -256,4 +309,5 @@ class LLMEngine:
             num_decode_tokens=decode,
             num_preemptions=len(batch.preempted),
             duration=duration,
+            spec=spec,
         )

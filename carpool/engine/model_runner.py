@@ -58,7 +58,8 @@ class ModelRunner:
         return [table[p // size] * size + p % size for p in range(start, end)]
 
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor | None, list[Sequence]]:
-        """Forward the batch; returns logits [n, vocab] for the sequences that reached their last token."""
+        """Forward the batch; returns logits for the sequences that reached their last token: one row each, or
+        1 + len(spec_token_ids) rows for a sequence verifying drafts, in the order of the returned list."""
         order = sorted(
             range(len(batch.seqs)), key=lambda i: (batch.num_new_tokens[i] != 1, batch.seqs[i].num_computed_tokens)
         )
@@ -68,12 +69,14 @@ class ModelRunner:
         for i in order:
             seq, n = batch.seqs[i], batch.num_new_tokens[i]
             start = seq.num_computed_tokens
-            input_ids.extend(seq.token_ids[start : start + n])
+            # A sequence's speculative drafts follow its last token; each of them, and the token before them,
+            # gets a logits row (the verifier samples every position).
+            input_ids.extend((seq.token_ids[start:] + seq.spec_token_ids)[:n])
             positions.extend(range(start, start + n))
             runs.append((seq, offset, n))
             offset += n
-            if start + n == seq.num_tokens:
-                sampled_rows.append(offset - 1)
+            if start + n == seq.num_tokens + len(seq.spec_token_ids):
+                sampled_rows.extend(range(offset - 1 - len(seq.spec_token_ids), offset))
                 sampling.append(seq)
         metadata = self._metadata(runs, lambda seq: seq.block_table, window=0)
         if self.sliding_window:

@@ -48,10 +48,26 @@ def sample(
         if seq.params.greedy:
             continue
         probs = torch.softmax(_filtered_logits(logits[row], seq), dim=-1)
-        generator = torch.Generator(device=logits.device).manual_seed(_token_seed(seq))
         # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws a token with probability p.
-        noise = torch.empty_like(probs).exponential_(generator=generator)
+        noise = torch.empty_like(probs).exponential_(generator=token_generator(seq, logits.device))
         tokens[row] = int((probs / noise).argmax())
+    return tokens, token_logprobs(raw, tokens, seqs)
+
+
+def token_generator(seq: Sequence, device: torch.device, salt: int = 0) -> torch.Generator:
+    """The seeded stream of seq's next output position (`salt` != 0: another stream of the same position)."""
+    return torch.Generator(device=device).manual_seed(_token_seed(seq) ^ salt)
+
+
+def filtered_probs(logits: torch.Tensor, seq: Sequence, end_token_ids: frozenset[int]) -> torch.Tensor:
+    """One row of logits -> the distribution `sample` draws seq's next token from (at temperature > 0)."""
+    adjusted = adjust_logits(logits[None].float(), [seq], end_token_ids)[0]
+    return torch.softmax(_filtered_logits(adjusted, seq), dim=-1)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], seqs: list[Sequence]) -> list[TokenLogprob | None]:
+    """The model's own logprob of each row's token, and the top alternatives, for the rows that ask."""
+    raw = logits.float()
     logprobs: list[TokenLogprob | None] = [None] * len(seqs)
     wanted = [row for row, seq in enumerate(seqs) if seq.params.logprobs is not None or seq.params.ranked]
     if wanted:
@@ -64,4 +80,4 @@ def sample(
                 logprob=float(log_probs[i, tokens[row]]),
                 top=list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else [],
             )
-    return tokens, logprobs
+    return logprobs

@@ -103,6 +103,12 @@ class Scheduler:
         num_new = min(seq.num_tokens - seq.num_computed_tokens, self._budget(batch))
         if num_new == 0 or seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this step
             return
+        if seq.num_lookahead_tokens:  # slots for speculative drafts, from what is left over: they preempt no one
+            lookahead = min(seq.num_lookahead_tokens, self._budget(batch) - num_new) if num_new == 1 else 0
+            if not self.block_manager.can_allocate(seq, seq.num_computed_tokens + num_new + lookahead):
+                lookahead = 0
+            seq.num_lookahead_tokens = lookahead
+            num_new += lookahead
         while not self.block_manager.can_allocate(seq, seq.num_computed_tokens + num_new):
             victim = max((s for s in self.running if s not in batch.seqs), key=rank.__getitem__)
             self._preempt(victim, batch)

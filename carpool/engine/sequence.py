@@ -76,6 +76,12 @@ class Sequence:
         self.logprobs: list[TokenLogprob] = []
         self.cumulative_logprob = 0.0  # of the output tokens, kept when params.logprobs or params.ranked ask
         self.output_text = ""
+        # Speculative decoding, for one step: how many draft tokens the scheduler reserves KV slots for, the
+        # drafts proposed into them, and the draft's probability rows they were sampled from (None: each draft
+        # is a point mass, as n-gram lookup and greedy drafting propose).
+        self.num_lookahead_tokens = 0
+        self.spec_token_ids: list[int] = []
+        self.spec_probs = None
         self.times = SequenceTimes() if arrival is None else SequenceTimes(arrival=arrival)
 
     @property

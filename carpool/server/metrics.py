@@ -22,6 +22,7 @@ REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
                    480.0, 960.0, 1920.0, 7680.0)
 TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 SEQ_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+ACCEPTED_LENGTH_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 8, 10, 16)
 
 
 class ServerMetrics:
@@ -74,6 +75,14 @@ class ServerMetrics:
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.", model)
         self.prefix_blocks = gauge("prefix_cache_blocks", "KV blocks holding a cached prefix (in use or not).")
         self.prefix_hit_rate = gauge("prefix_cache_hit_rate", "prefix_cache_hits / prefix_cache_queries so far.")
+        drafter = ["model_name", "drafter"]
+        self.spec_drafts = counter("spec_decode_num_drafts", "Sequence-steps that verified speculative drafts.",
+                                   drafter)
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Speculative tokens proposed.", drafter)
+        self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Speculative tokens accepted.",
+                                            drafter)
+        self.spec_accepted_length = histogram("spec_decode_accepted_length", "Drafts accepted per verification.",
+                                              drafter, ACCEPTED_LENGTH_BUCKETS)
         self.models = {name: Metrics(self, name) for name in model_names}
 
     def render(self, snapshots: dict[str, EngineSnapshot]) -> bytes:
@@ -113,6 +122,8 @@ class Metrics:
             self.iteration_tokens.observe(stats.num_tokens)
             self.iteration_seqs.observe(stats.num_seqs)
             self.preemptions.inc(stats.num_preemptions)
+            if stats.spec is not None:
+                self._on_speculation(stats.spec)
         for output in outputs:
             token_at = output.times.last_token if output.times and output.delta_token_ids else None
             previous = self._last_token_at.get(output.request_id)
@@ -122,6 +133,14 @@ class Metrics:
                 self._last_token_at.pop(output.request_id, None)
             elif token_at is not None:
                 self._last_token_at[output.request_id] = token_at
+
+    def _on_speculation(self, spec) -> None:
+        families, labels = self.families, (self.model_name, spec.drafter)
+        families.spec_drafts.labels(*labels).inc(spec.num_drafts)
+        families.spec_draft_tokens.labels(*labels).inc(spec.num_draft_tokens)
+        families.spec_accepted_tokens.labels(*labels).inc(spec.num_accepted_tokens)
+        for length in spec.accepted_lengths:
+            families.spec_accepted_length.labels(*labels).observe(length)
 
     def on_first_output(self, tier: str, output: RequestOutput) -> None:
         self.families.prompt_tokens.labels(self.model_name, tier).inc(output.num_prompt_tokens)

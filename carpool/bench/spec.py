@@ -1,0 +1,118 @@
+"""`carpool bench spec`: the same prompts with and without speculative decoding, side by side in one run.
+
+For each workload (chat: opening prompts of chat_prompts.jsonl; docs: long_docs.jsonl transcripts with a
+question or summary request, where prompt lookup shines) and each stream count, the prompts run through a
+plain engine and through one engine per drafter (`ngram`, or a draft model sharing the target's tokenizer),
+all greedy with the same weights, N requests in flight at once. Speculation is adaptive: at a large batch the
+engine may verify no drafts at all, which is the point of the 32-stream row. Reported: output tokens per
+second, the speedup over the plain engine, the acceptance rate (accepted / proposed drafts) and the mean
+accepted length (drafts kept per verification).
+"""
+
+import argparse
+import itertools
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from carpool.bench.datasets import first_human_turns, long_docs
+from carpool.engine.args import add_engine_args, engine_config
+from carpool.engine.llm_engine import LLMEngine
+from carpool.engine.sampling_params import SamplingParams
+
+WORKLOADS = ("chat", "docs")
+
+
+def add_parser(modes) -> None:
+    parser = modes.add_parser("spec", help="speculative decoding: tok/s with and without, per drafter and load")
+    add_engine_args(parser)
+    parser.add_argument("--drafters", nargs="+", default=["ngram"],
+                        help="'ngram' and/or draft models (name or path) sharing --model's tokenizer")
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32], help="requests in flight at once")
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    parser.add_argument("--requests-per-stream", type=int, default=2, help="each stream runs this many in turn")
+    parser.add_argument("--max-tokens", type=int, default=128, help="output tokens per request at most")
+    parser.add_argument("--max-doc-chars", type=int, default=6000, help="skip longer transcripts")
+    parser.add_argument("--out", default="bench-results/spec.json", help="where the JSON report goes")
+    parser.set_defaults(func=main)
+
+
+def prompts_for(workload: str, engine: LLMEngine, count: int, max_doc_chars: int) -> list[str]:
+    if workload == "chat":
+        texts = first_human_turns(count, max_chars=2000)
+    else:
+        texts = [f"{doc['document']}\n\n{doc['question_or_instruction']} Quote the transcript where you can."
+                 for doc in long_docs() if len(doc["document"]) <= max_doc_chars][:count]
+    return [engine.tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
+
+
+def run(engine: LLMEngine, prompts: list[str], streams: int, max_tokens: int) -> dict:
+    """Keep `streams` requests in flight until every prompt is done; greedy, so every engine emits the same."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0)
+    queue, ids = list(prompts), itertools.count()
+    in_flight = output_tokens = drafted = accepted = verifications = 0
+    start = time.perf_counter()
+    while queue or engine.has_unfinished_requests():
+        while queue and in_flight < streams:
+            engine.add_request(f"spec-bench-{next(ids)}", queue.pop(0), params)
+            in_flight += 1
+        for output in engine.step():
+            output_tokens += len(output.delta_token_ids)
+            in_flight -= output.finished
+        spec = engine.last_step.spec if engine.last_step else None
+        if spec:
+            drafted += spec.num_draft_tokens
+            accepted += spec.num_accepted_tokens
+            verifications += spec.num_drafts
+    seconds = time.perf_counter() - start
+    return {
+        "seconds": seconds,
+        "output_tokens": output_tokens,
+        "output_tokens_per_s": output_tokens / seconds,
+        "draft_tokens": drafted,
+        "acceptance_rate": accepted / drafted if drafted else None,
+        "mean_accepted_length": accepted / verifications if verifications else None,
+    }
+
+
+def main(args: argparse.Namespace) -> int:
+    base_config = engine_config(args)
+    base_config.max_num_seqs = max(base_config.max_num_seqs, max(args.streams))
+    base_config.speculative_model = None  # the drafters come from --drafters
+    plain = LLMEngine(base_config)
+    engines = {}
+    for drafter in args.drafters:
+        config = engine_config(args)
+        config.max_num_seqs, config.speculative_model = base_config.max_num_seqs, drafter
+        engines[drafter] = LLMEngine(config)
+    rows = []
+    for workload in args.workloads:
+        for streams in args.streams:
+            prompts = prompts_for(workload, plain, streams * args.requests_per_stream, args.max_doc_chars)
+            row = {"workload": workload, "streams": streams, "plain": run(plain, prompts, streams, args.max_tokens)}
+            for drafter, engine in engines.items():
+                result = run(engine, prompts, streams, args.max_tokens)
+                result["speedup"] = result["output_tokens_per_s"] / row["plain"]["output_tokens_per_s"]
+                row[drafter] = result
+            rows.append(row)
+            print(_format_row(row, list(engines)), flush=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"model": args.model, "dtype": str(plain.dtype), "threads": torch.get_num_threads(),
+                               "num_speculative_tokens": args.num_speculative_tokens, "max_tokens": args.max_tokens,
+                               "results": rows}, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+def _format_row(row: dict, drafters: list[str]) -> str:
+    line = f"{row['workload']:>4} N={row['streams']:>2}  plain {row['plain']['output_tokens_per_s']:6.1f} tok/s"
+    for drafter in drafters:
+        r = row[drafter]
+        rate = f"{r['acceptance_rate']:.2f}" if r["acceptance_rate"] is not None else "-"
+        length = f"{r['mean_accepted_length']:.2f}" if r["mean_accepted_length"] is not None else "-"
+        line += (f" | {drafter} {r['output_tokens_per_s']:6.1f} tok/s x{r['speedup']:.2f} "
+                 f"(accept {rate}, mean accepted {length})")
+    return line

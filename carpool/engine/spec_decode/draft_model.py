@@ -1,0 +1,117 @@
+"""A small model that shares the target's tokenizer drafts k tokens per sequence, one batched forward pass
+per draft position, over a paged KV pool of its own (its own ModelRunner and BlockManager, as many blocks as
+the target's: the engine splits the KV budget between the two).
+
+Each target sequence has a shadow sequence here. Before drafting it is synced with the target: tokens past
+the last one both agree on (rejected drafts) are dropped, their KV with them, and the target's newer tokens
+are computed in the first pass along with the first draft. A sequence that leaves the running batch
+(finished, aborted, preempted) gives its shadow's blocks back.
+"""
+
+import torch
+
+from carpool.engine.block_manager import BlockManager, cdiv
+from carpool.engine.model_runner import ModelRunner
+from carpool.engine.sampler import filtered_probs, token_generator
+from carpool.engine.scheduler import ScheduledBatch
+from carpool.engine.sequence import Sequence
+from carpool.engine.spec_decode.rejection_sampler import Extended
+
+_DRAFT_STREAM = 0x5DEECE66D  # the draft's seeded stream at a position, apart from the target's at the same one
+
+
+class DraftModelDrafter:
+    def __init__(self, name: str, model, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype,
+                 target_vocab_size: int, end_token_ids: frozenset[int], enable_prefix_caching: bool):
+        self.name = name
+        self.model = model
+        self.runner = ModelRunner(model, num_blocks, block_size, device, dtype)
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.vocab_size = target_vocab_size
+        self.end_token_ids = end_token_ids
+        self.shadows: dict[int, Sequence] = {}  # target seq_id -> shadow
+        self.mirrored: dict[int, int] = {}  # target seq_id -> target tokens the shadow held at the last sync
+
+    @staticmethod
+    def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
+        return ModelRunner.kv_bytes_per_block(model.config, block_size, dtype)
+
+    def retain(self, seq_ids: set[int]) -> None:
+        """Free the shadows of sequences no longer running."""
+        for seq_id in [s for s in self.shadows if s not in seq_ids]:
+            self.block_manager.free(self.shadows.pop(seq_id))
+            del self.mirrored[seq_id]
+
+    def propose(self, seqs: list[Sequence]) -> None:
+        """Set each sequence's spec_token_ids (at most its num_lookahead_tokens) and spec_probs (None when the
+        request is greedy: drafts are the draft's argmax)."""
+        for seq in seqs:
+            seq.spec_token_ids, seq.spec_probs = [], None
+        active = [seq for seq in seqs if self._sync(seq)]
+        probs: dict[int, list[torch.Tensor]] = {seq.seq_id: [] for seq in active}
+        position = 0
+        while active:
+            batch = ScheduledBatch()
+            for seq in active:
+                shadow = self.shadows[seq.seq_id]
+                if not self.block_manager.can_allocate(shadow, shadow.num_tokens):
+                    continue  # the draft pool is full: this sequence stops drafting here
+                self.block_manager.allocate(shadow, shadow.num_tokens)
+                batch.seqs.append(shadow)
+                batch.num_new_tokens.append(shadow.num_tokens - shadow.num_computed_tokens)
+            if not batch:
+                break
+            logits, _ = self.runner.run(batch)
+            drafted = [seq for seq in active if self.shadows[seq.seq_id] in batch.seqs]
+            for row, seq in enumerate(drafted):
+                shadow = self.shadows[seq.seq_id]
+                shadow.num_computed_tokens = shadow.num_tokens
+                token = self._draft(logits[row, : self.vocab_size], seq, probs[seq.seq_id])
+                shadow.token_ids.append(token)
+                seq.spec_token_ids.append(token)
+            position += 1
+            active = [seq for seq in drafted if position < seq.num_lookahead_tokens]
+        for seq_id, rows in probs.items():
+            if rows:
+                seq = next(s for s in seqs if s.seq_id == seq_id)
+                seq.spec_probs = torch.stack(rows)
+
+    def _draft(self, logits: torch.Tensor, seq: Sequence, probs: list[torch.Tensor]) -> int:
+        """The next draft: the argmax for a greedy request, else a sample of the draft's filtered distribution
+        q (kept in probs for verification), from the request's seeded stream for that position."""
+        if logits.shape[-1] < self.vocab_size:  # a draft with a smaller embedding never proposes the rest
+            logits = torch.nn.functional.pad(logits, (0, self.vocab_size - logits.shape[-1]), value=float("-inf"))
+        if seq.params.greedy:
+            return int(logits.argmax())
+        view = Extended(seq, seq.spec_token_ids)
+        q = filtered_probs(logits, view, self.end_token_ids)
+        noise = torch.empty_like(q).exponential_(generator=token_generator(view, q.device, _DRAFT_STREAM))
+        probs.append(q)
+        return int((q / noise).argmax())
+
+    def _sync(self, seq: Sequence) -> bool:
+        """Bring seq's shadow up to seq's tokens; False when the draft pool has no room for it."""
+        shadow = self.shadows.get(seq.seq_id)
+        if shadow is None:
+            shadow = Sequence(seq.request_id, seq.token_ids, seq.params)
+            hits = self.block_manager.match_prefix(shadow)
+            if not self.block_manager.can_admit(shadow, hits, shadow.num_tokens - len(hits) * self.block_manager.block_size):
+                return False
+            self.block_manager.admit(shadow, hits)
+            self.shadows[seq.seq_id] = shadow
+            self.mirrored[seq.seq_id] = seq.num_tokens
+            return True
+        agreed = self.mirrored[seq.seq_id]
+        old = shadow.token_ids
+        while agreed < min(len(old), seq.num_tokens) and old[agreed] == seq.token_ids[agreed]:
+            agreed += 1
+        del old[agreed:]
+        old.extend(seq.token_ids[agreed:])
+        self.mirrored[seq.seq_id] = seq.num_tokens
+        shadow.num_computed_tokens = min(shadow.num_computed_tokens, agreed)
+        self.block_manager.truncate(shadow, shadow.num_computed_tokens)
+        # Only tokens the target agreed to reach the prefix cache: a block of drafts could be rejected later
+        # while its hash stayed registered.
+        self.block_manager.cache_full_blocks(shadow)
+        return True
+

@@ -1,0 +1,19 @@
+"""`carpool bench spec` runs end to end (tiny sizes, no timing asserts): the same greedy tokens with and
+without speculation, and the drafter's acceptance reported."""
+
+import json
+
+from carpool.cli import main
+
+
+def test_bench_spec_reports_both_engines_side_by_side(tmp_path):
+    out = tmp_path / "spec.json"
+    assert main(["bench", "spec", "--drafters", "ngram", "--streams", "2", "--workloads", "docs",
+                 "--requests-per-stream", "1", "--max-tokens", "8", "--max-doc-chars", "1500",
+                 "--dtype", "float32", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["workload"] == "docs" and row["streams"] == 2
+    plain, ngram = row["plain"], row["ngram"]
+    assert plain["output_tokens"] == ngram["output_tokens"] > 0
+    assert ngram["speedup"] > 0
+    assert plain["draft_tokens"] == 0
