@@ -31,7 +31,8 @@ def add_parser(modes) -> None:
     parser.add_argument("--drafters", nargs="+", default=["ngram"],
                         help="'ngram' and/or draft models (name or path) sharing --model's tokenizer")
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32], help="requests in flight at once")
-    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS,
+                        help="chat: opening prompts of chat_prompts.jsonl; docs: long_docs.jsonl document QA")
     parser.add_argument("--requests-per-stream", type=int, default=2, help="each stream runs this many in turn")
     parser.add_argument("--max-tokens", type=int, default=128, help="output tokens per request at most")
     parser.add_argument("--max-doc-chars", type=int, default=6000, help="skip longer transcripts")
