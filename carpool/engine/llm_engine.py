@@ -23,7 +23,8 @@ from carpool.engine.spec_decode.ngram import NgramDrafter
 from carpool.engine.spec_decode.rejection_sampler import sample_verified
 from carpool.engine.structured.grammars import GrammarCompiler
 from carpool.engine.tiers import BY_NAME, DEFAULT_TIER, TIER_NAMES
-from carpool.models import load_model
+from carpool.models import Tokenizer, load_model
+from carpool.models.loader import resolve_model_dir
 from carpool.models.quantization import set_matmul_mode
 
 
@@ -85,10 +86,11 @@ class LLMEngine:
         if num_sliding_layers:
             raise ValueError("speculative_model: a draft model needs a target without sliding-window layers "
                              "(use ngram)")
-        model, tokenizer, config = load_model(name, self.device, self.dtype, self.config.quantization)
+        tokenizer = Tokenizer.from_dir(resolve_model_dir(name))  # checked before its weights load
         probe = "def speculative(x):\n    return x  # Speculation, 12 tokens!"
         if tokenizer.vocab_size != self.tokenizer.vocab_size or tokenizer.encode(probe) != self.tokenizer.encode(probe):
             raise ValueError(f"speculative_model: {name} does not share the target model's tokenizer")
+        model, _, config = load_model(name, self.device, self.dtype, self.config.quantization)
         if any(config.layer_window(i) for i in range(config.num_layers)):
             raise ValueError(f"speculative_model: {name} has sliding-window layers, which a draft cannot have")
         return model

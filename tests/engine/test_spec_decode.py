@@ -188,6 +188,11 @@ def test_a_request_can_opt_out(ngram_llm):
         SamplingParams(speculative="no")
 
 
+def test_a_draft_model_must_share_the_target_s_tokenizer():
+    with pytest.raises(ValueError, match="speculative_model: qwen2.5-coder-0.5b does not share"):
+        LLM(speculative_model="qwen2.5-coder-0.5b")  # SmolLM2's tokenizer is another
+
+
 def test_ngram_lookup_prefers_the_longest_latest_match():
     tokens = [1, 2, 3, 9, 2, 3, 7, 8, 1, 2, 3]
     assert propose_ngram(tokens, 2, 1, 3) == [9, 2]  # "1 2 3" occurred once, followed by 9 2
