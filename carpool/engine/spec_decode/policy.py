@@ -4,7 +4,8 @@ Verifying k drafts for each of B decoding sequences makes the target compute B (
 yields B (1 - a^(k+1)) / (1 - a) tokens on average (a: a draft's acceptance probability; Leviathan et al.).
 Decode is bandwidth-bound at small B, so the extra tokens are nearly free; as B grows the step turns
 compute-bound and they cost their full price. The step's time is measured, not assumed: a line
-seconds = fixed + per_token * tokens fitted over recent steps (prefill chunks supply the slope), plus the
+seconds = fixed + per_token * tokens fitted over recent decode steps, plain and verifying (their mix supplies
+the slope; once the policy stops speculating, those points fade and speculation is tried again), plus the
 drafter's own time per pass. The policy picks the k with the best expected tokens per second, and 0 unless
 speculation beats plain decoding by a margin, so a large batch decodes as it would without speculation.
 """

@@ -62,7 +62,10 @@ class Speculator:
 
     def observe(self, batch: ScheduledBatch, sampling: list[Sequence], sampled: list[tuple[list[int], list]],
                 forward_seconds: float) -> SpecStepStats:
-        self.policy.target.observe(batch.num_tokens, forward_seconds)
+        # Only decode steps (plain and verifying) teach the cost model: a prefill chunk's tokens run as one
+        # matmul-efficient segment and would make verified tokens look cheaper than they are.
+        if all(n == 1 + len(seq.spec_token_ids) for seq, n in zip(batch.seqs, batch.num_new_tokens)):
+            self.policy.target.observe(batch.num_tokens, forward_seconds)
         stats = SpecStepStats(self.drafter.name)
         rejections = 0
         for seq, (tokens, _) in zip(sampling, sampled):
