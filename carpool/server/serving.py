@@ -122,7 +122,10 @@ class ModelServing:
         if self._structured(request) is not None:
             raise APIError(400, "tool_choice: a required or named tool call cannot be combined with "
                                 "response_format or structured_outputs", param="tool_choice")
-        return tools, call_grammar(tools, name, request.parallel_tool_calls is not False)
+        try:  # the grammar of many large tools can pass the spec size limit: the client's error, not ours
+            return tools, call_grammar(tools, name, request.parallel_tool_calls is not False)
+        except ValueError as error:
+            raise APIError.from_value_error(error, type(request).model_fields) from error
 
     @staticmethod
     def _structured(request: GenerationRequest) -> StructuredOutput | None:

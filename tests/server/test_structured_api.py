@@ -145,6 +145,9 @@ def test_a_model_without_tool_support_is_400_naming_it(client):
     ({"guided_regex": "a" * 70_000}, "guided_regex", "at most"),
     ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_choice", "only one"),
     ({"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": [WEATHER]}, "tool_choice", "nope"),
+    ({"tool_choice": "required", "tools": [{"type": "function", "function": {"name": f"f{i}", "parameters": {
+        "type": "object", "properties": {f"p{j}": {"type": "string"} for j in range(40)}}}} for i in range(128)]},
+     "tools", "at most"),
 ])
 def test_bad_constraints_are_400_naming_the_parameter(client, fields, param, words):
     with pytest.raises(openai.BadRequestError) as raised:
