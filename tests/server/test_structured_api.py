@@ -110,6 +110,13 @@ def test_required_and_named_tool_calls_parse_against_the_schema(client):
     check_weather_call(call, "get_time")
 
 
+def test_a_required_call_ends_after_the_call_instead_of_repeating_it_until_max_tokens(client):
+    response = client.chat.completions.create(model=QWEN, messages=WEATHER_ASK, tools=[WEATHER],
+                                              tool_choice="required", max_tokens=150, temperature=0)
+    assert response.choices[0].finish_reason == "tool_calls" and response.choices[0].message.tool_calls
+    assert response.usage.completion_tokens < 75  # one call is about 25 tokens; the model may not be forced on
+
+
 def test_streamed_tool_calls_and_the_tool_result_turn(client):
     stream = client.chat.completions.create(model=QWEN, messages=WEATHER_ASK, tools=[WEATHER], max_tokens=60,
                                             tool_choice="required", temperature=0, stream=True)
