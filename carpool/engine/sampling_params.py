@@ -23,6 +23,7 @@ class SamplingParams:
     one of these words (as the tokenizer spells it, with or without a leading space) is never picked.
     best_of: generate this many candidates and keep the one with the highest cumulative logprob.
     structured: what the output must match (a JSON schema, regex, choice or grammar); None: unconstrained.
+    It excludes min_tokens and bad_words, which could ban every token the grammar allows.
     """
 
     max_tokens: int = 16
@@ -86,6 +87,11 @@ class SamplingParams:
             raise ValueError(f"speculative must be true or false, got {self.speculative!r}")
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise ValueError(f"structured must be a StructuredOutput, got {type(self.structured).__name__}")
+        # Both ban tokens before the grammar's mask: when they ban every token the grammar allows, the row is all
+        # -inf and token 0 comes out (measured: guided_choice ["yes"] with min_tokens 8 gave "yes!!!!!!!", "stop").
+        for name in ("min_tokens", "bad_words") if self.structured is not None else ():
+            if getattr(self, name):
+                raise ValueError(f"{name} cannot be combined with a structured output constraint")
 
     def _check_logit_bias(self) -> None:
         if not isinstance(self.logit_bias, dict) or not _token_ids(list(self.logit_bias)):

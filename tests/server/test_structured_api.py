@@ -151,6 +151,8 @@ def test_a_model_without_tool_support_is_400_naming_it(client):
     ({"guided_regex": "(a"}, "guided_regex", "unclosed group"),
     ({"guided_regex": "a" * 70_000}, "guided_regex", "at most"),
     ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_choice", "only one"),
+    ({"guided_choice": ["yes"], "min_tokens": 2}, "min_tokens", "structured"),
+    ({"guided_regex": "yes", "bad_words": ["yes"]}, "bad_words", "structured"),
     ({"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": [WEATHER]}, "tool_choice", "nope"),
     ({"tool_choice": "required", "tools": [{"type": "function", "function": {"name": f"f{i}", "parameters": {
         "type": "object", "properties": {f"p{j}": {"type": "string"} for j in range(40)}}}} for i in range(128)]},
