@@ -45,7 +45,8 @@ class ToolCallParser:
         self.calls: list[dict] = []
 
     def feed(self, text: str, finished: bool) -> tuple[str, list[dict]]:
-        if self.cursor == 0 and text.lstrip().startswith("{"):
+        # No content sent yet (a whitespace-only first delta moves the cursor but is held in `pending`).
+        if not text[:self.cursor].strip() and not self.calls and text.lstrip().startswith("{"):
             if not finished:
                 return "", []
             call = _parse_call(text, 0)

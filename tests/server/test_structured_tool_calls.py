@@ -52,3 +52,14 @@ def test_a_bare_call_of_a_known_tool_is_a_call_and_other_json_is_content():
     assert content == "" and call["function"]["name"] == "get_weather"
     other = '{"name": "Ann", "arguments": {}}'
     assert parse_tool_calls(other, NAMES) == (other, [])
+
+
+def test_a_bare_call_after_a_whitespace_first_delta_streams_as_a_call_like_the_whole_output():
+    text = '\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    parser, content, calls = ToolCallParser(NAMES), "", []
+    for end in (1, 11, len(text)):
+        delta, new = parser.feed(text[:end], finished=end == len(text))
+        content, calls = content + delta, calls + new
+    assert content == "" and [c["function"]["name"] for c in calls] == ["get_weather"]
+    assert parse_tool_calls(text, NAMES)[1][0]["function"]["arguments"] == calls[0]["function"]["arguments"]
+
