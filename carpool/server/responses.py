@@ -58,7 +58,8 @@ class ChatFormat(_Format):
         if self.parsers is not None:
             message["content"], calls = parse_tool_calls(output.text, self.tool_names)
             if calls:
-                message["tool_calls"], finish_reason = calls, "tool_calls"
+                message["tool_calls"] = calls
+                finish_reason = _tool_calls_finish(finish_reason)
         return {
             "index": choice.index,
             "message": message,
@@ -74,7 +75,7 @@ class ChatFormat(_Format):
             if calls:
                 delta["tool_calls"] = calls
             if parser.calls and output.finished:
-                finish_reason = "tool_calls"
+                finish_reason = _tool_calls_finish(finish_reason)
         return {
             "index": choice.index,
             "delta": {"role": "assistant"} | delta if first else delta,
@@ -90,6 +91,12 @@ class ChatFormat(_Format):
         content = [entry(lp.token_id, lp.logprob) | {"top_logprobs": [entry(t, p) for t, p in lp.top]}
                    for lp in logprobs]
         return {"content": content, "refusal": None}
+
+
+def _tool_calls_finish(engine_reason: str | None) -> str | None:
+    """A choice with calls finishes "tool_calls", unless max_tokens cut it: then "length" (as OpenAI and vLLM
+    report it), so a client can tell that a call may be missing; the unclosed `<tool_call>` text stays content."""
+    return engine_reason if engine_reason == "length" else "tool_calls"
 
 
 class CompletionFormat(_Format):

@@ -2,7 +2,9 @@
 text streams in, with nothing of a call leaking into the content."""
 
 import json
+from types import SimpleNamespace
 
+from carpool.server.responses import ChatFormat
 from carpool.server.tool_calls import ToolCallParser, call_grammar, parse_tool_calls
 
 NAMES = frozenset({"get_weather"})
@@ -63,3 +65,14 @@ def test_a_bare_call_after_a_whitespace_first_delta_streams_as_a_call_like_the_w
     assert content == "" and [c["function"]["name"] for c in calls] == ["get_weather"]
     assert parse_tool_calls(text, NAMES)[1][0]["function"]["arguments"] == calls[0]["function"]["arguments"]
 
+
+def test_a_cut_off_output_with_calls_finishes_length_and_keeps_the_unclosed_call_as_content():
+    cut = f'{CALL}\n<tool_call>\n{{"name": "get_wea'
+    for engine_reason, expected in (("length", "length"), ("stop", "tool_calls")):
+        output = SimpleNamespace(text=cut, delta_text=cut, finish_reason=engine_reason, finished=True, logprobs=None,
+                                 delta_logprobs=[])
+        whole = ChatFormat(None, False, NAMES).choice(SimpleNamespace(index=0, last=output))
+        assert whole["finish_reason"] == expected and len(whole["message"]["tool_calls"]) == 1
+        assert whole["message"]["content"].startswith("<tool_call>")
+        chunk = ChatFormat(None, False, NAMES).chunk_choice(SimpleNamespace(index=0), output, first=True)
+        assert chunk["finish_reason"] == expected and len(chunk["delta"]["tool_calls"]) == 1
