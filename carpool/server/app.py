@@ -82,12 +82,20 @@ def create_app(
         app.include_router(batches.router)
     app.include_router(dashboard_router(engines, metrics, time.time(), batches, ledger_panels))
 
+    async def _compile_constraint(body: ChatCompletionRequest | CompletionRequest) -> None:
+        """Off the event loop (see ModelServing.compile_constraint), and no thread hop for requests without one."""
+        spec = serving.constraint(body)
+        if spec is not None:
+            await asyncio.to_thread(serving.compile_constraint, body, spec)
+
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request, caller: Caller):
+        await _compile_constraint(body)
         return await _respond(request, *serving.start_chat(body, caller), body.stream, body.stream_options)
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request, caller: Caller):
+        await _compile_constraint(body)
         return await _respond(request, *serving.start_completion(body, caller), body.stream, body.stream_options)
 
     @app.get("/v1/models")
