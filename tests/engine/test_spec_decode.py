@@ -109,9 +109,14 @@ def test_seeded_sampling_with_ngram_drafts_is_the_plain_sample(llm, ngram_llm):
 
 
 def test_seeded_sampling_with_a_draft_model_reproduces(draft_llm):
-    params = [SamplingParams(max_tokens=12, temperature=0.8, seed=s) for s in range(4)]
-    first = [o.token_ids for o in draft_llm.generate(PROMPTS[:4], params)]
-    assert [o.token_ids for o in draft_llm.generate(PROMPTS[:4], params)] == first
+    """Sampled drafts go through rejection sampling; logprobs follow the tokens it emits."""
+    totals = counting(draft_llm)
+    params = [SamplingParams(max_tokens=12, temperature=0.8, seed=s, logprobs=1) for s in range(4)]
+    first = draft_llm.generate(PROMPTS[:4], params)
+    assert [o.token_ids for o in draft_llm.generate(PROMPTS[:4], params)] == [o.token_ids for o in first]
+    for output in first:
+        assert [lp.token_id for lp in output.logprobs] == output.token_ids
+    assert totals["draft"] > totals["accepted"] > 0
 
 
 @pytest.mark.parametrize("drafter", ["ngram_llm", "draft_llm"])

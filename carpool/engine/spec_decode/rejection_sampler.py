@@ -59,7 +59,7 @@ def sample_verified(logits: torch.Tensor, seqs: list[Sequence], end_token_ids: f
             probs = torch.stack([filtered_probs(logits[row + j], view, end_token_ids) for j, view in enumerate(rows)])
             emitted = rejection_sample(probs, seq.spec_probs, seq.spec_token_ids,
                                        [token_generator(view, logits.device) for view in rows])
-            results.append((emitted, token_logprobs(logits[row : row + len(emitted)], emitted, rows)))
+            results.append((emitted, token_logprobs(logits[row : row + len(emitted)], emitted, rows[: len(emitted)])))
         row += k + 1
     return results
 
