@@ -80,7 +80,10 @@ def create_app(
     app.add_middleware(RequestId)  # outermost: every response carries x-request-id, a 401 or 413 too
     if batches:
         app.include_router(batches.router)
-    app.include_router(dashboard_router(engines, metrics, time.time(), batches, ledger_panels))
+    # Admin-only whenever keys come from a key store (which has admins), not only when the ledger panels are
+    # shown: a later panel must not reach tenants because a caller left `ledger_panels` out.
+    app.include_router(dashboard_router(engines, metrics, time.time(), batches, ledger_panels,
+                                        admin_only=not isinstance(gate, OpenGate)))
 
     async def _compile_constraint(body: ChatCompletionRequest | CompletionRequest) -> None:
         """Off the event loop (see ModelServing.compile_constraint), and no thread hop for requests without one."""

@@ -48,6 +48,16 @@ def test_with_a_ledger_only_an_admin_key_reads_the_data_but_the_page_is_open(led
     assert http.get("/dashboard/data", headers=bearer(admin)).status_code == 200
 
 
+def test_a_ledger_gate_makes_the_data_admin_only_even_without_the_ledger_panels(llm, tmp_path):
+    conn = connect(tmp_path / "carpool.db")
+    _, tenant = create_key(conn, "acme")
+    conn.close()
+    gate = LedgerGate(tmp_path / "carpool.db", load_price_sheet(None))
+    with TestClient(create_app(AsyncEngine(engine=llm.engine), gate, "tiny")) as http:
+        assert http.get("/dashboard/data", headers=bearer(tenant)).status_code == 403
+    gate.close()
+
+
 def test_spend_and_tenant_cost_come_from_the_ledger(ledger_server):
     http, admin, tenant, tenant_key = ledger_server
     response = http.post("/v1/completions", headers=bearer(tenant),

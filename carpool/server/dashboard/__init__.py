@@ -31,7 +31,8 @@ def _static(name: str) -> str:
 
 
 def dashboard_router(engines: dict[str, AsyncEngine], metrics: ServerMetrics, started: float,
-                     batches: BatchService | None, ledger_panels: Callable[[], dict] | None) -> APIRouter:
+                     batches: BatchService | None, ledger_panels: Callable[[], dict] | None,
+                     admin_only: bool) -> APIRouter:
     router = APIRouter()
     data = DashboardData(metrics.registry, list(engines), started)
     page, script = _static("index.html"), _static("dashboard.js")
@@ -47,7 +48,7 @@ def dashboard_router(engines: dict[str, AsyncEngine], metrics: ServerMetrics, st
     # A plain `def`: FastAPI runs it on its thread pool, so the ledger's report never stalls the event loop.
     @router.get("/dashboard/data")
     def dashboard_data(principal: Annotated[Principal, Depends(request_principal)]) -> dict:
-        if ledger_panels is not None and not principal.is_admin:
+        if admin_only and not principal.is_admin:
             raise APIError(403, "The dashboard needs an admin key.", code="admin_key_required")
         for name, engine in engines.items():  # the gauges /metrics would set before rendering
             metrics.models[name].set_gauges(engine.snapshot())
