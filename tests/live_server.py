@@ -22,11 +22,11 @@ def free_port() -> int:
 
 
 class LiveServer:
-    def __init__(self, *args: str, api_key: str | None = None, home: str | None = None):
-        # No warm-up: it runs every step shape once (seconds a server, minutes on a loaded CI machine) and these
-        # tests are about behaviour, not first-request latency (tests/server/test_warmup.py covers it).
-        args = ("--no-warmup", *args) if "--no-warmup" not in args else args
-        self.args, self.api_key = args, api_key
+    def __init__(self, *args: str, api_key: str | None = None, home: str | None = None, warmup: bool = False):
+        # No warm-up unless asked: it runs every step shape once (seconds a server, minutes on a loaded CI
+        # machine) and most tests are about behaviour, not first-request latency (tests/server/test_warmup.py).
+        args = args if warmup or "--no-warmup" in args else ("--no-warmup", *args)
+        self.args, self.api_key, self.warmup = args, api_key, warmup
         self.home = home or tempfile.mkdtemp(prefix="carpool-test-home-")
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -74,7 +74,7 @@ class LiveServer:
 
     def restart(self) -> "LiveServer":
         """A new process on the same ledger and batch folder."""
-        return LiveServer(*self.args, api_key=self.api_key, home=self.home)
+        return LiveServer(*self.args, api_key=self.api_key, home=self.home, warmup=self.warmup)
 
     def client(self, **options) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=self.api_key or "unused", max_retries=0, **options)

@@ -129,7 +129,7 @@ class WatchedServer(LiveServer):
 
 
 def test_carpool_serve_says_warming_before_it_says_ok():
-    live = WatchedServer("--max-num-seqs", "4")
+    live = WatchedServer("--max-num-seqs", "4", warmup=True)
     try:
         name = httpx.get(f"{live.url}/v1/models").json()["data"][0]["id"]
     finally:
