@@ -2,7 +2,6 @@
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -12,13 +11,9 @@ import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
+from carpool.bench.local_server import free_port, wait_healthy
+
 STARTUP_SECONDS = 180
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 class LiveServer:
@@ -41,15 +36,9 @@ class LiveServer:
         )
         self._wait_ready()
 
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + STARTUP_SECONDS
-        while time.monotonic() < deadline and self.process.poll() is None:
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+    def _wait_ready(self, on_answer=None) -> None:
+        if wait_healthy(self.url, self.process, STARTUP_SECONDS, on_answer):
+            return
         self.stop()
         raise AssertionError(f"carpool serve did not become healthy:\n{self.output()}")
 

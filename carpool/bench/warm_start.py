@@ -9,7 +9,6 @@ Prints one line per trial and, per mode, the median first/steady ratio and the m
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -18,15 +17,11 @@ import time
 
 import httpx
 
+from carpool.bench.local_server import free_port, wait_healthy
+
 PROMPT = [{"role": "user", "content": "Write a haiku about carpools."}]
 REQUESTS = 6  # the first, one more, and four whose median is the steady state
 STARTUP_SECONDS = 600
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def time_to_first_token(url: str, model: str) -> float:
@@ -48,15 +43,8 @@ def trial(serve_flags: list[str]) -> dict:
     server = subprocess.Popen([sys.executable, "-m", "carpool.cli", "serve", "--port", str(port), "--log-level",
                                "warning", *serve_flags], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        while True:
-            if server.poll() is not None or time.monotonic() - start > STARTUP_SECONDS:
-                raise RuntimeError(f"carpool serve {' '.join(serve_flags)} did not become healthy")
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
+        if not wait_healthy(url, server, STARTUP_SECONDS):
+            raise RuntimeError(f"carpool serve {' '.join(serve_flags)} did not become healthy")
         ready = time.monotonic() - start
         model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
         times = [time_to_first_token(url, model) for _ in range(REQUESTS)]
