@@ -25,7 +25,7 @@ from carpool.engine.structured.grammars import GrammarCompiler
 from carpool.engine.tiers import BY_NAME, DEFAULT_TIER, TIER_NAMES
 from carpool.models import Tokenizer, load_model
 from carpool.models.loader import resolve_model_dir
-from carpool.models.quantization import set_matmul_mode
+from carpool.models.quantization import matmul_mode
 
 
 class ContextLengthExceeded(ValueError):
@@ -214,8 +214,11 @@ class LLMEngine:
     # The loop ----------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        with matmul_mode(self.config.matmul):  # per thread and per step: each engine's steps run its own mode
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         start = time.monotonic()
-        set_matmul_mode(self.config.matmul)  # per thread: each engine's steps run its own mode
         if self.speculator:
             self.speculator.plan(self.scheduler.running, self.max_model_len)
         batch = self.scheduler.schedule()

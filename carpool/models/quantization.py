@@ -10,6 +10,7 @@ and Q6_K (super-blocks of 256) that Q*_K_M files mostly hold. `quantization` pic
 The block kernels are CPU kernels (`carpool.kernels`); on other devices weights are dequantized at load.
 """
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import gguf
@@ -68,11 +69,23 @@ class GGMLWeight:
         return cls(qtype, torch.from_numpy(np.ascontiguousarray(gguf.quants.quantize(array, qtype))))
 
 
-def set_matmul_mode(matmul: str) -> None:
-    """Make the calling thread's block-format linear layers run `matmul` (one of MATMUL_MODES)."""
+def set_matmul_mode(matmul: str) -> str:
+    """Make the calling thread's block-format linear layers run `matmul` (one of MATMUL_MODES); returns the
+    mode it replaces."""
     if matmul not in MATMUL_MODES:
         raise ValueError(f"matmul must be one of {MATMUL_MODES}, got {matmul!r}")
-    torch.ops.carpool.set_matmul_mode(MATMUL_MODES.index(matmul))
+    return MATMUL_MODES[torch.ops.carpool.set_matmul_mode(MATMUL_MODES.index(matmul))]
+
+
+@contextmanager
+def matmul_mode(matmul: str):
+    """Run the block `with` in `matmul` on this thread, then restore the thread's mode: an engine step never
+    leaves its mode behind for other code on the same thread (a test calling the kernels, another engine)."""
+    previous = set_matmul_mode(matmul)
+    try:
+        yield
+    finally:
+        set_matmul_mode(previous)
 
 
 def quantizable(shape, qtype: gguf.GGMLQuantizationType) -> bool:
