@@ -6,7 +6,6 @@ import asyncio
 
 import httpx
 import openai
-import pytest
 
 from carpool.cli import build_parser
 from carpool.server.app import create_app

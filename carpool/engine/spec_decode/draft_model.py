@@ -10,7 +10,7 @@ are computed in the first pass along with the first draft. A sequence that leave
 
 import torch
 
-from carpool.engine.block_manager import BlockManager, cdiv
+from carpool.engine.block_manager import BlockManager
 from carpool.engine.model_runner import ModelRunner
 from carpool.engine.sampler import filtered_probs, token_generator
 from carpool.engine.scheduler import ScheduledBatch
