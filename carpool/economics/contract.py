@@ -54,6 +54,14 @@ class UsageRecord:
     key_id: str | None = None
     tenant: str | None = None
     created: float = field(default_factory=time.time)
+    # How the row relates to what the client sent (the ledger's columns of the same names say more).
+    purpose: str = "request"  # "request" | "cascade_attempt" | "compression"
+    parent_request_id: str | None = None
+    cascade: str | None = None
+    cascade_step: int | None = None
+    cascade_accepted: bool | None = None
+    constraint_kind: str | None = None
+    original_prompt_tokens: int | None = None
 
     @property
     def uncached_prompt_tokens(self) -> int:

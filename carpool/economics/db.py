@@ -41,11 +41,33 @@ CREATE TABLE IF NOT EXISTS ledger (
     prefill_seconds REAL NOT NULL,
     decode_seconds REAL NOT NULL,
     finish_reason TEXT NOT NULL,
-    cost REAL NOT NULL                  -- dollars, priced when the row was written
+    cost REAL NOT NULL,                 -- dollars, priced when the row was written
+    -- Added by the second wave (see ADDED_COLUMNS): how a row relates to the request its client sent.
+    purpose TEXT NOT NULL DEFAULT 'request',  -- 'request' | 'cascade_attempt' | 'compression'
+    parent_request_id TEXT,             -- the client request this row is one part of; NULL: the request itself
+    cascade TEXT,                       -- the cascade's name, on its attempts' rows
+    cascade_step INTEGER,               -- 0-based step of the cascade this attempt ran
+    cascade_accepted INTEGER,           -- 1: this attempt's answer went to the client
+    constraint_kind TEXT,               -- structured output: json_schema | json_object | regex | choice | grammar | tools
+    original_prompt_tokens INTEGER      -- prompt tokens before prompt compression; NULL: not compressed
 );
 CREATE INDEX IF NOT EXISTS ledger_time ON ledger (time);
 CREATE INDEX IF NOT EXISTS ledger_key_time ON ledger (key_id, time);
 """
+
+# Columns a database written before they existed gets on open (SQLite's ADD COLUMN is instant: it rewrites no
+# row), so an operator's ledger keeps its history across upgrades. Each is the same text as in SCHEMA.
+ADDED_COLUMNS = {
+    "ledger": [
+        "purpose TEXT NOT NULL DEFAULT 'request'",
+        "parent_request_id TEXT",
+        "cascade TEXT",
+        "cascade_step INTEGER",
+        "cascade_accepted INTEGER",
+        "constraint_kind TEXT",
+        "original_prompt_tokens INTEGER",
+    ],
+}
 
 
 def default_db_path() -> Path:
@@ -67,9 +89,18 @@ def connect(path: str | Path) -> sqlite3.Connection:
         conn.row_factory = sqlite3.Row
         conn.execute("PRAGMA journal_mode=WAL")
         conn.executescript(SCHEMA)
+        _add_missing_columns(conn)
     except (sqlite3.Error, OSError) as error:
         raise DatabaseUnusable(f"{path}: {_cause(error)}") from None
     return conn
+
+
+def _add_missing_columns(conn: sqlite3.Connection) -> None:
+    for table, columns in ADDED_COLUMNS.items():
+        present = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
+        for column in columns:
+            if column.split()[0] not in present:
+                conn.execute(f"ALTER TABLE {table} ADD COLUMN {column}")
 
 
 def check_database(conn: sqlite3.Connection, path: str | Path) -> None:

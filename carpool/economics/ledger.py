@@ -29,8 +29,9 @@ log = logging.getLogger(__name__)
 
 _INSERT = (
     "INSERT INTO ledger (time, request_id, key_id, tenant, model, tier, uncached_prompt_tokens, cache_read_tokens,"
-    " cache_write_tokens, output_tokens, queue_seconds, prefill_seconds, decode_seconds, finish_reason, cost)"
-    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    " cache_write_tokens, output_tokens, queue_seconds, prefill_seconds, decode_seconds, finish_reason, cost,"
+    " purpose, parent_request_id, cascade, cascade_step, cascade_accepted, constraint_kind, original_prompt_tokens)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
 _MAX_ROWS_PER_COMMIT = 1000
 RETRY_SECONDS = 1.0
@@ -58,12 +59,22 @@ def ledger_row(usage: UsageRecord, cost: float) -> tuple:
         usage.decode_seconds,
         usage.finish_reason,
         cost,
+        usage.purpose,
+        usage.parent_request_id,
+        usage.cascade,
+        usage.cascade_step,
+        None if usage.cascade_accepted is None else int(usage.cascade_accepted),
+        usage.constraint_kind,
+        usage.original_prompt_tokens,
     )
+
+
+_FINISH_REASON = 13  # ledger_row's positions of finish_reason and cost
 
 
 def withheld_row(row: tuple) -> tuple:
     """The row of a request whose result was withheld: its tokens and timings, no cost."""
-    return (*row[:-2], WITHHELD, 0.0)
+    return (*row[:_FINISH_REASON], WITHHELD, 0.0, *row[_FINISH_REASON + 2:])
 
 
 class LedgerWriter:

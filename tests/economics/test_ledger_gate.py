@@ -179,6 +179,13 @@ def test_ledger_row_has_every_issue_field(gate, db_path):
         "decode_seconds": 0.8,
         "finish_reason": "abort",
         "cost": pytest.approx(0.0004575),
+        "purpose": "request",
+        "parent_request_id": None,
+        "cascade": None,
+        "cascade_step": None,
+        "cascade_accepted": None,
+        "constraint_kind": None,
+        "original_prompt_tokens": None,
     }
 
 
