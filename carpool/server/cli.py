@@ -47,6 +47,18 @@ def add_serve_parser(subparsers) -> None:
                              "\"warming\" until then; without it the first requests pay for the cold start)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                         help="server log verbosity (default: info)")
+    parser.add_argument("--cascades", default=None, metavar="PATH",
+                        help="model cascades TOML: names clients may pass as `model` that ask the served models in "
+                             "order, escalating when a step's answer scores below its threshold "
+                             "(carpool.server.cascade.config; `carpool cascade calibrate` fits the thresholds)")
+    parser.add_argument("--replicas", type=int, default=0,
+                        help="serve each model from N engine replicas on Ray Serve behind this one endpoint (needs "
+                             "`make scale`; --num-threads is then each replica's; default: one engine in-process)")
+    parser.add_argument("--routing", default="prefix", choices=["prefix", "least-loaded", "round-robin"],
+                        help="how --replicas picks a replica: the one most likely to hold the prompt's prefix in "
+                             "its cache (default), the least loaded, or in turn")
+    parser.add_argument("--ray-address", default=None,
+                        help="the Ray cluster the replicas run on (default: a local one started for this server)")
     add_gate_args(parser)
     add_engine_args(parser)
     parser.add_argument("--model", action="append", default=None,
@@ -63,6 +75,13 @@ def add_serve_parser(subparsers) -> None:
     parser.add_argument("--max-num-seqs", type=int, action="append", default=None,
                         help=f"sequence slots per model, one for all or one per --model (default: "
                              f"{defaults.max_num_seqs})")
+    parser.add_argument("--slo-itl-ms", action="append", default=None, metavar="TIER=MS",
+                        help="inter-token latency SLO of a tier (repeatable): each step's token budget and batch "
+                             "size then follow measured step times so the highest tier present meets it, and grow "
+                             "to --max-num-batched-tokens / --max-num-seqs when none is present")
+    parser.add_argument("--slo-ttft-ms", action="append", default=None, metavar="TIER=MS",
+                        help="time-to-first-token SLO of a tier (repeatable): the SLO controller keeps the step "
+                             "large enough to prefill that tier's prompts in time")
     parser.set_defaults(func=lambda args: serve(args, model_configs(args)))
 
 
@@ -80,6 +99,7 @@ def model_configs(args: argparse.Namespace) -> dict:
     models = args.model or [None]
     per_model = {dest: _values_per_model(args, dest, broadcast, len(models)) for dest, _, broadcast in PER_MODEL_FLAGS}
     shared = {key: value for key, value in vars(args).items() if key not in per_model and key != "model"}
+    shared |= {dest: slo_flag(args, dest) for dest in ("slo_itl_ms", "slo_ttft_ms")}
     configs = {}
     for index, model in enumerate(models):
         name = per_model["served_model_name"][index] or default_served_name(model)
@@ -90,6 +110,22 @@ def model_configs(args: argparse.Namespace) -> dict:
         overrides = {field: value for field, value in overrides.items() if value is not None}
         configs[name] = engine_config(argparse.Namespace(**shared, model=model, **overrides))
     return configs
+
+
+def slo_flag(args: argparse.Namespace, dest: str) -> dict[str, float]:
+    """--slo-*-ms TIER=MS values as {tier: ms}; ValueError naming the flag."""
+    from carpool.engine.slo import parse_slo
+
+    flag, slos = "--" + dest.replace("_", "-"), {}
+    for text in getattr(args, dest, None) or ():
+        try:
+            tier, ms = parse_slo(text)
+        except ValueError as error:
+            raise ValueError(f"{flag}: {error}") from None
+        if tier in slos:
+            raise ValueError(f"{flag}: tier {tier!r} given twice")
+        slos[tier] = ms
+    return slos
 
 
 def _values_per_model(args: argparse.Namespace, dest: str, broadcast: bool, num_models: int) -> list:
@@ -105,27 +141,53 @@ def _values_per_model(args: argparse.Namespace, dest: str, broadcast: bool, num_
     return values
 
 
-def serve(args: argparse.Namespace, configs: dict) -> int:
-    import uvicorn
+def open_gate(args: argparse.Namespace, configs: dict) -> tuple:
+    """(ledger gate or None, batch dir, its lock), for every way of serving (one process, or replicas).
 
-    from carpool.economics.dashboard import ledger_panels
+    A fixed key list means no ledger; otherwise the key store, budgets and ledger in --db. Opened before the
+    models load, so a bad price sheet, or one that prices no served model, fails at once. So is the batch dir
+    (created, writable, and this database's), so no store fails after minutes of loading."""
     from carpool.economics.db import default_db_path
     from carpool.economics.gate import open_ledger_gate
-    from carpool.economics.phase_meter import PhaseMeter, register_phase_metrics
-    from carpool.economics.routes import usage_router
-    from carpool.engine.async_engine import AsyncEngine, EngineLoop
-    from carpool.server.app import create_app
-    from carpool.server.auth import request_principal
     from carpool.server.batch.home import claim_batch_dir, default_batch_dir
-    from carpool.server.gate import OpenGate
 
-    # A fixed key list means no ledger; otherwise the key store, budgets and ledger in --db. Opened before the
-    # models load, so a bad price sheet, or one that prices no served model, fails at once.
     ledger = None if args.api_key else open_ledger_gate(args.db, args.prices, served_models=tuple(configs))
-    # So is the batch dir (created, writable, and this database's), so no store fails after minutes of loading.
     db_path = args.db or default_db_path()
     batch_dir = args.batch_dir or default_batch_dir(db_path, ledger=ledger is not None)
     batch_dir_lock = claim_batch_dir(batch_dir, db_path if ledger else None)  # held while this server runs
+    return ledger, batch_dir, batch_dir_lock
+
+
+def attach_ledger(app, ledger, args: argparse.Namespace) -> None:
+    """The ledger's /metrics series and usage routes, when there is a ledger."""
+    from carpool.economics.routes import usage_router
+    from carpool.server.auth import request_principal
+
+    if ledger:
+        ledger.register_metrics(app.state.metrics.registry, per_tenant=args.metrics_tenants)
+        app.include_router(usage_router(ledger, caller=request_principal))
+
+
+def serve(args: argparse.Namespace, configs: dict) -> int:
+    from carpool.server.cascade.config import load_cascades
+
+    # Checked before any model loads: a bad file or a step naming an unserved model fails at once.
+    cascades = load_cascades(args.cascades, list(configs)) if args.cascades else None
+    if cascades and args.replicas:
+        raise ValueError("--cascades: not supported with --replicas yet; serve the cascade from one process")
+    if args.replicas:
+        from carpool.server.replicas.serve import serve_replicas
+
+        return serve_replicas(args, configs)
+    import uvicorn
+
+    from carpool.economics.dashboard import ledger_panels
+    from carpool.economics.phase_meter import PhaseMeter, register_phase_metrics
+    from carpool.engine.async_engine import AsyncEngine, EngineLoop
+    from carpool.server.app import create_app
+    from carpool.server.gate import OpenGate
+
+    ledger, batch_dir, batch_dir_lock = open_gate(args, configs)
     # One loop steps every model's engine, on this (the main) thread: see AsyncEngine for why. The models load
     # before the port opens, so /health answers only when all are ready.
     engine_loop = EngineLoop()
@@ -138,15 +200,14 @@ def serve(args: argparse.Namespace, configs: dict) -> int:
         max_body_bytes=args.max_body_bytes,
         batch_dir=str(batch_dir),
         ledger_panels=ledger_panels(ledger) if ledger else None,
+        cascades=cascades,
     )
     registry = app.state.metrics.registry
     phases = {name: PhaseMeter() for name in engines}
     for name, engine in engines.items():
         engine.add_step_listener(phases[name])
     register_phase_metrics(registry, phases)
-    if ledger:
-        ledger.register_metrics(registry, per_tenant=args.metrics_tenants)
-        app.include_router(usage_router(ledger, caller=request_principal))
+    attach_ledger(app, ledger, args)
     # The engine loop and HTTP share the GIL; at Python's default 5 ms switch interval a thread that wants it can
     # wait a third of a decode step. 1 ms: +15-20% output tokens/s at 8 and 32 streams here (carpool bench
     # serve, 2 cores).

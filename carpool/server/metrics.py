@@ -66,6 +66,12 @@ class ServerMetrics:
                                            "kind (json, json_object, regex, choice, grammar, tools).",
                                            ["model_name", "kind"])
         self.running = gauge("num_requests_running", "Sequences in the running batch.")
+        # The limits the latest step ran under: --max-num-batched-tokens / --max-num-seqs, or the SLO controller's
+        # choice (carpool.engine.slo), with why as labels on a 1 (reason fixed, throughput, itl or ttft; tier).
+        self.step_token_budget = gauge("step_token_budget", "Token budget of the latest engine step.")
+        self.step_max_seqs = gauge("step_max_seqs", "Sequence cap (admissions) of the latest engine step.")
+        self.step_budget_reason = gauge("step_budget_reason", "Why the latest step had its budget (value 1; the "
+                                        "reason and tier it had before read 0).", ["model_name", "reason", "tier"])
         self.waiting = gauge("num_requests_waiting", "Sequences waiting to be scheduled.")
         self.kv_usage = gauge("kv_cache_usage_perc", "Share of KV blocks held by live sequences (0 to 1).")
         # vLLM's cache_config_info: the pool each model was given, as labels on a constant 1.
@@ -84,11 +90,15 @@ class ServerMetrics:
         self.spec_accepted_length = histogram("spec_decode_accepted_length", "Drafts accepted per verification.",
                                               drafter, ACCEPTED_LENGTH_BUCKETS)
         self.models = {name: Metrics(self, name) for name in model_names}
+        # Set when the engines are replicas (carpool.server.replicas): registry -> text with their series merged.
+        self.render_replicas = None
 
     def render(self, snapshots: dict[str, EngineSnapshot]) -> bytes:
         """The Prometheus text, with each model's gauges read from its engine's snapshot."""
         for name, snapshot in snapshots.items():
             self.models[name].set_gauges(snapshot)
+        if self.render_replicas is not None:
+            return self.render_replicas(self.registry)
         return generate_latest(self.registry)
 
 
@@ -114,6 +124,7 @@ class Metrics:
             for reason in FINISH_REASONS:
                 families.request_success.labels(model_name, tier, reason)
         self._last_token_at: dict[str, float] = {}  # engine thread only
+        self._budget_reason: tuple[str, str] | None = None  # engine thread only
         self._prefix_totals = [0, 0]  # prompt tokens queried, hit (event loop thread only)
 
     def on_step(self, stats: StepStats | None, outputs: list[RequestOutput]) -> None:
@@ -122,6 +133,8 @@ class Metrics:
             self.iteration_tokens.observe(stats.num_tokens)
             self.iteration_seqs.observe(stats.num_seqs)
             self.preemptions.inc(stats.num_preemptions)
+            if stats.limits is not None:
+                self._on_limits(stats.limits)
             if stats.spec is not None:
                 self._on_speculation(stats.spec)
         for output in outputs:
@@ -133,6 +146,17 @@ class Metrics:
                 self._last_token_at.pop(output.request_id, None)
             elif token_at is not None:
                 self._last_token_at[output.request_id] = token_at
+
+    def _on_limits(self, limits) -> None:
+        families = self.families
+        families.step_token_budget.labels(self.model_name).set(limits.max_tokens)
+        families.step_max_seqs.labels(self.model_name).set(limits.max_seqs)
+        reason = (limits.reason, limits.tier)
+        if reason != self._budget_reason:
+            if self._budget_reason is not None:
+                families.step_budget_reason.labels(self.model_name, *self._budget_reason).set(0)
+            families.step_budget_reason.labels(self.model_name, *reason).set(1)
+            self._budget_reason = reason
 
     def _on_speculation(self, spec) -> None:
         families, labels = self.families, (self.model_name, spec.drafter)
