@@ -9,6 +9,7 @@ from carpool.engine.args import add_engine_args, engine_config
 from carpool.kernels.probe import add_info_parser
 from carpool.models.cli import add_models_parser
 from carpool.server.batch.cli import add_batch_parser
+from carpool.bench.cascade_cli import add_cascade_parser
 from carpool.server.cli import add_serve_parser
 
 
@@ -52,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_cost_parser(subparsers)
     add_info_parser(subparsers)
     add_models_parser(subparsers)
+    add_cascade_parser(subparsers)
     return parser
 
 

@@ -13,7 +13,7 @@ import torch
 from carpool.economics import keys as key_store
 from carpool.economics.cost_model import cost_model
 from carpool.economics.cost_model import render as render_cost_model
-from carpool.economics.db import connect, default_db_path
+from carpool.economics.db import default_db_path, open_database
 from carpool.economics.footprint import model_footprint
 from carpool.economics.hardware import measure_hardware
 from carpool.economics.phase_meter import PhaseTotals, totals_from_metrics_text
@@ -21,8 +21,10 @@ from carpool.economics.prices import load_price_sheet
 from carpool.economics.reports import (
     FORMATS,
     GROUP_BY,
+    cascade_summary,
     parse_time,
     render,
+    render_cascades,
     usage_summary,
 )
 from carpool.engine.config import DTYPES, resolve_dtype
@@ -87,6 +89,15 @@ def add_cost_parser(subparsers) -> None:
     report.add_argument("--format", choices=FORMATS, default="table", help="output format (default: table)")
     _add_db_arg(report)
     report.set_defaults(func=_cost_report)
+
+    cascades = commands.add_parser("cascades", help="per model cascade: share answered by each step, cost, and "
+                                                    "cost saved versus the last model alone (estimated)")
+    cascades.add_argument("--start", type=_time_arg, default=None, help="unix seconds or ISO 8601 (UTC), inclusive")
+    cascades.add_argument("--end", type=_time_arg, default=None, help="unix seconds or ISO 8601 (UTC), exclusive")
+    cascades.add_argument("--format", choices=("table", "json"), default="table", help="output format")
+    cascades.add_argument("--prices", default=None, help="price sheet for the estimate (default: the shipped one)")
+    _add_db_arg(cascades)
+    cascades.set_defaults(func=_cost_cascades)
 
     model = commands.add_parser("model", help="cost per 1M tokens per tier from measured throughput, and decode floors")
     model.add_argument("--hourly-price", type=float, required=True, help="dollars per hour for the machine")
@@ -207,12 +218,21 @@ def _read_metrics(source: str) -> str:
     return Path(source).read_text()
 
 
+def _cost_cascades(args: argparse.Namespace) -> int:
+    prices = load_price_sheet(args.prices)
+    with _open(args) as conn:
+        rows = cascade_summary(conn, prices, args.start, args.end)
+    sys.stdout.write(render_cascades(rows, args.format))
+    return 0
+
+
 # shared -------------------------------------------------------------------------------------------------
 
 
 def _add_db_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--db", type=Path, default=None, help="SQLite file (default: $CARPOOL_DB or ~/.cache/carpool/carpool.db)"
+        "--db", default=None, help="SQLite file, or a postgresql://user@host/dbname URL that several replicas share "
+                                   "(default: $CARPOOL_DB or ~/.cache/carpool/carpool.db)"
     )
 
 
@@ -223,7 +243,7 @@ def _add_budget_args(parser: argparse.ArgumentParser) -> None:
 
 def _open(args: argparse.Namespace):
     """A connection that closes itself (sqlite3's own context manager only commits)."""
-    return closing(connect(args.db or default_db_path()))
+    return closing(open_database(args.db or default_db_path()))
 
 
 def _period(budget: float | None, period: str | None) -> str | None:

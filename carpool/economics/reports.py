@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 
 from carpool.economics.keys import ANONYMOUS
+from carpool.economics.prices import TOKENS_PER_PRICE_UNIT
 
 GROUP_BY = {"key": "key_id", "tenant": "tenant", "model": "model", "tier": "tier"}
 FORMATS = ("table", "csv", "json")
@@ -147,3 +148,88 @@ def render(
         ]
         return "".join("  ".join(line) + "\n" for line in aligned)
     raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+
+
+# Cascades ------------------------------------------------------------------------------------------------------
+# Each attempt of a cascade request is its own ledger row (purpose 'cascade_attempt'), tied to the client request
+# by parent_request_id; the row whose cascade_accepted is 1 is the answer the client got.
+
+
+@dataclass
+class CascadeSummary:
+    cascade: str
+    requests: int  # client requests (distinct parent_request_id)
+    answered: dict[int, int]  # step -> requests that step answered
+    models: dict[int, str]  # step -> the model seen at that step
+    cost: float  # every attempt, escalated ones included
+    cost_all_last: float  # estimate: every request sent straight to the last step's model (see cascade_summary)
+
+    @property
+    def saved(self) -> float:
+        return self.cost_all_last - self.cost
+
+    @property
+    def saved_share(self) -> float:
+        return self.saved / self.cost_all_last if self.cost_all_last else 0.0
+
+    def as_dict(self) -> dict:
+        shares = {str(step): count / self.requests for step, count in self.answered.items()}
+        return asdict(self) | {"answered_share": shares, "saved": self.saved, "saved_share": self.saved_share}
+
+
+def cascade_summary(conn: sqlite3.Connection, prices, start: float | None = None,
+                    end: float | None = None) -> list[CascadeSummary]:
+    """One row per cascade over attempts with start <= time < end.
+
+    "Saved" is estimated per client request against sending it to the last model alone: a request the last step
+    answered would have cost what that attempt cost; one answered earlier is priced as if the last model had read
+    the same prompt (with the same cache reads) and written as many tokens as the accepted answer, at the last
+    model's rates in `prices` (a PriceSheet) and the request's tier. The last model is the one seen at the
+    cascade's highest step in the window: if no request reached the real last step, savings are against the
+    strongest step that ran."""
+    rows = conn.execute(
+        "SELECT cascade, parent_request_id, cascade_step, cascade_accepted, model, tier, uncached_prompt_tokens,"
+        " cache_read_tokens, output_tokens, cost FROM ledger WHERE purpose = 'cascade_attempt'"
+        " AND time >= ? AND time < ? ORDER BY cascade, parent_request_id, cascade_step",
+        (start if start is not None else float("-inf"), end if end is not None else float("inf")),
+    ).fetchall()
+    by_cascade: dict[str, list] = {}
+    for row in rows:
+        by_cascade.setdefault(row[0], []).append(row)
+    summaries = []
+    for name, attempts in sorted(by_cascade.items()):
+        models = {step: model for _, _, step, _, model, *_ in attempts}
+        last_step = max(models)
+        last = prices.price(models[last_step])
+        requests: dict[str, list] = {}
+        for attempt in attempts:
+            requests.setdefault(attempt[1], []).append(attempt)
+        answered, cost_all_last = {step: 0 for step in sorted(models)}, 0.0
+        for parts in requests.values():
+            accepted = next((a for a in parts if a[3]), parts[-1])  # an aborted request: its latest attempt
+            _, _, step, _, _, tier, uncached, cache_read, output, cost = accepted
+            answered[step] += 1 if accepted[3] else 0
+            if step == last_step:
+                cost_all_last += cost
+            else:
+                dollars = (uncached * last.input + cache_read * last.input * prices.cache_read
+                           + output * last.output)
+                cost_all_last += dollars / TOKENS_PER_PRICE_UNIT * prices.tier_multiplier(tier)
+        summaries.append(CascadeSummary(name, len(requests), answered, models, sum(a[9] for a in attempts),
+                                        cost_all_last))
+    return summaries
+
+
+def render_cascades(rows: list[CascadeSummary], fmt: str) -> str:
+    if fmt == "json":
+        return json.dumps({"object": "list", "data": [row.as_dict() for row in rows]}, indent=2)
+    if fmt != "table":
+        raise ValueError(f"format must be table or json, got {fmt!r}")
+    lines = []
+    for row in rows:
+        shares = ", ".join(f"step {step} ({row.models[step]}) {count / row.requests:.1%}"
+                           for step, count in row.answered.items())
+        lines.append(f"{row.cascade}: {row.requests} requests; answered by {shares}; cost ${row.cost:.6f}; "
+                     f"all to {row.models[max(row.models)]} (est.) ${row.cost_all_last:.6f}; "
+                     f"saved ${row.saved:.6f} ({row.saved_share:.1%})")
+    return "\n".join(lines) + ("\n" if lines else "no cascade requests in this window\n")

@@ -19,6 +19,8 @@ from carpool.server.admission import TierQueues, register_queue_metrics
 from carpool.server.auth import Authenticate, request_principal
 from carpool.server.batch.service import BatchService
 from carpool.server.body_limit import BodyLimit
+from carpool.server.cascade.config import Cascade
+from carpool.server.cascade.runner import CascadeServing
 from carpool.server.dashboard import dashboard_router
 from carpool.server.errors import APIError, error_body, install_error_handlers
 from carpool.server.gate import OpenGate
@@ -43,10 +45,12 @@ def create_app(
     max_body_bytes: int = limits.MAX_BODY_BYTES,
     batch_dir: str | None = None,
     ledger_panels: Callable[[], dict] | None = None,
+    cascades: dict[str, Cascade] | None = None,
 ) -> FastAPI:
     """`engines`: one engine, served as `model_name`, or {served name: engine} for several models, each with its
     own tier queues (a flood on one model does not 429 another). `ledger_panels`: the ledger's part of
-    /dashboard (carpool.economics.dashboard), which then needs an admin key."""
+    /dashboard (carpool.economics.dashboard), which then needs an admin key. `cascades`: {name: Cascade} that
+    clients may pass as `model` (carpool.server.cascade)."""
     engines = {model_name: engines} if isinstance(engines, AsyncEngine) else engines
     gate = gate or OpenGate()
     metrics = ServerMetrics(list(engines))
@@ -55,6 +59,7 @@ def create_app(
         engine.add_step_listener(metrics.models[name].on_step)
         backends.append(Backends(engine, gate, metrics.models[name], TierQueues(max_queued_per_tier), name))
     serving = Serving(backends)
+    cascade_serving = CascadeServing(serving, cascades or {})
     register_queue_metrics(metrics.registry, {backend.model_name: backend.queues for backend in backends})
     batches = BatchService(serving, gate, batch_dir) if batch_dir else None  # the Batch API, if given a home
     started = int(time.time())
@@ -93,13 +98,20 @@ def create_app(
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request, caller: Caller):
+        if body.model in cascade_serving:
+            return await _respond(request, *await cascade_serving.answer(body, caller, request.state.request_id),
+                                  body.stream, body.stream_options)
         await _compile_constraint(body)
-        return await _respond(request, *serving.start_chat(body, caller), body.stream, body.stream_options)
+        return await _respond(request, *serving.start_chat(body, caller), None, body.stream, body.stream_options)
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request, caller: Caller):
+        if body.model in cascade_serving:
+            return await _respond(request, *await cascade_serving.answer(body, caller, request.state.request_id),
+                                  body.stream, body.stream_options)
         await _compile_constraint(body)
-        return await _respond(request, *serving.start_completion(body, caller), body.stream, body.stream_options)
+        return await _respond(request, *serving.start_completion(body, caller), None, body.stream,
+                              body.stream_options)
 
     @app.get("/v1/models")
     def list_models(caller: Caller) -> dict:
@@ -144,20 +156,21 @@ def _model_card(model_name: str, created: int, engine: AsyncEngine) -> dict:
             "max_model_len": engine.max_model_len}
 
 
-async def _respond(request: Request, gen: Generation, fmt: ChatFormat | CompletionFormat, stream: bool | None,
-                   stream_options) -> Response:
+async def _respond(request: Request, gen: Generation, fmt: ChatFormat | CompletionFormat, headers: dict | None,
+                   stream: bool | None, stream_options) -> Response:
     if stream:
         include_usage = bool(stream_options and stream_options.include_usage)
         # The background task covers a stream that never started; otherwise the stream cancels on its way out.
         return StreamingResponse(_events(gen, fmt, include_usage), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"}, background=BackgroundTask(gen.cancel))
+                                 headers={"Cache-Control": "no-cache"} | (headers or {}),
+                                 background=BackgroundTask(gen.cancel))
     if not await _finished_before_disconnect(request, gen):
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     try:
         await gen.wait()
     except GenerationFailed as error:
         raise APIError(500, f"The engine failed while generating: {error}") from error
-    return JSONResponse(fmt.response(gen))
+    return JSONResponse(fmt.response(gen), headers=headers)
 
 
 async def _events(gen: Generation, fmt: ChatFormat | CompletionFormat, include_usage: bool) -> AsyncIterator[str]:

@@ -9,7 +9,7 @@ A generation is `done` only once the gate has made its usage durable, so no resp
 import asyncio
 import time
 from concurrent.futures import Future
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from functools import partial
 
@@ -63,6 +63,8 @@ class Generation:
         self.arrival = time.monotonic()
         self.error: BaseException | None = None
         self.unrecorded: GateError | None = None  # the gate could not make the usage durable: answer this instead
+        # Extra UsageRecord fields, computed from the finished generation as its row is written (a cascade's step).
+        self.ledger_fields: Callable[["Generation"], dict] | None = None
         self.done = asyncio.Event()
         self._recording: asyncio.Task | None = None
         # Only a stream reads outputs one by one; a whole response is built from each choice's last output.
@@ -186,7 +188,7 @@ class Generation:
     def usage_record(self) -> UsageRecord:
         queue, prefill, decode = self._phase_seconds()
         reasons = {c.finish_reason for c in self.choices}
-        return UsageRecord(
+        record = UsageRecord(
             request_id=self.request_id,
             model=self.model_name,
             tier=self.tier,
@@ -203,6 +205,7 @@ class Generation:
             key_id=self.principal.key_id,
             tenant=self.principal.tenant,
         )
+        return replace(record, **self.ledger_fields(self)) if self.ledger_fields else record
 
     def _phase_seconds(self) -> tuple[float, float, float]:
         """Queue, prefill and decode seconds of the request as a whole: from its first choice's arrival to its

@@ -1,0 +1,113 @@
+"""Thresholds for a cascade from scored answers: the cheapest that meet a target accuracy (or agreement with the
+strongest model), found by replaying the cascade over every model's recorded answers.
+
+Replaying is exact for greedy decoding: a step's answer does not depend on whether the cascade reached it, so one
+run of each model on the set prices every threshold at once.
+"""
+
+import itertools
+import math
+from dataclasses import dataclass, replace
+
+from carpool.server.cascade.config import Cascade
+from carpool.server.cascade.runs import Attempt, Example, same_answer
+from carpool.server.cascade.scorers import Scorer, features, fit_logistic
+
+MAX_CANDIDATES_PER_STEP = 64  # thresholds tried per step: a full grid for two steps, 64^2 for three
+
+
+@dataclass
+class Table:
+    """Per step s (the cascade's order) and example i: the step's score, cost and whether its answer is right."""
+
+    scores: list[list[float]]
+    costs: list[list[float]]
+    right: list[list[bool]]
+
+    @property
+    def size(self) -> int:
+        return len(self.costs[0])
+
+
+@dataclass(frozen=True)
+class Outcome:
+    thresholds: tuple[float, ...]
+    accuracy: float
+    cost: float  # mean dollars per example
+    shares: tuple[float, ...]  # share of examples answered by each step
+
+
+def labels(examples: list[Example], attempts: list[list[Attempt]], agreement: bool) -> list[list[bool]]:
+    """right[s][i]: step s's answer matches example i's label, or with `agreement` the last model's answer."""
+    if agreement:
+        return [[same_answer(a.text, last.text) for a, last in zip(step, attempts[-1])] for step in attempts]
+    missing = sum(example.answer is None for example in examples)
+    if missing:
+        raise ValueError(f"data: {missing} examples have no `answer`; use --target-agreement for unlabeled data")
+    return [[same_answer(a.text, e.answer) for a, e in zip(step, examples)] for step in attempts]
+
+
+def fit_scorers(cascade: Cascade, attempts: list[list[Attempt]], right: list[list[bool]]) -> Cascade:
+    """The cascade with each logistic step's weights fitted to predict that step's answer is right."""
+    steps = list(cascade.steps)
+    for s, step in enumerate(steps[:-1]):
+        if step.scorer.kind == "logistic":
+            rows = [features(a.logprobs, a.hit_length, step.scorer.tail_tokens) for a in attempts[s]]
+            weights, bias = fit_logistic(rows, right[s])
+            steps[s] = replace(step, scorer=replace(step.scorer, weights=weights, bias=bias))
+    return replace(cascade, steps=tuple(steps))
+
+
+def table(cascade: Cascade, attempts: list[list[Attempt]], right: list[list[bool]]) -> Table:
+    scorers: list[Scorer | None] = [step.scorer for step in cascade.steps]
+    scores = [[scorer.score(a.logprobs, a.hit_length) if scorer else math.inf for a in step]
+              for scorer, step in zip(scorers, attempts)]
+    return Table(scores, [[a.cost for a in step] for step in attempts], right)
+
+
+def replay(data: Table, thresholds: tuple[float, ...]) -> Outcome:
+    """The cascade over every example: step s answers when its score >= thresholds[s] (the last step always)."""
+    steps = len(data.costs)
+    answered, cost, right = [0] * steps, 0.0, 0
+    for i in range(data.size):
+        for s in range(steps):
+            cost += data.costs[s][i]
+            if s == steps - 1 or data.scores[s][i] >= thresholds[s]:
+                answered[s] += 1
+                right += data.right[s][i]
+                break
+    n = data.size
+    return Outcome(thresholds, right / n, cost / n, tuple(a / n for a in answered))
+
+
+def candidates(scores: list[float]) -> list[float]:
+    """-inf (always accept), +inf (always escalate) and up to MAX_CANDIDATES_PER_STEP observed scores between."""
+    distinct = sorted(set(scores))
+    if len(distinct) > MAX_CANDIDATES_PER_STEP:
+        stride = len(distinct) / MAX_CANDIDATES_PER_STEP
+        distinct = [distinct[int(k * stride)] for k in range(MAX_CANDIDATES_PER_STEP)]
+    return [-math.inf, *distinct, math.inf]
+
+
+def sweep(data: Table) -> list[Outcome]:
+    """Every candidate threshold combination's outcome."""
+    grids = [candidates(scores) for scores in data.scores[:-1]]
+    return [replay(data, thresholds) for thresholds in itertools.product(*grids)]
+
+
+def cheapest_meeting(outcomes: list[Outcome], target: float) -> Outcome:
+    """The lowest-cost outcome with accuracy >= target (ties: the more accurate). ValueError when none does."""
+    meeting = [o for o in outcomes if o.accuracy >= target - 1e-12]
+    if not meeting:
+        best = max(o.accuracy for o in outcomes)
+        raise ValueError(f"target: {target:.3f} is above the best this cascade reaches on the data ({best:.3f})")
+    return min(meeting, key=lambda o: (o.cost, -o.accuracy))
+
+
+def with_thresholds(cascade: Cascade, thresholds: tuple[float, ...]) -> Cascade:
+    """Infinite thresholds (always accept / always escalate) are stored as the nearest finite score edge."""
+    steps = list(cascade.steps)
+    for s, threshold in enumerate(thresholds):
+        finite = max(min(threshold, 1e9), -1e9)
+        steps[s] = replace(steps[s], threshold=finite)
+    return replace(cascade, steps=tuple(steps))

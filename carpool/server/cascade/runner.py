@@ -1,0 +1,105 @@
+"""A cascade request on the server: each step is an ordinary request to that step's model (its tier, prefix cache
+and gate admission, and a ledger row of its own), scored from its token logprobs once finished; the first step
+whose score reaches its threshold, or the last step, answers the client.
+
+Streaming: a step before the last runs as a streaming Generation whose events wait in its own queue until the
+step is scored; the accepted step's queue is then streamed as is, so the client sees its chunks only once the
+step is accepted, and never the chunks of a rejected step. The last step, accepted whatever it says, streams live.
+"""
+
+from dataclasses import dataclass
+
+from carpool.economics.contract import Principal
+from carpool.server.cascade.config import Cascade, Step
+from carpool.server.errors import APIError
+from carpool.server.generation import Generation, GenerationFailed
+from carpool.server.protocol import ChatCompletionRequest, CompletionRequest
+from carpool.server.serving import Serving
+
+STEP_HEADER = "x-carpool-cascade-step"  # 0-based step that answered
+ANSWERED_BY_HEADER = "x-carpool-answered-by"  # the model that answered (also the response's `model`)
+
+
+@dataclass
+class Verdict:
+    """A step's score and whether its answer stands; computed once, when the step's usage is recorded."""
+
+    score: float | None = None
+    accepted: bool | None = None
+
+
+class CascadeServing:
+    def __init__(self, serving: Serving, cascades: dict[str, Cascade]):
+        self.serving, self.cascades = serving, cascades
+
+    def __contains__(self, model: str | None) -> bool:
+        return model in self.cascades
+
+    async def answer(self, body: ChatCompletionRequest | CompletionRequest, principal: Principal,
+                     client_request_id: str):
+        """(generation, format, headers) of the accepted step; the generation of the last step may still run."""
+        cascade = self.cascades[body.model]
+        _check_single_choice(body)
+        for index, step in enumerate(cascade.steps):
+            last = index == len(cascade.steps) - 1
+            attempt = body.model_copy(update={"model": step.model} | ({} if last else _with_logprobs(body)))
+            gen, fmt = self._start(attempt, principal)
+            verdict = Verdict(accepted=True) if last else Verdict()
+            gen.ledger_fields = _ledger_fields(cascade, index, step, verdict, client_request_id)
+            if not last:
+                try:
+                    await gen.wait()
+                except GenerationFailed as error:
+                    raise APIError(500, f"The engine failed while generating: {error}") from error
+                if not verdict.accepted:
+                    continue
+            fmt.logprobs = _client_wants_logprobs(body)  # the scorer's logprobs go to the client only if asked
+            return gen, fmt, {STEP_HEADER: str(index), ANSWERED_BY_HEADER: step.model}
+        raise AssertionError("the last step always answers")
+
+    def _start(self, body, principal: Principal):
+        if isinstance(body, ChatCompletionRequest):
+            return self.serving.start_chat(body, principal)
+        return self.serving.start_completion(body, principal)
+
+
+def _check_single_choice(body) -> None:
+    """A cascade scores one answer: several choices (n, best_of) or prompts would each need a verdict."""
+    if (body.n or 1) > 1:
+        raise APIError(400, "n: a cascade answers with one choice; n must be 1", param="n")
+    if isinstance(body, CompletionRequest):
+        if (body.best_of or 1) > 1:
+            raise APIError(400, "best_of: a cascade answers with one choice; best_of must be 1", param="best_of")
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) and len(prompt) > 1:
+            raise APIError(400, "prompt: a cascade answers one prompt per request", param="prompt")
+
+
+def _with_logprobs(body) -> dict:
+    if isinstance(body, ChatCompletionRequest):
+        return {"logprobs": True}
+    return {"logprobs": body.logprobs if body.logprobs is not None else 0}
+
+
+def _client_wants_logprobs(body) -> bool:
+    return bool(body.logprobs) if isinstance(body, ChatCompletionRequest) else body.logprobs is not None
+
+
+def _ledger_fields(cascade: Cascade, index: int, step: Step, verdict: Verdict, parent: str):
+    """The attempt's ledger columns; the verdict is taken here, as the row is written, from the finished output.
+    An attempt that ended without a whole answer (aborted, failed) is never accepted."""
+
+    def fields(gen: Generation) -> dict:
+        if verdict.accepted is None:
+            choice = gen.choices[0]
+            output = choice.last
+            if output is None or choice.finish_reason not in ("stop", "length"):
+                verdict.accepted = False
+            else:
+                logprobs = [lp.logprob for lp in output.logprobs or []]
+                verdict.score = step.scorer.score(logprobs, choice.finish_reason == "length")
+                verdict.accepted = verdict.score >= step.threshold
+        return {"purpose": "cascade_attempt", "parent_request_id": parent, "cascade": cascade.name,
+                "cascade_step": index, "cascade_accepted": verdict.accepted}
+
+    return fields

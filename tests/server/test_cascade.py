@@ -1,0 +1,140 @@
+"""A cascade served in process over two engines of the session's model ("cheap" and "strong"): it escalates
+exactly when its scorer is below the threshold, bills every attempt as its own row tied to the client request,
+streams only the accepted step, and answers with the model that answered."""
+
+import asyncio
+import json
+import math
+
+import httpx
+import pytest
+
+from carpool import LLM
+from carpool.engine.async_engine import AsyncEngine
+from carpool.server.app import create_app
+from carpool.server.cascade.config import Cascade, Step
+from carpool.server.cascade.runner import ANSWERED_BY_HEADER, STEP_HEADER
+from carpool.server.cascade.scorers import Scorer
+
+MESSAGES = [{"role": "user", "content": "Name a colour."}]
+BODY = {"messages": MESSAGES, "max_tokens": 6, "temperature": 0}
+
+
+class RecordingGate:
+    def __init__(self):
+        self.records = []
+
+    def authenticate(self, api_key):
+        from carpool.economics.contract import Principal
+
+        return Principal()
+
+    def admit(self, principal, tier, estimated_tokens):
+        pass
+
+    def record(self, principal, usage):
+        self.records.append(usage)
+
+    def health(self):
+        return None
+
+
+@pytest.fixture(scope="module")
+def strong_engine():
+    engine = AsyncEngine(engine=LLM(max_num_seqs=4, num_kv_blocks=64, dtype="float32", matmul="exact").engine)
+    engine.start()
+    yield engine
+    engine.stop()
+
+
+def cascade_app(engine, strong_engine, threshold: float, kind: str = "mean"):
+    gate = RecordingGate()
+    cascade = Cascade("casc", (Step("cheap", Scorer(kind), threshold), Step("strong")))
+    app = create_app({"cheap": engine, "strong": strong_engine}, gate, cascades={"casc": cascade})
+    return app, gate
+
+
+def post(app, path, body):
+    async def send():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://carpool") as client:
+            return await client.post(path, json=body)
+
+    return asyncio.run(send())
+
+
+def cheap_score(app, kind: str = "mean", path="/v1/chat/completions", body=BODY) -> float:
+    """The cheap model's own score for the answer it gives, asked of it directly (exact fp32: deterministic)."""
+    logprobs = {"logprobs": True} if path.endswith("chat/completions") else {"logprobs": 0}
+    response = post(app, path, body | {"model": "cheap"} | logprobs).json()
+    content = response["choices"][0]["logprobs"]
+    tokens = content["content"] if "content" in content else [{"logprob": lp} for lp in content["token_logprobs"]]
+    return Scorer(kind).score([t["logprob"] for t in tokens], response["choices"][0]["finish_reason"] == "length")
+
+
+@pytest.mark.parametrize("kind", ["mean", "min", "tail"])
+def test_escalates_exactly_when_the_score_is_below_the_threshold(engine, strong_engine, kind):
+    app, _ = cascade_app(engine, strong_engine, 0.0)
+    score = cheap_score(app, kind)
+    assert score < 0
+    at, _ = cascade_app(engine, strong_engine, score, kind)
+    answered = post(at, "/v1/chat/completions", BODY | {"model": "casc"})
+    assert answered.status_code == 200, answered.text
+    assert answered.json()["model"] == "cheap" and answered.headers[STEP_HEADER] == "0"
+    assert answered.headers[ANSWERED_BY_HEADER] == "cheap"
+    above, _ = cascade_app(engine, strong_engine, math.nextafter(score, math.inf), kind)
+    escalated = post(above, "/v1/chat/completions", BODY | {"model": "casc"})
+    assert escalated.json()["model"] == "strong" and escalated.headers[STEP_HEADER] == "1"
+    assert escalated.headers[ANSWERED_BY_HEADER] == "strong"
+
+
+def test_every_attempt_is_a_ledger_row_tied_to_the_client_request(engine, strong_engine):
+    app, gate = cascade_app(engine, strong_engine, 1.0)  # a logprob mean is never above 0: always escalates
+    response = post(app, "/v1/chat/completions", BODY | {"model": "casc"})
+    assert response.status_code == 200
+    client_id = response.headers["x-request-id"]
+    rows = sorted(gate.records, key=lambda r: r.cascade_step)
+    assert [(r.model, r.cascade_step, r.cascade_accepted) for r in rows] == [("cheap", 0, False), ("strong", 1, True)]
+    assert {(r.purpose, r.parent_request_id, r.cascade) for r in rows} == {("cascade_attempt", client_id, "casc")}
+    assert rows[1].request_id == response.json()["id"]
+    assert all(r.output_tokens > 0 for r in rows)
+    app, gate = cascade_app(engine, strong_engine, -math.inf)
+    post(app, "/v1/chat/completions", BODY | {"model": "casc"})
+    assert [(r.model, r.cascade_step, r.cascade_accepted) for r in gate.records] == [("cheap", 0, True)]
+
+
+def stream_text(app, body) -> tuple[httpx.Response, list[dict]]:
+    response = post(app, "/v1/chat/completions", body | {"stream": True})
+    events = [json.loads(line[6:]) for line in response.text.splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    return response, events
+
+
+@pytest.mark.parametrize("threshold,answerer", [(-math.inf, "cheap"), (1.0, "strong")])
+def test_streams_the_accepted_step_only(engine, strong_engine, threshold, answerer):
+    app, _ = cascade_app(engine, strong_engine, threshold)
+    direct = post(app, "/v1/chat/completions", BODY | {"model": answerer}).json()["choices"][0]["message"]
+    response, events = stream_text(app, BODY | {"model": "casc"})
+    assert response.headers[ANSWERED_BY_HEADER] == answerer
+    assert {event["model"] for event in events} == {answerer}
+    text = "".join(event["choices"][0]["delta"].get("content") or "" for event in events)
+    assert text == direct["content"] and len(events) > 2  # streamed token by token, not one block
+    assert all(event["choices"][0].get("logprobs") is None for event in events)  # the scorer's, not asked for
+
+
+def test_completions_answer_without_logprobs_unless_asked(engine, strong_engine):
+    body = {"prompt": "The sky is", "max_tokens": 5, "temperature": 0}
+    app, _ = cascade_app(engine, strong_engine, 0.0)
+    score = cheap_score(app, path="/v1/completions", body=body)
+    at, _ = cascade_app(engine, strong_engine, score)
+    response = post(at, "/v1/completions", body | {"model": "casc"})
+    assert response.json()["model"] == "cheap" and response.json()["choices"][0]["logprobs"] is None
+    asked = post(at, "/v1/completions", body | {"model": "casc", "logprobs": 0}).json()
+    assert len(asked["choices"][0]["logprobs"]["token_logprobs"]) == asked["usage"]["completion_tokens"]
+
+
+def test_a_cascade_answers_one_choice(engine, strong_engine):
+    app, gate = cascade_app(engine, strong_engine, 0.0)
+    response = post(app, "/v1/chat/completions", BODY | {"model": "casc", "n": 2})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "n"
+    assert gate.records == []
