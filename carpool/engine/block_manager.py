@@ -96,7 +96,7 @@ class BlockManager:
 
         The last token is never served from the cache: the engine needs its logits to sample from.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:  # it needs every prompt logit
             return []
         hits = []
         for i, block_hash in enumerate(self._block_hashes(seq, (seq.num_tokens - 1) // self.block_size)):

@@ -300,6 +300,7 @@ class LLMEngine:
             delta_logprobs=seq.logprobs[-num_new_tokens:] if num_new_tokens and seq.logprobs else [],
             logprobs=seq.logprobs if seq.params.logprobs is not None else None,
             cumulative_logprob=seq.cumulative_logprob if seq.params.logprobs is not None or seq.params.ranked else None,
+            prompt_logprobs=seq.prompt_logprobs if seq.params.prompt_logprobs is not None else None,
             num_cached_tokens=seq.num_cached_prompt_tokens,
             num_cache_write_tokens=seq.num_cache_write_tokens,
             num_preemptions=seq.num_preemptions,

@@ -9,7 +9,9 @@ import torch
 from carpool.models.attention import AttentionMetadata, DecodeGroup, PrefillSegment, attention_metadata
 from carpool.engine.block_manager import cdiv
 from carpool.engine.scheduler import ScheduledBatch
-from carpool.engine.sequence import Sequence
+from carpool.engine.sequence import Sequence, TokenLogprob
+
+PROMPT_LOGPROB_ROWS = 64
 
 
 def _zeroed_pool(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -86,10 +88,34 @@ class ModelRunner:
                 torch.tensor(input_ids, dtype=torch.long, device=self.device),
                 torch.tensor(positions, dtype=torch.long, device=self.device),
             )
+        self._prompt_logprobs(hidden, runs)
         if not sampling:
             return None, []
         rows = torch.tensor(sampled_rows, dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden[rows]), sampling
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, runs: list[tuple[Sequence, int, int]]) -> None:
+        """For the sequences asking for prompt logprobs, the logprob of each prompt token this chunk predicts
+        (position p's row predicts token p + 1), only for positions not recorded before (a preemption recomputes)."""
+        for seq, offset, n in runs:
+            k = seq.params.prompt_logprobs
+            start = len(seq.prompt_logprobs) - 1  # the first position whose prediction is not recorded yet
+            end = min(seq.num_computed_tokens + n, seq.num_prompt_tokens - 1)
+            if k is None or start >= end or start < seq.num_computed_tokens:
+                continue
+            first_row = offset + start - seq.num_computed_tokens
+            # Logit rows in slices: a 512-token chunk of a 151k vocabulary is 310 MB of float32 at once.
+            for begin in range(start, end, PROMPT_LOGPROB_ROWS):
+                stop = min(begin + PROMPT_LOGPROB_ROWS, end)
+                rows = hidden[first_row + begin - start : first_row + stop - start]
+                log_probs = torch.log_softmax(self.model.compute_logits(rows).float(), dim=-1)
+                targets = seq.token_ids[begin + 1 : stop + 1]
+                index = torch.tensor(targets, dtype=torch.long, device=log_probs.device)[:, None]
+                chosen = log_probs.gather(1, index)[:, 0].tolist()
+                top = torch.topk(log_probs, k) if k else None
+                for i, (token, logprob) in enumerate(zip(targets, chosen)):
+                    alternatives = list(zip(top.indices[i].tolist(), top.values[i].tolist())) if k else []
+                    seq.prompt_logprobs.append(TokenLogprob(token, logprob, alternatives))
 
     def _metadata(self, runs: list[tuple[Sequence, int, int]], table_of, window: int) -> AttentionMetadata:
         """One KV cache group's view of the step: where each new key goes and which blocks each query reads.

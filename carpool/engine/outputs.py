@@ -18,6 +18,7 @@ class RequestOutput:
     delta_logprobs: list[TokenLogprob] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
     cumulative_logprob: float | None = None  # when params.logprobs or params.ranked asked for it
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # when params.prompt_logprobs asked (first: None)
     num_cached_tokens: int = 0
     num_cache_write_tokens: int = 0
     num_preemptions: int = 0

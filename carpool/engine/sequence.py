@@ -74,6 +74,9 @@ class Sequence:
         self.num_preemptions = 0
         self.finish_reason: str | None = None
         self.logprobs: list[TokenLogprob] = []
+        # params.prompt_logprobs: one entry per prompt token, None for the first (nothing predicts it); filled as
+        # prefill chunks run, and not again when a preemption recomputes them.
+        self.prompt_logprobs: list[TokenLogprob | None] = [None]
         self.cumulative_logprob = 0.0  # of the output tokens, kept when params.logprobs or params.ranked ask
         self.output_text = ""
         # Speculative decoding, for one step: how many draft tokens the scheduler reserves KV slots for, the
