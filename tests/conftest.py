@@ -13,3 +13,24 @@ def llm():
 @pytest.fixture(scope="session")
 def tokenizer(llm):
     return llm.tokenizer
+
+
+@pytest.fixture(scope="session")
+def postgres_server():
+    """A real PostgreSQL server for the tests of the shared stores (tests/postgres_server.py), started once."""
+    from postgres_server import PostgresServer, postgres_bin_dir
+
+    bin_dir = postgres_bin_dir()
+    if bin_dir is None:
+        pytest.fail("PostgreSQL is not installed: `make test` installs Debian's postgresql package")
+    server = PostgresServer(bin_dir).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def postgres_url(postgres_server, request):
+    """A fresh, empty database on the session's server, for one test."""
+    import re
+
+    return postgres_server.create_database(re.sub(r"\W", "_", request.node.name)[:40] + f"_{id(request) % 10**6}")

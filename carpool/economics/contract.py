@@ -71,7 +71,9 @@ class UsageRecord:
 class Gate(Protocol):
     def authenticate(self, api_key: str | None) -> Principal: ...
 
-    def admit(self, principal: Principal, tier: str, estimated_tokens: int) -> None: ...
+    def admit(self, principal: Principal, tier: str, estimated_tokens: int, request_id: str | None = None) -> None:
+        """`request_id`: the request whose `record` will follow, for a gate that reserves budget until then
+        (None: nothing will be recorded, as for a batch's creation)."""
 
     def record(self, principal: Principal, usage: UsageRecord) -> Future | None:
         """Account for a finished request. A Future resolves once the usage is durable, and the caller hears

@@ -1,4 +1,5 @@
-"""The economics database: one SQLite file holding API keys and the ledger.
+"""The economics database: one SQLite file holding API keys and the ledger (or, for several replicas, a
+PostgreSQL database: `--db postgresql://...`, carpool/economics/postgres.py; SCHEMA below describes both).
 
 WAL mode lets the reporting side (CLI, /v1/usage) read while the server's ledger writer appends, and lets
 `carpool keys revoke` take effect on a running server at its next request. Any failure to open or check the file
@@ -70,10 +71,46 @@ ADDED_COLUMNS = {
 }
 
 
-def default_db_path() -> Path:
-    """`CARPOOL_DB`, else carpool.db in carpool's cache folder (`CARPOOL_CACHE_DIR`, ~/.cache/carpool)."""
+def default_db_path() -> str | Path:
+    """`CARPOOL_DB` (a file or a postgresql:// URL), else carpool.db in carpool's cache folder (`CARPOOL_CACHE_DIR`,
+    ~/.cache/carpool)."""
     override = os.environ.get("CARPOOL_DB")
+    if is_postgres_url(override):
+        return override
     return Path(override) if override else cache_dir() / "carpool.db"
+
+
+def is_postgres_url(db: object) -> bool:
+    """Whether `--db` names a PostgreSQL database rather than a SQLite file."""
+    return isinstance(db, str) and db.startswith(("postgresql://", "postgres://"))
+
+
+def open_database(db: str | Path):
+    """A connection to the SQLite file or PostgreSQL URL `db`, schema in place. Both speak sqlite3's interface
+    (`?` parameters, rows by name, `with conn:` as a transaction), so the code above them is written once."""
+    if is_postgres_url(db):
+        from carpool.economics.postgres import connect_postgres  # psycopg is installed by `make scale`
+
+        return connect_postgres(db)
+    return connect(db)
+
+
+def check_any_database(conn, db: str | Path) -> None:
+    """check_database for either kind of database."""
+    if is_postgres_url(db):
+        from carpool.economics.postgres import check_postgres
+
+        check_postgres(conn)
+    else:
+        check_database(conn, db)
+
+
+def expected_columns() -> dict[str, list[str]]:
+    """{table: column names in order} as SCHEMA has them: what either database's tables must hold."""
+    expected = sqlite3.connect(":memory:")
+    expected.executescript(SCHEMA)
+    tables = [name for (name,) in expected.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+    return {table: [row[1] for row in expected.execute(f"PRAGMA table_info({table})")] for table in tables}
 
 
 class DatabaseUnusable(ValueError):

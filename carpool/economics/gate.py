@@ -1,10 +1,15 @@
 """LedgerGate: the server's Gate backed by the economics database: keys, budgets, rate limits, ledger, prices.
 
 Admission is the only point of enforcement: a request that got in runs to the end, whatever its tenant spends
-meanwhile. Budgets are checked against spend already recorded, so requests admitted together may overshoot a
-budget by what they cost; the next request is refused. Admission reads the key as it stands now, so a batch
-line is held to its key's current state (revoked, new limits, budget spent), even after a restart; and
-everything billable is refused while the ledger cannot write.
+meanwhile. Admission reads the key as it stands now, so a batch line is held to its key's current state
+(revoked, new limits, budget spent), even after a restart; and everything billable is refused while the ledger
+cannot write.
+
+Where budgets and rate limits live depends on the database. A SQLite file has one server: spend and rate
+windows are kept in its memory (LocalAdmission), and budgets are checked against spend already recorded, so
+requests admitted together may overshoot a budget by what they cost; the next request is refused. A PostgreSQL
+database may have many replicas: both live in the database (SharedAdmission), and each admitted request reserves
+its worst-case cost, so replicas together never admit more than a budget holds.
 """
 
 import dataclasses
@@ -17,7 +22,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from carpool.economics.contract import GateError, Principal, UsageRecord
-from carpool.economics.db import check_database, connect, default_db_path
+from carpool.economics.db import check_any_database, default_db_path, is_postgres_url, open_database
 from carpool.economics.keys import ANONYMOUS, ApiKey, find_key, has_keys, list_keys, lookup_key
 from carpool.economics.ledger import RETRY_SECONDS, LedgerWriter
 from carpool.economics.prices import PriceSheet, PriceSheetError, load_price_sheet
@@ -26,18 +31,61 @@ from carpool.economics.reports import UsageSummary, usage_summary
 from carpool.economics.spend import PERIODS, SpendTracker
 
 
+class LocalAdmission:
+    """Budgets and rate limits of the one server a SQLite database has, kept in its memory."""
+
+    def __init__(self, conn, now: float):
+        self._spend = SpendTracker(conn, now)
+        self._limiter = RateLimiter()
+
+    def admit(self, key: ApiKey, estimated_tokens: int, estimated_cost: float, request_id: str | None,
+              now: float) -> None:
+        if key.budget is not None:
+            spent = self._spend.spent(key.key_id, key.budget_period, now)
+            if spent >= key.budget:
+                raise GateError(
+                    429,
+                    f"This key has spent ${spent:.4f} of its budget of ${key.budget:.4f} per {key.budget_period}.",
+                    "insufficient_quota",
+                )
+        try:
+            self._limiter.admit(key.key_id, estimated_tokens, key.rpm, key.tpm, now)
+        except RateLimitExceeded as limited:
+            raise GateError(429, limited.message, "rate_limit_exceeded", retry_after=limited.retry_after) from None
+
+    def recorded(self, usage: UsageRecord, cost: float) -> None:
+        """Counted now, so concurrent requests see it at admission; nothing reserved for the row to settle."""
+        self._spend.add(usage.key_id, cost, usage.created)
+        return None
+
+    def withheld(self, usage: UsageRecord, cost: float) -> None:
+        self._spend.add(usage.key_id, -cost, usage.created)
+
+    def spent(self, key_id: str | None, period: str, now: float) -> float:
+        return self._spend.spent(key_id, period, now)
+
+    def close(self) -> None:
+        pass
+
+
 class LedgerGate:
     def __init__(self, db_path: str | Path, prices: PriceSheet, clock: Callable[[], float] = time.time):
+        """`db_path`: a SQLite file, or a PostgreSQL URL shared by several replicas."""
         self.db_path = db_path
         self.prices = prices
         self.clock = clock
         # Key lookups run on the server's threads; one connection behind a lock is enough for an indexed read.
-        self._conn = connect(db_path)
-        check_database(self._conn, db_path)
+        self._conn = open_database(db_path)
+        check_any_database(self._conn, db_path)
         self._conn_lock = threading.Lock()
-        self._spend = SpendTracker(self._conn, clock())
-        self._limiter = RateLimiter()
-        self._writer = LedgerWriter(db_path)
+        if is_postgres_url(db_path):
+            from carpool.economics.shared_admission import SharedAdmission, settle
+
+            self._admission = SharedAdmission(db_path, clock)
+            self._writer = LedgerWriter(db_path, settle=settle)
+        else:
+            self._admission = LocalAdmission(self._conn, clock())
+            self._writer = LedgerWriter(db_path)
         self._cost_counter: Counter | None = None
         self._cost_by_tenant = False
 
@@ -53,7 +101,7 @@ class LedgerGate:
             raise GateError(401, "Incorrect, revoked or missing API key.", "invalid_api_key")
         return Principal(key_id=key.key_id, tenant=key.tenant, allowed_tiers=key.allowed_tiers, is_admin=key.is_admin)
 
-    def admit(self, principal: Principal, tier: str, estimated_tokens: int) -> None:
+    def admit(self, principal: Principal, tier: str, estimated_tokens: int, request_id: str | None = None) -> None:
         if self._writer.problem is not None:
             raise GateError(503, f"Billable requests are refused while {self._writer.problem}.", "ledger_unavailable",
                             retry_after=RETRY_SECONDS)
@@ -62,19 +110,8 @@ class LedgerGate:
             return  # no keys configured: the server is open
         if key.allowed_tiers is not None and tier not in key.allowed_tiers:
             raise GateError(403, f"service_tier {tier!r} is not allowed for this key", "tier_not_allowed")
-        now = self.clock()
-        if key.budget is not None:
-            spent = self._spend.spent(key.key_id, key.budget_period, now)
-            if spent >= key.budget:
-                raise GateError(
-                    429,
-                    f"This key has spent ${spent:.4f} of its budget of ${key.budget:.4f} per {key.budget_period}.",
-                    "insufficient_quota",
-                )
-        try:
-            self._limiter.admit(key.key_id, estimated_tokens, key.rpm, key.tpm, now)
-        except RateLimitExceeded as limited:
-            raise GateError(429, limited.message, "rate_limit_exceeded", retry_after=limited.retry_after) from None
+        estimated_cost = self.prices.worst_case_cost(tier, estimated_tokens)
+        self._admission.admit(key, estimated_tokens, estimated_cost, request_id, self.clock())
 
     def _current_key(self, key_id: str | None) -> ApiKey | None:
         """The principal's key as the database has it now (one indexed read): a batch line runs long after its
@@ -94,7 +131,7 @@ class LedgerGate:
             usage, key_id=usage.key_id or principal.key_id, tenant=usage.tenant or principal.tenant
         )
         cost = self.prices.cost(usage)
-        self._spend.add(usage.key_id, cost, usage.created)  # now, so concurrent requests see it at admission
+        reservation = self._admission.recorded(usage, cost)
         durable: Future = Future()
 
         def settle(written: Future) -> None:
@@ -104,11 +141,11 @@ class LedgerGate:
                     self._cost_counter.labels(tier=usage.tier, **tenant).inc(cost)
                 durable.set_result(None)
             else:  # the client is told 503, not the result: the ledger writes the row at no cost, so refund it
-                self._spend.add(usage.key_id, -cost, usage.created)
+                self._admission.withheld(usage, cost)
                 durable.set_exception(GateError(503, f"The request ran, but {written.exception()}; its result "
                                                      "is withheld.", "ledger_unavailable", retry_after=RETRY_SECONDS))
 
-        self._writer.submit(usage, cost).add_done_callback(settle)
+        self._writer.submit(usage, cost, reservation).add_done_callback(settle)
         return durable
 
     def health(self) -> str | None:
@@ -130,17 +167,17 @@ class LedgerGate:
 
     def key_spend(self) -> list[tuple[ApiKey, dict[str, float]]]:
         """Every key not revoked, with what it spent so far this UTC day and month: the figures admission holds
-        budgets to (in memory, no ledger query)."""
+        budgets to (no ledger query)."""
         now = self.clock()
         with self._conn_lock:
             keys = list_keys(self._conn)
-        return [(key, {period: self._spend.spent(key.key_id, period, now) for period in PERIODS})
+        return [(key, {period: self._admission.spent(key.key_id, period, now) for period in PERIODS})
                 for key in keys if key.revoked is None]
 
     def usage(self, group_by: str, start: float | None = None, end: float | None = None) -> list[UsageSummary]:
         """The usage report over [start, end), rows recorded so far included."""
         self.flush(timeout=5)
-        conn = connect(self.db_path)
+        conn = open_database(self.db_path)
         try:
             return usage_summary(conn, group_by, start, end)
         finally:
@@ -152,6 +189,7 @@ class LedgerGate:
 
     def close(self) -> None:
         self._writer.close()
+        self._admission.close()
         with self._conn_lock:
             self._conn.close()
 

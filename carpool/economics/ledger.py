@@ -19,11 +19,12 @@ import logging
 import queue
 import sqlite3
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 
 from carpool.economics.contract import UsageRecord
-from carpool.economics.db import connect
+from carpool.economics.db import DatabaseUnusable, connect, is_postgres_url, open_database
 
 log = logging.getLogger(__name__)
 
@@ -77,23 +78,42 @@ def withheld_row(row: tuple) -> tuple:
     return (*row[:_FINISH_REASON], WITHHELD, 0.0, *row[_FINISH_REASON + 2:])
 
 
+# In the transaction that writes rows: what else must commit with them, given (row, reservation) pairs (a shared
+# database settles the requests' budget reservations there: carpool/economics/shared_admission.py).
+Settle = Callable[[object, list[tuple[tuple, object]]], None]
+
+
+Held = tuple[tuple, Future, object]  # a row, the Future its commit resolves, and what it settles
+
+
+def _open(db: str | Path):
+    return open_database(db) if is_postgres_url(db) else connect(db)
+
+
 class LedgerWriter:
-    def __init__(self, db_path: str | Path):
+    def __init__(self, db_path: str | Path, settle: Settle | None = None):
         self.db_path = db_path
+        self._settle = settle
+        self._errors: tuple[type[Exception], ...] = (sqlite3.Error, DatabaseUnusable)
+        if is_postgres_url(db_path):
+            from carpool.economics.postgres import Error
+
+            self._errors += (Error,)
         self.problem: str | None = None  # why the last commit failed; None once a commit succeeds
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
         self._closing = threading.Lock()  # a row is queued before close() queues its stop, or refused
-        connect(db_path).close()  # create the schema now, so a bad path fails at startup, not at the first row
+        _open(db_path).close()  # create the schema now, so a bad path fails at startup, not at the first row
         self._thread = threading.Thread(target=self._run, name="carpool-ledger", daemon=True)
         self._thread.start()
 
-    def submit(self, usage: UsageRecord, cost: float) -> Future:
-        """Queue one row; returns at once, with a Future that resolves when the row is committed."""
+    def submit(self, usage: UsageRecord, cost: float, reservation: object = None) -> Future:
+        """Queue one row; returns at once, with a Future that resolves when the row is committed. `reservation`
+        goes to `settle` with the row."""
         written: Future = Future()
         with self._closing:
             if not self._closed:
-                self._queue.put((ledger_row(usage, cost), written))
+                self._queue.put((ledger_row(usage, cost), written, reservation))
                 return written
         log.error("ledger %s; row not written: %r cost=%r", self.problem or "closed", usage, cost)
         written.set_exception(LedgerUnwritable(self.problem or "the ledger is closed"))
@@ -118,8 +138,8 @@ class LedgerWriter:
         self._thread.join(timeout)
 
     def _run(self) -> None:
-        conn = connect(self.db_path)
-        held: list[tuple[tuple, Future]] = []  # rows whose commit failed, retried until one succeeds
+        conn = _open(self.db_path)
+        held: list[Held] = []  # rows whose commit failed, retried until one succeeds
         try:
             stopping = False
             while not stopping:
@@ -134,14 +154,14 @@ class LedgerWriter:
                         break
                 held += [item for item in items if isinstance(item, tuple)]
                 if held:
-                    held = self._commit(conn, held)
+                    conn, held = self._commit(conn, held)
                 for item in items:
                     if isinstance(item, threading.Event):
                         item.set()
                     elif item is None:
                         stopping = True
             if held:  # still failing at shutdown: the log keeps them, in full, for a replay by hand
-                log.error("ledger: %d rows not written: %r", len(held), [row for row, _ in held])
+                log.error("ledger: %d rows not written: %r", len(held), [item[0] for item in held])
         except BaseException as error:  # the writer is gone: say so (the gate then refuses billable work), and
             # fail every waiting response rather than leave it hanging on a row nobody will commit
             with self._closing:  # from here submit() refuses rows, so the drain below misses none
@@ -155,31 +175,40 @@ class LedgerWriter:
                     pending.append(item)
                 elif isinstance(item, threading.Event):
                     item.set()
-            for row, written in pending:
+            for row, written, _ in pending:
                 log.error("ledger: row not written: %r", row)
                 if not written.done():
                     written.set_exception(LedgerUnwritable(self.problem))
         finally:
-            conn.close()
+            if conn is not None:
+                conn.close()
 
-    def _commit(self, conn: sqlite3.Connection, rows: list[tuple[tuple, Future]]) -> list[tuple[tuple, Future]]:
-        """Commit the rows in one transaction; the rows still to write (all of them, if it failed)."""
+    def _commit(self, conn, rows: list[Held]) -> tuple[object, list[Held]]:
+        """Commit the rows in one transaction: the connection to use next (None: open a new one, as a dropped
+        PostgreSQL connection never comes back) and the rows still to write (all of them, if it failed)."""
         try:
+            if conn is None:
+                conn = _open(self.db_path)
             with conn:
-                conn.executemany(_INSERT, [row for row, _ in rows])
-        except sqlite3.Error as error:
+                conn.executemany(_INSERT, [row for row, _, _ in rows])
+                if self._settle is not None:
+                    self._settle(conn, [(row, reservation) for row, _, reservation in rows])
+        except self._errors as error:
+            if conn is not None and is_postgres_url(self.db_path):
+                conn.close()
+                conn = None
             if self.problem is None:
                 log.error("ledger %s: %d rows not written (%s); refusing billable requests until it can write",
                           self.db_path, len(rows), error)
             self.problem = f"the usage ledger cannot be written: {error}"
-            for _, written in rows:
+            for _, written, _ in rows:
                 if not written.done():
                     written.set_exception(LedgerUnwritable(self.problem))
-            return [(withheld_row(row), written) for row, written in rows]
+            return conn, [(withheld_row(row), written, reservation) for row, written, reservation in rows]
         if self.problem is not None:
             log.warning("ledger %s: writable again; %d held rows written", self.db_path, len(rows))
         self.problem = None
-        for _, written in rows:
+        for _, written, _ in rows:
             if not written.done():
                 written.set_result(None)
-        return []
+        return conn, []

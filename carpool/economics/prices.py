@@ -53,6 +53,12 @@ class PriceSheet:
             raise ValueError(f"unknown service tier {tier!r} (known: {', '.join(TIER_NAMES)})")
         return self.tiers[tier]
 
+    def worst_case_cost(self, tier: str, tokens: int) -> float:
+        """The most `tokens` (prompt and output together) can cost at `tier`, whatever the model: each at the
+        dearest rate any model on the sheet charges (a cache write, if that costs more than a plain input)."""
+        dearest = max(max(p.input * max(1.0, self.cache_write), p.output) for p in self.models.values())
+        return tokens * dearest / TOKENS_PER_PRICE_UNIT * self.tier_multiplier(tier)
+
     def cost(self, usage: UsageRecord) -> float:
         """Dollars for one request. Cache-write tokens are part of the uncached prompt tokens, billed at the
         write rate instead of the plain input rate; an aborted request is billed for the tokens it got."""

@@ -17,6 +17,10 @@ class RateLimitExceeded(Exception):
 
 
 class RateLimiter:
+    """The window of each key in this process's memory: one server per database (SQLite). Replicas sharing a
+    PostgreSQL database keep the window there instead (carpool/economics/shared_admission.py), judged by the
+    same `check_window`."""
+
     def __init__(self):
         self._lock = threading.Lock()
         self._windows: dict[str, deque[tuple[float, int]]] = {}  # key -> (admitted at, tokens), oldest first
@@ -25,29 +29,33 @@ class RateLimiter:
         """Count the request against the key's window, or raise RateLimitExceeded without counting it."""
         if rpm is None and tpm is None:
             return
-        if tpm is not None and tokens > tpm:
-            raise RateLimitExceeded(
-                f"this request's {tokens} tokens exceed the key's limit of {tpm} tokens per minute", None
-            )
         with self._lock:
             window = self._windows.setdefault(key_id, deque())
             while window and window[0][0] <= now - WINDOW_SECONDS:
                 window.popleft()
-            waits = []
-            if rpm is not None and len(window) + 1 > rpm:
-                # The oldest len - rpm + 1 admissions must leave; the last of them leaves at this time.
-                waits.append((window[len(window) - rpm][0], f"{rpm} requests per minute"))
-            used = sum(t for _, t in window)
-            if tpm is not None and used + tokens > tpm:
-                for admitted_at, admitted_tokens in window:
-                    used -= admitted_tokens
-                    if used + tokens <= tpm:
-                        waits.append((admitted_at, f"{tpm} tokens per minute"))
-                        break
-            if waits:
-                admitted_at, limit = max(waits)
-                retry_after = admitted_at + WINDOW_SECONDS - now
-                raise RateLimitExceeded(
-                    f"rate limit of {limit} reached for this key; retry in {retry_after:.1f} s", retry_after
-                )
+            check_window(list(window), tokens, rpm, tpm, now)
             window.append((now, tokens))
+
+
+def check_window(window: list[tuple[float, int]], tokens: int, rpm: int | None, tpm: int | None, now: float) -> None:
+    """Raise RateLimitExceeded unless a request of `tokens` fits beside `window`: the key's admissions of the
+    last WINDOW_SECONDS as (admitted at, tokens), oldest first."""
+    if tpm is not None and tokens > tpm:
+        raise RateLimitExceeded(
+            f"this request's {tokens} tokens exceed the key's limit of {tpm} tokens per minute", None)
+    waits = []
+    if rpm is not None and len(window) + 1 > rpm:
+        # The oldest len - rpm + 1 admissions must leave; the last of them leaves at this time.
+        waits.append((window[len(window) - rpm][0], f"{rpm} requests per minute"))
+    used = sum(t for _, t in window)
+    if tpm is not None and used + tokens > tpm:
+        for admitted_at, admitted_tokens in window:
+            used -= admitted_tokens
+            if used + tokens <= tpm:
+                waits.append((admitted_at, f"{tpm} tokens per minute"))
+                break
+    if waits:
+        admitted_at, limit = max(waits)
+        retry_after = admitted_at + WINDOW_SECONDS - now
+        raise RateLimitExceeded(
+            f"rate limit of {limit} reached for this key; retry in {retry_after:.1f} s", retry_after)

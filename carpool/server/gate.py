@@ -22,7 +22,7 @@ class OpenGate:
             raise GateError(401, "Incorrect or missing API key.", "invalid_api_key")
         return Principal(key_id=key_identity(api_key))
 
-    def admit(self, principal: Principal, tier: str, estimated_tokens: int) -> None:
+    def admit(self, principal: Principal, tier: str, estimated_tokens: int, request_id: str | None = None) -> None:
         if principal.allowed_tiers is not None and tier not in principal.allowed_tiers:
             raise GateError(403, f"service_tier {tier!r} is not allowed for this key", "tier_not_allowed")
 

@@ -208,7 +208,7 @@ class ModelServing:
         self.queues.reserve(tier, len(choices))
         try:
             self.gate.admit(principal, tier, sum(len(c.request.prompt_token_ids) + c.request.params.max_tokens
-                                                 for c in choices))
+                                                 for c in choices), request_id=request_id)
         except BaseException:
             for _ in choices:
                 self.queues.release(tier)

@@ -131,11 +131,11 @@ def test_a_ledger_that_cannot_write_refuses_billable_work_until_it_can(monkeypat
         # counted at record time is refunded, so a retry of the same request is billed once
         rows = sqlite3.connect(db_path).execute("SELECT request_id, finish_reason, cost FROM ledger").fetchall()
         assert rows == [("ran", "withheld", 0.0)]
-        assert gate._spend.spent(principal.key_id, "day", time.time()) == 0
+        assert gate._admission.spent(principal.key_id, "day", time.time()) == 0
         assert (registry.get_sample_value("carpool:cost_total", {"tier": "default"}) or 0) == 0
         gate.record(principal, usage(request_id="retried")).result(timeout=30)
         retried = sqlite3.connect(db_path).execute("SELECT cost FROM ledger WHERE request_id = 'retried'").fetchone()
-        assert retried[0] > 0 and gate._spend.spent(principal.key_id, "day", time.time()) == retried[0]
+        assert retried[0] > 0 and gate._admission.spent(principal.key_id, "day", time.time()) == retried[0]
     finally:
         gate.close()
 

@@ -24,7 +24,7 @@ class RecordingGate:
             raise GateError(401, "unknown key", "invalid_api_key")
         return Principal(key_id="good", tenant="acme")
 
-    def admit(self, principal, tier, estimated_tokens):
+    def admit(self, principal, tier, estimated_tokens, request_id=None):
         if tier == "priority":
             raise GateError(429, "priority budget spent", "insufficient_quota", retry_after=30)
         self.admitted.append((tier, estimated_tokens))

@@ -20,7 +20,7 @@ class RecordingGate:
     def authenticate(self, api_key):
         return CALLER
 
-    def admit(self, principal, tier, estimated_tokens):
+    def admit(self, principal, tier, estimated_tokens, request_id=None):
         pass
 
     def record(self, principal, usage):
@@ -33,7 +33,7 @@ class RecordingGate:
 class OverLimitGate(RecordingGate):
     """Every batch request is larger than the key's tokens-per-minute limit: waiting will never admit it."""
 
-    def admit(self, principal, tier, estimated_tokens):
+    def admit(self, principal, tier, estimated_tokens, request_id=None):
         if estimated_tokens > 0:  # the batch itself is admitted (0 tokens); each of its requests is refused
             raise GateError(429, "this request's tokens exceed the key's limit", "rate_limit_exceeded", retry_after=None)
 

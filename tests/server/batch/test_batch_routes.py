@@ -33,7 +33,7 @@ class KeyedGate:
             raise GateError(401, "Incorrect API key.", "invalid_api_key")
         return self.PRINCIPALS[api_key]
 
-    def admit(self, principal, tier, estimated_tokens):
+    def admit(self, principal, tier, estimated_tokens, request_id=None):
         if principal.allowed_tiers is not None and tier not in principal.allowed_tiers:
             raise GateError(403, f"service_tier {tier!r} is not allowed for this key", "tier_not_allowed")
 

@@ -1,0 +1,172 @@
+"""The economics database on PostgreSQL (`--db postgresql://...`): what several replicas share.
+
+Migrations are the numbered SQL files in `migrations/`, applied in order on connect, each in its own transaction
+and recorded in `schema_version`; an advisory lock makes replicas starting together apply each file once.
+
+`PostgresConnection` gives psycopg's connection the sqlite3 interface the SQLite code already speaks (`?`
+parameters, rows readable by name and position, `with conn:` as one transaction), so keys, reports, the ledger
+writer and the batch store run one set of SQL on both databases. Autocommit outside `with conn:`: a lone read
+never leaves a transaction open on the server.
+"""
+
+import re
+import threading
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import psycopg
+from psycopg.rows import BaseRowFactory
+
+from carpool.economics.db import DatabaseUnusable, expected_columns, is_postgres_url
+
+MIGRATIONS_DIR = Path(__file__).parent / "migrations"
+_MIGRATION_LOCK = 0x63617270  # pg_advisory_lock id held while migrating ("carp")
+_MIGRATION_NAME = re.compile(r"^(\d+)_\w+\.sql$")
+# How long a statement may wait for a lock before failing (as SQLite's connect(timeout=30) does).
+LOCK_TIMEOUT = "30s"
+Error = psycopg.Error
+__all__ = ["is_postgres_url", "connect_postgres", "check_postgres", "PostgresConnection", "redacted"]
+
+
+def redacted(url: str) -> str:
+    """The URL without its password, fit for logs, error messages and a batch dir's owner file."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)[1]
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}" if user else netloc))
+
+
+class Row(tuple):
+    """A result row read by position (unpacking) or by column name, and `dict(row)`: what sqlite3.Row offers."""
+
+    _names: tuple[str, ...] = ()
+
+    def __getitem__(self, index):
+        if isinstance(index, str):
+            return tuple.__getitem__(self, self._names.index(index))
+        return tuple.__getitem__(self, index)
+
+    def keys(self) -> list[str]:
+        return list(self._names)
+
+
+def _row_factory(cursor) -> BaseRowFactory:
+    names = tuple(column.name for column in cursor.description or ())
+    row_type = type("Row", (Row,), {"_names": names})
+    return lambda values: row_type(values)
+
+
+class PostgresConnection:
+    def __init__(self, url: str):
+        self.url = url
+        try:
+            self._conn = psycopg.connect(url, autocommit=True, row_factory=_row_factory,
+                                         options=f"-c lock_timeout={LOCK_TIMEOUT}")
+        except psycopg.Error as error:
+            raise DatabaseUnusable(f"{redacted(url)}: {_cause(error)}") from None
+        self._transactions = threading.local()
+
+    @property
+    def raw(self) -> psycopg.Connection:
+        return self._conn
+
+    def execute(self, sql: str, args: tuple | list = ()) -> psycopg.Cursor:
+        return self._conn.execute(_placeholders(sql), args or None)
+
+    def executemany(self, sql: str, rows: list) -> None:
+        with self._conn.cursor() as cursor:
+            cursor.executemany(_placeholders(sql), rows)
+
+    def __enter__(self) -> "PostgresConnection":
+        transaction = self._conn.transaction()
+        transaction.__enter__()
+        self._transactions.__dict__.setdefault("stack", []).append(transaction)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._transactions.stack.pop().__exit__(*exc)
+
+    def close(self) -> None:
+        self._conn.close()
+
+
+def _placeholders(sql: str) -> str:
+    """sqlite3's `?` parameters as psycopg's `%s` (a literal % doubled first). carpool's SQL puts no ? in text."""
+    return sql.replace("%", "%%").replace("?", "%s")
+
+
+def connect_postgres(url: str) -> PostgresConnection:
+    """A connection to a database brought up to the newest migration; DatabaseUnusable naming the database."""
+    conn = PostgresConnection(url)
+    try:
+        migrate(conn)
+    except psycopg.Error as error:
+        conn.close()
+        raise DatabaseUnusable(f"{redacted(url)}: {_cause(error)}") from None
+    return conn
+
+
+def migrations() -> list[tuple[int, str, str]]:
+    """(version, file name, SQL) of every migration, oldest first."""
+    found = []
+    for path in MIGRATIONS_DIR.iterdir():
+        match = _MIGRATION_NAME.match(path.name)
+        if match:
+            found.append((int(match.group(1)), path.name, path.read_text(encoding="utf-8")))
+    return sorted(found)
+
+
+def migrate(conn: PostgresConnection) -> list[int]:
+    """Apply the migrations the database lacks; the versions applied now."""
+    applied_now = []
+    conn.execute("SELECT pg_advisory_lock(?)", (_MIGRATION_LOCK,))
+    try:
+        conn.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER PRIMARY KEY, name TEXT NOT NULL, "
+                     "applied_at TIMESTAMPTZ NOT NULL DEFAULT now())")
+        done = {row[0] for row in conn.execute("SELECT version FROM schema_version")}
+        for version, name, sql in migrations():
+            if version in done:
+                continue
+            with conn:
+                conn.raw.execute(sql)  # several statements: no parameters, so sent as they are
+                conn.execute("INSERT INTO schema_version (version, name) VALUES (?, ?)", (version, name))
+            applied_now.append(version)
+    finally:
+        conn.execute("SELECT pg_advisory_unlock(?)", (_MIGRATION_LOCK,))
+    return applied_now
+
+
+def check_postgres(conn: PostgresConnection) -> None:
+    """What a server checks before it serves: every migration applied, the keys and ledger tables have the
+    columns the SQLite schema describes (the one description both databases follow), and the database takes writes."""
+    where = redacted(conn.url)
+    try:
+        newest = migrations()[-1][0]
+        (version,) = conn.execute("SELECT MAX(version) FROM schema_version").fetchone()
+        if version != newest:
+            raise DatabaseUnusable(f"{where}: schema version {version}, this carpool writes version {newest}")
+        for table, columns in expected_columns().items():
+            found = [row[0] for row in conn.execute(
+                "SELECT column_name FROM information_schema.columns WHERE table_schema = current_schema() "
+                "AND table_name = ? ORDER BY ordinal_position", (table,))]
+            if found != columns:
+                raise DatabaseUnusable(f"{where}: table {table} is not the one carpool writes (columns "
+                                       f"{', '.join(found) or 'none'})")
+        try:
+            with conn:
+                conn.execute("CREATE TABLE carpool_write_check (x INTEGER)")
+                raise _RolledBack
+        except _RolledBack:
+            pass
+    except psycopg.Error as error:
+        raise DatabaseUnusable(f"{where}: {_cause(error)}") from None
+
+
+class _RolledBack(Exception):
+    """Raised inside a transaction to roll it back on purpose."""
+
+
+def _cause(error: psycopg.Error) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__

@@ -1,0 +1,180 @@
+"""Keys, ledger, usage, budgets and rate limits on a real PostgreSQL (started by the suite: conftest.postgres_server),
+shared by several gates as replicas share it: each gate has connections of its own."""
+
+import threading
+
+import pytest
+from economics_helpers import Clock, usage
+
+from carpool.cli import main
+from carpool.economics import keys as key_store
+from carpool.economics import shared_admission
+from carpool.economics.contract import GateError
+from carpool.economics.db import DatabaseUnusable, SCHEMA, expected_columns, open_database
+from carpool.economics.gate import LedgerGate
+from carpool.economics.postgres import check_postgres, connect_postgres, migrations
+from carpool.economics.reports import usage_summary
+
+
+@pytest.fixture
+def gates(postgres_url, prices):
+    """Two gates on one database: two replicas."""
+    clock = Clock()
+    opened = [LedgerGate(postgres_url, prices, clock=clock) for _ in range(2)]
+    yield opened
+    for gate in opened:
+        gate.close()
+
+
+def new_key(url, **limits):
+    conn = open_database(url)
+    try:
+        return key_store.create_key(conn, "acme", **limits)
+    finally:
+        conn.close()
+
+
+def test_migrations_apply_once_and_follow_the_sqlite_schema(postgres_url):
+    conn = connect_postgres(postgres_url)
+    try:
+        versions = [row[0] for row in conn.execute("SELECT version FROM schema_version ORDER BY version")]
+        assert versions == [version for version, _, _ in migrations()] and len(versions) >= 2
+        again = connect_postgres(postgres_url)  # a second replica starting: nothing left to apply
+        assert again.execute("SELECT COUNT(*) FROM schema_version").fetchone()[0] == len(versions)
+        again.close()
+        check_postgres(conn)  # keys and ledger hold exactly SCHEMA's columns, in its order
+        assert set(expected_columns()) == {"keys", "ledger"} and "original_prompt_tokens" in SCHEMA
+        conn.execute("ALTER TABLE ledger DROP COLUMN constraint_kind")
+        with pytest.raises(DatabaseUnusable, match="table ledger is not the one carpool writes"):
+            check_postgres(conn)
+    finally:
+        conn.close()
+
+
+def test_keys_and_reports_through_the_cli(postgres_url, capsys):
+    assert main(["keys", "create", "--tenant", "acme", "--budget", "5", "--db", postgres_url]) == 0
+    secret = capsys.readouterr().out.strip()
+    assert main(["keys", "list", "--format", "json", "--db", postgres_url]) == 0
+    assert '"tenant": "acme"' in capsys.readouterr().out
+    conn = open_database(postgres_url)
+    key = key_store.find_key(conn, secret)
+    conn.close()
+    assert key.budget == 5.0 and key.budget_period == "month"
+    assert main(["keys", "revoke", key.key_id, "--db", postgres_url]) == 0
+    assert capsys.readouterr().out.startswith(f"revoked {key.key_id}")
+    assert main(["cost", "report", "--format", "csv", "--db", postgres_url]) == 0
+    assert capsys.readouterr().out.splitlines()[0].startswith("tenant,requests")
+
+
+def test_a_recorded_request_is_one_ledger_row_and_counts_against_its_budget(gates, postgres_url, prices):
+    key, secret = new_key(postgres_url, budget=1.0, budget_period="day")
+    first, second = gates
+    principal = first.authenticate(secret)
+    first.admit(principal, "default", 1200, request_id="req-1")
+    first.record(principal, usage(request_id="req-1")).result(timeout=30)
+    cost = prices.cost(usage())
+    conn = open_database(postgres_url)
+    try:
+        rows = conn.execute("SELECT request_id, key_id, tenant, cost FROM ledger").fetchall()
+        assert [tuple(row) for row in rows] == [("req-1", key.key_id, "acme", pytest.approx(cost))]
+        assert conn.execute("SELECT COUNT(*) FROM reservations").fetchone()[0] == 0  # settled with the row
+        (summary,) = usage_summary(conn, "tenant")
+        assert (summary.group, summary.requests, summary.cost) == ("acme", 1, pytest.approx(cost))
+    finally:
+        conn.close()
+    # the other replica sees that spend at once, and the report through either gate agrees
+    assert second.key_spend()[0][1]["day"] == pytest.approx(cost)
+    assert second.usage("key")[0].cost == pytest.approx(cost)
+
+
+def test_two_replicas_racing_for_the_last_of_a_budget_admit_one(gates, postgres_url, prices):
+    """Each round a fresh key whose budget holds one request's worst case, not two; both gates admit at the
+    same moment. Per-process spend (the SQLite path's) lets both through."""
+    estimate = prices.worst_case_cost("default", 1000)
+    for round_number in range(10):
+        key, secret = new_key(postgres_url, budget=estimate * 1.5, budget_period="day")
+        start = threading.Barrier(2)
+        outcomes = [None, None]
+
+        def race(index):
+            gate = gates[index]
+            principal = gate.authenticate(secret)
+            start.wait()
+            try:
+                gate.admit(principal, "default", 1000, request_id=f"r{round_number}-{index}")
+                outcomes[index] = "admitted"
+            except GateError as refused:
+                outcomes[index] = (refused.status, refused.code)
+
+        threads = [threading.Thread(target=race, args=(i,)) for i in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert sorted(outcomes, key=str) == sorted(["admitted", (429, "insufficient_quota")], key=str), outcomes
+
+
+def test_spend_settles_the_reservation_and_the_budget_ends_for_every_replica(gates, postgres_url, prices):
+    first, second = gates
+    cost = prices.cost(usage())
+    key, secret = new_key(postgres_url, budget=cost * 2.5, budget_period="day")
+    for request_id, gate in (("a", first), ("b", second)):
+        principal = gate.authenticate(secret)
+        gate.admit(principal, "default", 100, request_id=request_id)
+        gate.record(principal, usage(request_id=request_id)).result(timeout=30)
+    second.admit(second.authenticate(secret), "default", 10, request_id="c")  # $0.5 of a request left: admitted
+    second.record(second.authenticate(secret), usage(request_id="c")).result(timeout=30)
+    for gate in gates:  # 3 requests' cost > budget: refused everywhere
+        with pytest.raises(GateError) as refused:
+            gate.admit(gate.authenticate(secret), "default", 10, request_id="d")
+        assert refused.value.code == "insufficient_quota" and "has spent" in refused.value.message
+    assert first.key_spend()[0][1]["month"] == pytest.approx(3 * cost)
+
+
+def test_a_request_whose_worst_case_exceeds_what_is_left_is_refused(gates, postgres_url, prices):
+    key, secret = new_key(postgres_url, budget=prices.worst_case_cost("default", 1000), budget_period="month")
+    gate = gates[0]
+    with pytest.raises(GateError) as refused:
+        gate.admit(gate.authenticate(secret), "default", 1001, request_id="big")
+    assert refused.value.status == 429 and "lower max_tokens" in refused.value.message
+    gate.admit(gate.authenticate(secret), "default", 1000, request_id="fits")
+
+
+def test_a_dead_replicas_reservations_lapse(monkeypatch, postgres_url, prices):
+    monkeypatch.setattr(shared_admission, "LEASE_SECONDS", 0.5)
+    key, secret = new_key(postgres_url, budget=prices.worst_case_cost("default", 1000), budget_period="day")
+    dead, alive = (LedgerGate(postgres_url, prices) for _ in range(2))
+    try:
+        dead.admit(dead.authenticate(secret), "default", 1000, request_id="never-recorded")
+        dead.close()  # stops renewing, as a killed replica does
+        with pytest.raises(GateError):
+            alive.admit(alive.authenticate(secret), "default", 1000, request_id="x")
+        threading.Event().wait(0.6)
+        alive.admit(alive.authenticate(secret), "default", 1000, request_id="x")
+    finally:
+        alive.close()
+
+
+def test_a_rate_limit_holds_across_replicas(gates, postgres_url):
+    key, secret = new_key(postgres_url, rpm=3)
+    first, second = gates
+    for gate in (first, second, first):
+        gate.admit(gate.authenticate(secret), "default", 10, request_id=None)
+    for gate in gates:
+        with pytest.raises(GateError) as limited:
+            gate.admit(gate.authenticate(secret), "default", 10)
+        assert limited.value.code == "rate_limit_exceeded" and 0 < limited.value.retry_after <= 60
+    first.clock.now += 61  # the window slides on for both
+    second.admit(second.authenticate(secret), "default", 10)
+
+
+def test_revoking_a_key_acts_on_every_replica(gates, postgres_url):
+    key, secret = new_key(postgres_url)
+    principals = [gate.authenticate(secret) for gate in gates]
+    conn = open_database(postgres_url)
+    key_store.revoke_key(conn, key.key_id)
+    conn.close()
+    for gate, principal in zip(gates, principals, strict=True):
+        with pytest.raises(GateError) as revoked:
+            gate.admit(principal, "default", 10)
+        assert revoked.value.status == 401
