@@ -1,7 +1,8 @@
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from carpool.engine.slo import check_slos
 from carpool.kernels import kernel_path
 from carpool.models.quantization import MATMUL_MODES, QUANTIZATION_MODES
 
@@ -63,6 +64,11 @@ class EngineConfig:
     num_speculative_tokens: int = 4  # drafts per sequence per step at most; the engine picks 0..this by load
     ngram_min: int = 1
     ngram_max: int = 4
+    # SLO-driven step sizing (carpool.engine.slo): {tier: milliseconds}. With any set, each step's token budget
+    # and sequence cap follow measured step times, up to max_num_batched_tokens / max_num_seqs, so the highest
+    # tier present with an ITL SLO gets its inter-token latency and TTFT-bound prompts still land in time.
+    slo_itl_ms: dict[str, float] = field(default_factory=dict)
+    slo_ttft_ms: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -87,5 +93,7 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        self.slo_itl_ms = check_slos("slo_itl_ms", self.slo_itl_ms)
+        self.slo_ttft_ms = check_slos("slo_ttft_ms", self.slo_ttft_ms)
         if self.ngram_min > self.ngram_max:
             raise ValueError(f"ngram_min ({self.ngram_min}) must not exceed ngram_max ({self.ngram_max})")

@@ -17,6 +17,7 @@ from carpool.engine.request import EngineRequest
 from carpool.engine.sampling_params import SamplingParams, check_text
 from carpool.engine.scheduler import ScheduledBatch, Scheduler
 from carpool.engine.sequence import Sequence
+from carpool.engine.slo import StepLimits
 from carpool.engine.spec_decode import Speculator, SpecStepStats
 from carpool.engine.spec_decode.draft_model import DraftModelDrafter
 from carpool.engine.spec_decode.ngram import NgramDrafter
@@ -43,6 +44,7 @@ class StepStats:
     num_preemptions: int
     duration: float
     spec: SpecStepStats | None = None  # None: the engine does not speculate
+    limits: StepLimits | None = None  # the token budget and sequence cap it ran under, and why
 
 
 class LLMEngine:
@@ -233,8 +235,13 @@ class LLMEngine:
             if self.speculator else None
         num_decode_tokens = sum(n for seq, n in zip(batch.seqs, batch.num_new_tokens)
                                 if n == 1 or seq.spec_token_ids)
+        context_tokens = sum(seq.num_computed_tokens for seq in batch.seqs) + batch.num_tokens  # KV the step read
         outputs = self._postprocess(batch, dict(zip(map(id, sampling), sampled)))
-        self._record_step(batch, num_decode_tokens, spec, time.monotonic() - start)
+        end = time.monotonic()
+        self._record_step(batch, num_decode_tokens, spec, end - start)
+        if self.scheduler.slo:
+            self.scheduler.slo.observe(batch.num_tokens, len(batch.seqs), context_tokens, start, end,
+                                       self.scheduler.has_work())
         return outputs
 
     def _postprocess(self, batch: ScheduledBatch, sampled: dict) -> list[RequestOutput]:
@@ -316,4 +323,5 @@ class LLMEngine:
             num_preemptions=len(batch.preempted),
             duration=duration,
             spec=spec,
+            limits=self.scheduler.limits,
         )

@@ -4,7 +4,8 @@ Each step has a token budget (`max_num_batched_tokens`). Running decodes are ser
 so a long prompt never freezes other streams; then running prompts continue in chunks; then waiting requests
 are admitted, best tier first and first-come-first-served within a tier. When blocks or sequence slots run
 out, the running sequence with the worst (tier, arrival) is preempted by recompute and goes back to the
-waiting queue with its original arrival, so it keeps its place.
+waiting queue with its original arrival, so it keeps its place. With SLOs set, a controller (carpool.engine.slo)
+sizes each step's token budget and caps admissions below `max_num_seqs` from measured step times.
 """
 
 import time
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 from carpool.engine.block_manager import BlockManager
 from carpool.engine.config import EngineConfig
 from carpool.engine.sequence import Sequence, SequenceStatus
+from carpool.engine.slo import SloController, StepLimits
 from carpool.engine.tiers import BACKGROUND_PRIORITY
 
 
@@ -34,6 +36,11 @@ class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager):
         self.config = config
         self.block_manager = block_manager
+        self.fixed_limits = StepLimits(config.max_num_batched_tokens, config.max_num_seqs, "fixed")
+        self.slo = SloController(config.slo_itl_ms, config.slo_ttft_ms, config.max_num_batched_tokens,
+                                 config.max_num_seqs, config.block_size) \
+            if config.slo_itl_ms or config.slo_ttft_ms else None
+        self.limits = self.fixed_limits  # the last step's
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
 
@@ -60,6 +67,7 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         now = time.monotonic()
+        self.limits = self.slo.plan(self.running, self.waiting, now) if self.slo else self.fixed_limits
         # One ordering for everything: aged tier, then arrival. Waiting and running requests are ranked the
         # same way, so a preemption can never be undone by its victim on the next step.
         rank = {s: (self.effective_priority(s, now), s.times.arrival, s.seq_id) for s in self.running + self.waiting}
@@ -76,7 +84,7 @@ class Scheduler:
         pending = {h for s in self.running for h in self.block_manager.uncomputed_prompt_hashes(s)}
         admitting = not batch.preempted
         for seq in sorted(prompts, key=rank.__getitem__):
-            if self._budget(batch) == 0:
+            if self._budget(batch) <= 0:
                 break
             if seq.status is SequenceStatus.RUNNING:
                 self._schedule_running(seq, batch, rank)
@@ -84,6 +92,11 @@ class Scheduler:
                 continue
             if not admitting or seq in batch.preempted:
                 continue
+            if self.limits.max_seqs <= len(self.running) < self.config.max_num_seqs \
+                    and seq.priority > self.limits.exempt_priority:
+                continue  # the SLO cap: the batch grows only for the tier it protects until lower ones finish
+            if self._budget(batch, seq) <= 0:
+                continue  # what is left of the step is held for a lower tier's prompt
             hits = self.block_manager.match_prefix(seq)
             # A waiting request whose next uncached block a running prefill is about to compute waits for it
             # to land in the cache instead of computing it a second time; admission stops there, so no later
@@ -96,12 +109,18 @@ class Scheduler:
                 pending.update(self.block_manager.uncomputed_prompt_hashes(seq))
         return batch
 
-    def _budget(self, batch: ScheduledBatch) -> int:
-        return self.config.max_num_batched_tokens - batch.num_tokens
+    def _budget(self, batch: ScheduledBatch, seq: Sequence | None = None) -> int:
+        """Tokens left this step; for seq's prompt, less the block the SLO controller holds for lower tiers."""
+        left = self.limits.max_tokens - batch.num_tokens
+        if seq is not None and seq.priority <= self.limits.exempt_priority:
+            used = sum(n for s, n in zip(batch.seqs, batch.num_new_tokens)
+                       if n > 1 and s.priority > self.limits.exempt_priority)
+            left -= max(0, self.limits.reserved - used)
+        return left
 
     def _schedule_running(self, seq: Sequence, batch: ScheduledBatch, rank: dict) -> None:
-        num_new = min(seq.num_tokens - seq.num_computed_tokens, self._budget(batch))
-        if num_new == 0 or seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this step
+        num_new = min(seq.num_tokens - seq.num_computed_tokens, self._budget(batch, seq))
+        if num_new <= 0 or seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this step
             return
         if seq.num_lookahead_tokens:  # slots for speculative drafts, from what is left over: they preempt no one
             lookahead = min(seq.num_lookahead_tokens, self._budget(batch) - num_new) if num_new == 1 else 0
@@ -124,7 +143,7 @@ class Scheduler:
             return False
         while True:
             hits = self.block_manager.match_prefix(seq)  # again after a preemption: blocks may have been evicted
-            num_new = min(seq.num_tokens - len(hits) * self.block_manager.block_size, self._budget(batch))
+            num_new = min(seq.num_tokens - len(hits) * self.block_manager.block_size, self._budget(batch, seq))
             if self.block_manager.can_admit(seq, hits, num_new):
                 break
             if not self._make_room(seq, batch, rank):

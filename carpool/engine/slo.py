@@ -1,0 +1,209 @@
+"""SLO-driven step sizing: each step's token budget and sequence cap, from the engine's own measured step times.
+
+A decode step's time is every running sequence's inter-token gap, so the step is the lever on ITL: a long
+prompt chunked at 512 tokens under a batch of decodes stretches every stream's next token by the chunk's
+compute. The step-time model is the cost model's (carpool.economics.cost_model: weights read once per step,
+each sequence's KV read, compute per token) fitted online:
+
+    seconds ~ a + b * tokens + c * sequences + d * context tokens (the KV each step reads)
+
+by exponentially weighted least squares over recent steps, pulled toward a prior so the first steps and
+collinear data (decode-only steps have tokens == sequences) stay sane. Before every step the controller picks:
+- only tiers without an ITL SLO present (flex / batch work, or nothing): the configured ceilings,
+  `max_num_batched_tokens` and `max_num_seqs`. Under this model tokens per second rise with the step's size
+  (the fixed cost a is shared), so the throughput-optimal step is the largest one memory and the flags allow.
+- the highest tier present has an ITL SLO: the largest token budget whose predicted step time, plus the gap
+  measured between steps and two standard deviations of the model's error (ITL is judged at p99), fits the
+  SLO; and a sequence cap, the largest decode batch that fits it. Running sequences are never dropped by
+  it (the budget always covers every running decode plus one block of prompt, so prompts still progress): the
+  cap only stops admissions of lower tiers, so the batch shrinks as they finish, without recomputing anyone.
+  Sequences of the governing tier or higher are admitted past it: refusing them would not help their ITL and
+  would ruin their TTFT.
+- a waiting or prefilling request of a tier with a TTFT SLO (the governing tier or higher) that would miss
+  it at that budget (its prompt and the prompts ranked before it, chunk by chunk) raises the budget to the
+  smallest that meets it.
+Admission order is the scheduler's own (tier with aging, then arrival), and no tier starves under a small
+step: the cap never falls below the governing tier's sequences plus one slot for any lower tier (so a lower
+tier always has a running sequence that decodes every step, and the next one in rank order takes its slot),
+and one block of each step's budget is held for lower tiers' prompts while any is pending.
+"""
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from carpool.engine.tiers import BY_NAME, BY_PRIORITY, TIER_NAMES
+
+# Features are scaled to similar magnitudes so one ridge weight means the same for each coefficient.
+FEATURE_SCALES = np.array([1.0, 100.0, 10.0, 10_000.0])  # step, tokens, sequences, context tokens
+# Prior (seconds per scaled unit): 5 ms a step, 0.3 ms a token (SmolLM2-135M prefill on 2 cores is ~0.25),
+# 0.1 ms a sequence, 0.5 us per context token read (23 KB of bf16 KV a token at ~50 GB/s).
+PRIOR = np.array([0.005, 0.03, 0.001, 0.005])
+PRIOR_WEIGHT = 0.5  # the prior counts as half a step: a few real ones outweigh it
+DECAY = 0.98  # memory of ~50 steps: recent load, recent thread contention
+ERROR_SIGMAS = 2.0
+
+
+def check_slos(name: str, slos) -> dict[str, float]:
+    """{tier: milliseconds} checked: every key a tier, every value a positive number; ValueError naming `name`."""
+    if slos is None:
+        return {}
+    if not isinstance(slos, dict):
+        raise ValueError(f"{name} must be a dict of tier -> milliseconds, got {slos!r}")
+    for tier, ms in slos.items():
+        if tier not in BY_NAME:
+            raise ValueError(f"{name}: tier must be one of {', '.join(TIER_NAMES)}, got {tier!r}")
+        if isinstance(ms, bool) or not isinstance(ms, (int, float)) or not math.isfinite(ms) or ms <= 0:
+            raise ValueError(f"{name}[{tier!r}] must be a positive number of milliseconds, got {ms!r}")
+    return {tier: float(ms) for tier, ms in slos.items()}
+
+
+def parse_slo(text: str) -> tuple[str, float]:
+    """'TIER=MS' (a serve flag's value) -> (tier, ms); ValueError saying what is wrong."""
+    tier, sep, ms = text.partition("=")
+    if not sep:
+        raise ValueError(f"expected TIER=MS, got {text!r}")
+    if tier not in BY_NAME:
+        raise ValueError(f"tier must be one of {', '.join(TIER_NAMES)}, got {tier!r}")
+    try:
+        value = float(ms)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"MS must be a positive number of milliseconds, got {ms!r}")
+    return tier, value
+
+
+@dataclass(frozen=True)
+class StepLimits:
+    max_tokens: int
+    max_seqs: int
+    reason: str  # "fixed" (no SLOs), "throughput" (no ITL tier present), "itl" or "ttft"
+    tier: str = ""  # the tier whose SLO set the limits, for "itl" and "ttft"
+    # Sequences of this priority number or better are admitted past max_seqs (up to the configured slots).
+    exempt_priority: int = -1
+    # Tokens of max_tokens that only tiers below exempt_priority may use: their prompts always move.
+    reserved: int = 0
+
+
+class StepTimeModel:
+    """seconds ~ x . theta with x = (1, tokens, sequences, context tokens) / FEATURE_SCALES, by exponentially
+    weighted ridge regression toward PRIOR; also the weighted spread of its one-step-ahead errors."""
+
+    def __init__(self):
+        self.xtx = np.zeros((4, 4))
+        self.xty = np.zeros(4)
+        self.error_sq, self.error_weight = 0.0, 0.0
+        self.theta = PRIOR.copy()
+
+    def features(self, tokens: float, seqs: float, context: float) -> np.ndarray:
+        return np.array([1.0, tokens, seqs, context]) / FEATURE_SCALES
+
+    def predict(self, tokens: float, seqs: float, context: float) -> float:
+        return float(self.features(tokens, seqs, context) @ self.theta)
+
+    def observe(self, tokens: int, seqs: int, context: int, seconds: float) -> None:
+        x = self.features(tokens, seqs, context)
+        error = seconds - float(x @ self.theta)
+        self.error_sq = self.error_sq * DECAY + error * error
+        self.error_weight = self.error_weight * DECAY + 1.0
+        self.xtx = self.xtx * DECAY + np.outer(x, x)
+        self.xty = self.xty * DECAY + x * seconds
+        ridge = PRIOR_WEIGHT * np.eye(4)
+        theta = np.linalg.solve(self.xtx + ridge, self.xty + ridge @ PRIOR)
+        self.theta = np.maximum(theta, 0.0)  # no step gets cheaper with more work
+
+    @property
+    def error_std(self) -> float:
+        return math.sqrt(self.error_sq / self.error_weight) if self.error_weight else 0.0
+
+    def coefficients(self) -> dict[str, float]:
+        """Seconds per step, per token, per sequence and per context token."""
+        a, b, c, d = self.theta / FEATURE_SCALES
+        return {"step": a, "token": b, "sequence": c, "context_token": d}
+
+
+class SloController:
+    def __init__(self, slo_itl_ms: dict[str, float], slo_ttft_ms: dict[str, float], max_tokens: int,
+                 max_seqs: int, min_chunk: int):
+        self.itl = {BY_NAME[tier].priority: ms / 1000 for tier, ms in slo_itl_ms.items()}
+        self.ttft = {BY_NAME[tier].priority: ms / 1000 for tier, ms in slo_ttft_ms.items()}
+        self.max_tokens, self.max_seqs, self.min_chunk = max_tokens, max_seqs, min_chunk
+        self.model = StepTimeModel()
+        self.gap = 0.0  # seconds between a step's end and the next one's start while work waits (EW mean)
+        self._busy_since: float | None = None
+
+    def plan(self, running: list, waiting: list, now: float) -> StepLimits:
+        ceiling = StepLimits(self.max_tokens, self.max_seqs, "throughput")
+        present = {s.priority for s in running + waiting}
+        governed = [p for p in present if p in self.itl]
+        if not governed:
+            return ceiling
+        tier = min(governed)
+        target = self.itl[tier] - self.gap - ERROR_SIGMAS * self.model.error_std
+        decodes = [s for s in running if s.num_tokens - s.num_computed_tokens == 1]
+        context_per_seq = sum(s.num_tokens for s in running) / len(running) if running else 0.0
+        # A block of the budget is held for lower tiers' prompts, or a steady stream of the governing tier's
+        # prompts would take every token of a small budget, step after step.
+        lower_prompt = any(s.priority > tier and s.num_tokens - s.num_computed_tokens > 1 for s in running + waiting)
+        reserved = self.min_chunk if lower_prompt else 0
+        # Every running decode, a block of prompt and the held block, whatever the model says: nothing waits.
+        floor = min(self.max_tokens, len(decodes) + self.min_chunk + reserved)
+        tokens = self._largest_tokens(target, len(decodes) + 1, context_per_seq * len(running), floor)
+        seqs = self._seq_cap(target, context_per_seq, running, waiting, tier)
+        limits = StepLimits(tokens, seqs, "itl", BY_PRIORITY[tier].name, tier, min(reserved, tokens - len(decodes)))
+        return self._meet_ttft(limits, tier, running, waiting, len(decodes), context_per_seq, now)
+
+    def _largest_tokens(self, target: float, seqs: int, context: float, floor: int) -> int:
+        coefficients = self.model.coefficients()
+        fixed = self.model.predict(0, seqs, context)
+        per_token = coefficients["token"]
+        if per_token <= 0:
+            return self.max_tokens
+        return max(floor, min(self.max_tokens, int((target - fixed) / per_token)))
+
+    def _seq_cap(self, target: float, context_per_seq: float, running: list, waiting: list, tier: int) -> int:
+        c = self.model.coefficients()
+        per_seq = c["token"] + c["sequence"] + c["context_token"] * context_per_seq
+        fits = int((target - c["step"]) / per_seq) if per_seq > 0 else self.max_seqs
+        present = running + waiting
+        floor = sum(1 for s in present if s.priority <= tier) + any(s.priority > tier for s in present)
+        return max(1, min(self.max_seqs, max(fits, floor)))
+
+    def _meet_ttft(self, limits: StepLimits, itl_tier: int, running: list, waiting: list, num_decodes: int,
+                   context_per_seq: float, now: float) -> StepLimits:
+        """Raise the budget to the smallest that prefills every TTFT-bound prompt (tier <= itl_tier) in time."""
+        prompts = sorted((s for s in running + waiting if s.num_tokens - s.num_computed_tokens > 1),
+                         key=lambda s: (s.priority, s.times.arrival))
+        needed, ahead, tightest = limits.max_tokens, 0, None
+        for seq in prompts:
+            ahead += seq.num_tokens - seq.num_computed_tokens
+            slo = self.ttft.get(seq.priority)
+            if slo is None or seq.priority > itl_tier or seq.times.first_token is not None:
+                continue
+            left = slo - (now - seq.times.arrival)
+            budget = self._smallest_tokens_for(ahead, left, num_decodes, context_per_seq * len(running))
+            if budget > needed:
+                needed, tightest = budget, seq.priority
+        if tightest is None:
+            return limits
+        return StepLimits(needed, limits.max_seqs, "ttft", BY_PRIORITY[tightest].name, limits.exempt_priority,
+                          limits.reserved)
+
+    def _smallest_tokens_for(self, prompt_tokens: int, seconds: float, num_decodes: int, context: float) -> int:
+        budget = self.min_chunk
+        while budget < self.max_tokens:
+            chunk = budget - num_decodes
+            if chunk > 0 and math.ceil(prompt_tokens / chunk) * self.model.predict(
+                    budget, num_decodes + 1, context) <= seconds:
+                return budget
+            budget *= 2
+        return self.max_tokens
+
+    def observe(self, tokens: int, seqs: int, context: int, start: float, end: float, work_left: bool) -> None:
+        """One step's shape and its start and end (monotonic seconds); work_left: the engine steps again at once."""
+        self.model.observe(tokens, seqs, context, end - start)
+        if self._busy_since is not None:
+            self.gap = 0.9 * self.gap + 0.1 * max(0.0, start - self._busy_since)
+        self._busy_since = end if work_left else None
