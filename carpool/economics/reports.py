@@ -10,8 +10,8 @@ import sqlite3
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 
+from carpool.economics.contract import UsageRecord
 from carpool.economics.keys import ANONYMOUS
-from carpool.economics.prices import TOKENS_PER_PRICE_UNIT
 
 GROUP_BY = {"key": "key_id", "tenant": "tenant", "model": "model", "tier": "tier"}
 FORMATS = ("table", "csv", "json")
@@ -182,14 +182,13 @@ def cascade_summary(conn: sqlite3.Connection, prices, start: float | None = None
     """One row per cascade over attempts with start <= time < end.
 
     "Saved" is estimated per client request against sending it to the last model alone: a request the last step
-    answered would have cost what that attempt cost; one answered earlier is priced as if the last model had read
-    the same prompt (with the same cache reads) and written as many tokens as the accepted answer, at the last
-    model's rates in `prices` (a PriceSheet) and the request's tier. The last model is the one seen at the
-    cascade's highest step in the window: if no request reached the real last step, savings are against the
-    strongest step that ran."""
+    answered would have cost what that attempt cost; one answered earlier is priced by `prices` (a PriceSheet) as
+    if the last model had served the accepted attempt's very tokens (prompt, cache reads and writes, as many
+    output tokens) in its tier. The last model is the one seen at the cascade's highest step in the window: if no
+    request reached the real last step, savings are against the strongest step that ran."""
     rows = conn.execute(
         "SELECT cascade, parent_request_id, cascade_step, cascade_accepted, model, tier, uncached_prompt_tokens,"
-        " cache_read_tokens, output_tokens, cost FROM ledger WHERE purpose = 'cascade_attempt'"
+        " cache_read_tokens, cache_write_tokens, output_tokens, cost FROM ledger WHERE purpose = 'cascade_attempt'"
         " AND time >= ? AND time < ? ORDER BY cascade, parent_request_id, cascade_step",
         (start if start is not None else float("-inf"), end if end is not None else float("inf")),
     ).fetchall()
@@ -200,22 +199,21 @@ def cascade_summary(conn: sqlite3.Connection, prices, start: float | None = None
     for name, attempts in sorted(by_cascade.items()):
         models = {step: model for _, _, step, _, model, *_ in attempts}
         last_step = max(models)
-        last = prices.price(models[last_step])
         requests: dict[str, list] = {}
         for attempt in attempts:
             requests.setdefault(attempt[1], []).append(attempt)
         answered, cost_all_last = {step: 0 for step in sorted(models)}, 0.0
         for parts in requests.values():
             accepted = next((a for a in parts if a[3]), parts[-1])  # an aborted request: its latest attempt
-            _, _, step, _, _, tier, uncached, cache_read, output, cost = accepted
+            _, _, step, _, _, tier, uncached, cache_read, cache_write, output, cost = accepted
             answered[step] += 1 if accepted[3] else 0
             if step == last_step:
                 cost_all_last += cost
             else:
-                dollars = (uncached * last.input + cache_read * last.input * prices.cache_read
-                           + output * last.output)
-                cost_all_last += dollars / TOKENS_PER_PRICE_UNIT * prices.tier_multiplier(tier)
-        summaries.append(CascadeSummary(name, len(requests), answered, models, sum(a[9] for a in attempts),
+                cost_all_last += prices.cost(UsageRecord(
+                    "estimate", models[last_step], tier, uncached + cache_read, cache_read, cache_write, output,
+                    0.0, 0.0, 0.0, "stop"))
+        summaries.append(CascadeSummary(name, len(requests), answered, models, sum(a[10] for a in attempts),
                                         cost_all_last))
     return summaries
 

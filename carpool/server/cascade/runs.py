@@ -75,12 +75,13 @@ def same_answer(output: str, reference: str) -> bool:
 
 
 def run_model(model: str, examples: list[Example], max_tokens: int, cost: Callable[[UsageRecord], float],
-              num_threads: int | None = None) -> list[Attempt]:
-    """Greedy answers of `model` (a catalog name or path) to every example's chat prompt, one batch."""
+              num_threads: int | None = None, llm=None) -> list[Attempt]:
+    """Greedy answers of `model` (a catalog name or path; `llm`: that model already loaded, a carpool.LLM) to
+    every example's chat prompt, one batch."""
     from carpool.engine.sampling_params import SamplingParams
     from carpool.llm import LLM
 
-    llm = LLM(model, num_threads=num_threads)
+    llm = llm or LLM(model, num_threads=num_threads)
     prompts = [llm.chat_prompt([{"role": "user", "content": example.prompt}]) for example in examples]
     outputs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0))
     attempts = []
