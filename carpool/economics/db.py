@@ -1,5 +1,5 @@
 """The economics database: one SQLite file holding API keys and the ledger (or, for several replicas, a
-PostgreSQL database: `--db postgresql://...`, carpool/economics/postgres.py; SCHEMA below describes both).
+PostgreSQL database: `--db postgresql://...`, carpool/postgres.py; SCHEMA below describes both).
 
 WAL mode lets the reporting side (CLI, /v1/usage) read while the server's ledger writer appends, and lets
 `carpool keys revoke` take effect on a running server at its next request. Any failure to open or check the file
@@ -11,6 +11,8 @@ import sqlite3
 from pathlib import Path
 
 from carpool.models.loader import cache_dir
+from carpool import postgres
+from carpool.postgres import is_postgres_url
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS keys (
@@ -80,29 +82,44 @@ def default_db_path() -> str | Path:
     return Path(override) if override else cache_dir() / "carpool.db"
 
 
-def is_postgres_url(db: object) -> bool:
-    """Whether `--db` names a PostgreSQL database rather than a SQLite file."""
-    return isinstance(db, str) and db.startswith(("postgresql://", "postgres://"))
-
-
 def open_database(db: str | Path):
     """A connection to the SQLite file or PostgreSQL URL `db`, schema in place. Both speak sqlite3's interface
     (`?` parameters, rows by name, `with conn:` as a transaction), so the code above them is written once."""
     if is_postgres_url(db):
-        from carpool.economics.postgres import connect_postgres  # psycopg is installed by `make scale`
-
-        return connect_postgres(db)
+        try:
+            return postgres.connect_postgres(db)
+        except postgres.PostgresUnusable as error:
+            raise DatabaseUnusable(str(error)) from None
     return connect(db)
 
 
 def check_any_database(conn, db: str | Path) -> None:
     """check_database for either kind of database."""
     if is_postgres_url(db):
-        from carpool.economics.postgres import check_postgres
-
         check_postgres(conn)
     else:
         check_database(conn, db)
+
+
+def check_postgres(conn: postgres.PostgresConnection) -> None:
+    """check_database on PostgreSQL: every migration applied, the keys and ledger tables hold SCHEMA's columns
+    (the one description both databases follow: the migrations give PostgreSQL's types), and it takes writes."""
+    where = postgres.redacted(conn.url)
+    try:
+        newest = postgres.migrations()[-1][0]
+        (version,) = conn.execute("SELECT MAX(version) FROM schema_version").fetchone()
+        if version != newest:
+            raise DatabaseUnusable(f"{where}: schema version {version}, this carpool writes version {newest}")
+        for table, columns in expected_columns().items():
+            found = [row[0] for row in conn.execute(
+                "SELECT column_name FROM information_schema.columns WHERE table_schema = current_schema() "
+                "AND table_name = ? ORDER BY ordinal_position", (table,))]
+            if found != columns:
+                raise DatabaseUnusable(f"{where}: table {table} is not the one carpool writes (columns "
+                                       f"{', '.join(found) or 'none'})")
+        postgres.check_writable(conn)
+    except postgres.errors() as error:
+        raise DatabaseUnusable(f"{where}: {postgres.cause(error)}") from None
 
 
 def expected_columns() -> dict[str, list[str]]:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from carpool.economics.contract import UsageRecord
 from carpool.economics.db import DatabaseUnusable, connect, is_postgres_url, open_database
+from carpool.postgres import errors as postgres_errors
 
 log = logging.getLogger(__name__)
 
@@ -96,9 +97,7 @@ class LedgerWriter:
         self._settle = settle
         self._errors: tuple[type[Exception], ...] = (sqlite3.Error, DatabaseUnusable)
         if is_postgres_url(db_path):
-            from carpool.economics.postgres import Error
-
-            self._errors += (Error,)
+            self._errors += postgres_errors()
         self.problem: str | None = None  # why the last commit failed; None once a commit succeeds
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False

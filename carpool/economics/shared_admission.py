@@ -22,9 +22,10 @@ from collections.abc import Callable
 
 from carpool.economics.contract import GateError, UsageRecord
 from carpool.economics.keys import ApiKey
-from carpool.economics.postgres import PostgresConnection, connect_postgres
+from carpool.economics.db import open_database
 from carpool.economics.rate_limit import WINDOW_SECONDS, RateLimitExceeded, check_window
 from carpool.economics.spend import PERIODS, period_start
+from carpool.postgres import PostgresConnection
 
 LEASE_SECONDS = 60.0
 MAX_RESERVATION_SECONDS = 3600.0  # a request still unrecorded after an hour never will be (its row was lost)
@@ -36,7 +37,7 @@ class SharedAdmission:
     def __init__(self, url: str, clock: Callable[[], float]):
         self.clock = clock
         self.holder = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
-        self._conn: PostgresConnection = connect_postgres(url)
+        self._conn: PostgresConnection = open_database(url)
         self._lock = threading.Lock()  # one connection, used by the server's threads and the renewer
         self._reservations: dict[str, int] = {}  # request id -> its reservation's id, until its row is recorded
         self._stop = threading.Event()

@@ -10,9 +10,9 @@ from carpool.cli import main
 from carpool.economics import keys as key_store
 from carpool.economics import shared_admission
 from carpool.economics.contract import GateError
-from carpool.economics.db import DatabaseUnusable, SCHEMA, expected_columns, open_database
+from carpool.economics.db import SCHEMA, DatabaseUnusable, check_postgres, expected_columns, open_database
 from carpool.economics.gate import LedgerGate
-from carpool.economics.postgres import check_postgres, connect_postgres, migrations
+from carpool.postgres import connect_postgres, migrations
 from carpool.economics.reports import usage_summary
 
 

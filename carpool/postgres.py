@@ -1,12 +1,14 @@
-"""The economics database on PostgreSQL (`--db postgresql://...`): what several replicas share.
+"""PostgreSQL for the stores several replicas share (`--db postgresql://...`): the economics database (keys,
+ledger, budgets, rate limits) and the Batch API's metadata. Below both economics and the server, so each reaches
+it without reaching into the other.
 
-Migrations are the numbered SQL files in `migrations/`, applied in order on connect, each in its own transaction
-and recorded in `schema_version`; an advisory lock makes replicas starting together apply each file once.
+Migrations are the numbered SQL files in `carpool/migrations/`, applied in order on connect, each in its own
+transaction and recorded in `schema_version`; an advisory lock makes replicas starting together apply each once.
 
 `PostgresConnection` gives psycopg's connection the sqlite3 interface the SQLite code already speaks (`?`
 parameters, rows readable by name and position, `with conn:` as one transaction), so keys, reports, the ledger
 writer and the batch store run one set of SQL on both databases. Autocommit outside `with conn:`: a lone read
-never leaves a transaction open on the server.
+never leaves a transaction open on the server. psycopg (`make scale`) is imported only when a URL is opened.
 """
 
 import re
@@ -14,18 +16,20 @@ import threading
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
-import psycopg
-from psycopg.rows import BaseRowFactory
-
-from carpool.economics.db import DatabaseUnusable, expected_columns, is_postgres_url
-
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
 _MIGRATION_LOCK = 0x63617270  # pg_advisory_lock id held while migrating ("carp")
 _MIGRATION_NAME = re.compile(r"^(\d+)_\w+\.sql$")
 # How long a statement may wait for a lock before failing (as SQLite's connect(timeout=30) does).
 LOCK_TIMEOUT = "30s"
-Error = psycopg.Error
-__all__ = ["is_postgres_url", "connect_postgres", "check_postgres", "PostgresConnection", "redacted"]
+
+
+class PostgresUnusable(ValueError):
+    """The database cannot be reached or brought up to date: `<url without password>: <cause>`."""
+
+
+def is_postgres_url(db: object) -> bool:
+    """Whether `--db` names a PostgreSQL database rather than a SQLite file."""
+    return isinstance(db, str) and db.startswith(("postgresql://", "postgres://"))
 
 
 def redacted(url: str) -> str:
@@ -33,9 +37,15 @@ def redacted(url: str) -> str:
     parts = urlsplit(url)
     if parts.password is None:
         return url
-    netloc = parts.netloc.rsplit("@", 1)[1]
-    user = parts.username or ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}" if user else netloc))
+    host = parts.netloc.rsplit("@", 1)[1]
+    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
+
+
+def errors() -> tuple[type[Exception], ...]:
+    """What a failed statement raises."""
+    import psycopg
+
+    return (psycopg.Error,)
 
 
 class Row(tuple):
@@ -52,27 +62,30 @@ class Row(tuple):
         return list(self._names)
 
 
-def _row_factory(cursor) -> BaseRowFactory:
+def _row_factory(cursor):
     names = tuple(column.name for column in cursor.description or ())
     row_type = type("Row", (Row,), {"_names": names})
-    return lambda values: row_type(values)
+    return row_type
 
 
 class PostgresConnection:
     def __init__(self, url: str):
+        import psycopg
+
         self.url = url
         try:
             self._conn = psycopg.connect(url, autocommit=True, row_factory=_row_factory,
                                          options=f"-c lock_timeout={LOCK_TIMEOUT}")
         except psycopg.Error as error:
-            raise DatabaseUnusable(f"{redacted(url)}: {_cause(error)}") from None
+            raise PostgresUnusable(f"{redacted(url)}: {cause(error)}") from None
         self._transactions = threading.local()
 
     @property
-    def raw(self) -> psycopg.Connection:
+    def raw(self):
+        """The psycopg connection itself."""
         return self._conn
 
-    def execute(self, sql: str, args: tuple | list = ()) -> psycopg.Cursor:
+    def execute(self, sql: str, args: tuple | list = ()):
         return self._conn.execute(_placeholders(sql), args or None)
 
     def executemany(self, sql: str, rows: list) -> None:
@@ -98,13 +111,13 @@ def _placeholders(sql: str) -> str:
 
 
 def connect_postgres(url: str) -> PostgresConnection:
-    """A connection to a database brought up to the newest migration; DatabaseUnusable naming the database."""
+    """A connection to a database brought up to the newest migration; PostgresUnusable naming the database."""
     conn = PostgresConnection(url)
     try:
         migrate(conn)
-    except psycopg.Error as error:
+    except errors() as error:
         conn.close()
-        raise DatabaseUnusable(f"{redacted(url)}: {_cause(error)}") from None
+        raise PostgresUnusable(f"{redacted(url)}: {cause(error)}") from None
     return conn
 
 
@@ -138,35 +151,21 @@ def migrate(conn: PostgresConnection) -> list[int]:
     return applied_now
 
 
-def check_postgres(conn: PostgresConnection) -> None:
-    """What a server checks before it serves: every migration applied, the keys and ledger tables have the
-    columns the SQLite schema describes (the one description both databases follow), and the database takes writes."""
-    where = redacted(conn.url)
+def check_writable(conn: PostgresConnection) -> None:
+    """Raise unless the database takes writes (a read-only role connects and reads fine): a table created and
+    rolled back."""
     try:
-        newest = migrations()[-1][0]
-        (version,) = conn.execute("SELECT MAX(version) FROM schema_version").fetchone()
-        if version != newest:
-            raise DatabaseUnusable(f"{where}: schema version {version}, this carpool writes version {newest}")
-        for table, columns in expected_columns().items():
-            found = [row[0] for row in conn.execute(
-                "SELECT column_name FROM information_schema.columns WHERE table_schema = current_schema() "
-                "AND table_name = ? ORDER BY ordinal_position", (table,))]
-            if found != columns:
-                raise DatabaseUnusable(f"{where}: table {table} is not the one carpool writes (columns "
-                                       f"{', '.join(found) or 'none'})")
-        try:
-            with conn:
-                conn.execute("CREATE TABLE carpool_write_check (x INTEGER)")
-                raise _RolledBack
-        except _RolledBack:
-            pass
-    except psycopg.Error as error:
-        raise DatabaseUnusable(f"{where}: {_cause(error)}") from None
+        with conn:
+            conn.execute("CREATE TABLE carpool_write_check (x INTEGER)")
+            raise _RolledBack
+    except _RolledBack:
+        pass
 
 
 class _RolledBack(Exception):
     """Raised inside a transaction to roll it back on purpose."""
 
 
-def _cause(error: psycopg.Error) -> str:
-    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+def cause(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
