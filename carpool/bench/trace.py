@@ -1,0 +1,379 @@
+"""`carpool bench trace`: a compressed day replayed against servers in turn, SLO controller vs fixed step sizes.
+
+The day: a Batch API job (every line `ignore_eos`, more lines than any configuration finishes) is submitted at
+the start and fills whatever the interactive traffic leaves; priority chat users (closed loop, streaming,
+`ignore_eos`, each one request at a time) rise to a peak and leave, so the second half is the valley the
+batch fills. Time is scaled: a "minute" of the day is one slice of `--slice-seconds` (20 s by default), and
+the user count changes only at slice boundaries.
+
+Per slice: priority ITL p99 (client side, the gap between text chunks: what a user sees) against the SLO,
+output tokens per second of every tier (from the server's `carpool:generation_tokens` counter), and the
+machine's cost per 1M output tokens at `--hourly-price`; also the mean step token budget the server reported
+(`carpool:step_token_budget`). By default three servers run the same trace in turn: the SLO controller
+(`--slo-itl-ms priority=SLO` with the large ceilings), a fixed small step and a fixed large one. `--url
+NAME=URL` replays against running servers instead. A PNG per configuration goes to `--plot-dir`.
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from itertools import count
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from carpool.bench.datasets import first_human_turns
+from carpool.bench.local_server import free_port, wait_healthy
+from carpool.bench.serve import percentile
+
+# Priority users per slice: a morning ramp, the peak, then the valley (the batch job alone).
+DEFAULT_USERS = (2, 6, 10, 10, 10, 6, 0, 0, 0, 0)
+STARTUP_SECONDS = 300
+SAMPLE_SECONDS = 0.5
+
+
+@dataclass
+class Configuration:
+    name: str
+    serve_flags: list[str] = field(default_factory=list)
+    url: str | None = None  # a running server; else one is started with serve_flags
+
+
+@dataclass
+class SliceReport:
+    index: int
+    users: int
+    itl_p50_ms: float | None
+    itl_p99_ms: float | None
+    within_slo: bool | None  # None: no priority tokens in this slice
+    output_tokens_per_s: float
+    priority_tokens_per_s: float
+    cost_per_1m_tokens: float | None
+    mean_step_token_budget: float | None
+
+
+def add_parser(modes) -> None:
+    parser = modes.add_parser("trace", help="a compressed day (priority peak, batch valley): SLO controller vs "
+                                            "fixed step sizes, per-slice ITL p99, tok/s and cost")
+    parser.add_argument("--url", action="append", default=None, metavar="NAME=URL",
+                        help="replay against this running server (repeatable) instead of starting the three")
+    parser.add_argument("--model", default=None, help="model for the servers started here (default: SmolLM2-135M)")
+    parser.add_argument("--slo-itl-ms", type=float, default=100.0, help="priority ITL SLO (default: 100)")
+    parser.add_argument("--small", default="32:8", metavar="TOKENS:SEQS",
+                        help="the fixed small step: token budget and max sequences (default: 32:8)")
+    parser.add_argument("--large", default="512:64", metavar="TOKENS:SEQS",
+                        help="the fixed large step, also the SLO controller's ceilings (default: 512:64)")
+    parser.add_argument("--users", default=",".join(map(str, DEFAULT_USERS)),
+                        help=f"priority chat users per slice, comma-separated (default: {DEFAULT_USERS})")
+    parser.add_argument("--slice-seconds", type=float, default=20.0, help="one scaled 'minute' (default: 20)")
+    parser.add_argument("--chat-max-tokens", type=int, default=64, help="output tokens per chat request")
+    parser.add_argument("--batch-max-tokens", type=int, default=128, help="output tokens per batch line")
+    parser.add_argument("--batch-lines", type=int, default=3000, help="lines in the batch job (default: 3000)")
+    parser.add_argument("--hourly-price", type=float, default=0.10,
+                        help="dollars per hour for the machine, for cost per 1M tokens (default: 0.10, a 2-vCPU "
+                             "cloud VM)")
+    parser.add_argument("--num-threads", type=int, default=None, help="the started servers' --num-threads")
+    parser.add_argument("--out", default="bench-results/trace.json", help="where the JSON report goes")
+    parser.add_argument("--plot-dir", default="docs/img", help="where trace-NAME.png goes")
+    parser.set_defaults(func=main)
+
+
+def parse_users(text: str) -> list[int]:
+    try:
+        users = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--users: expected comma-separated user counts, got {text!r}") from None
+    if not users or any(u < 0 for u in users):
+        raise ValueError(f"--users: counts must be >= 0, got {text!r}")
+    return users
+
+
+def parse_step(flag: str, text: str) -> tuple[int, int]:
+    tokens, sep, seqs = text.partition(":")
+    try:
+        step = (int(tokens), int(seqs))
+    except ValueError:
+        step = (0, 0)
+    if not sep or min(step) <= 0:
+        raise ValueError(f"--{flag}: expected TOKENS:SEQS, two positive integers, got {text!r}")
+    return step
+
+
+def configurations(args: argparse.Namespace) -> list[Configuration]:
+    if args.url:
+        configs = []
+        for text in args.url:
+            name, sep, url = text.partition("=")
+            if not sep or not name or not url.startswith("http"):
+                raise ValueError(f"--url: expected NAME=URL, got {text!r}")
+            configs.append(Configuration(name, url=url.rstrip("/")))
+        return configs
+    if args.slo_itl_ms <= 0:
+        raise ValueError(f"--slo-itl-ms must be > 0, got {args.slo_itl_ms}")
+    small, large = parse_step("small", args.small), parse_step("large", args.large)
+
+    def step(tokens_seqs):
+        return ["--max-num-batched-tokens", str(tokens_seqs[0]), "--max-num-seqs", str(tokens_seqs[1])]
+
+    return [
+        Configuration("slo", [*step(large), "--slo-itl-ms", f"priority={args.slo_itl_ms:g}"]),
+        Configuration(f"fixed-{small[0]}", step(small)),
+        Configuration(f"fixed-{large[0]}", step(large)),
+    ]
+
+
+def main(args: argparse.Namespace) -> int:
+    users = parse_users(args.users)
+    configs = configurations(args)
+    for name in ("slice_seconds", "chat_max_tokens", "batch_max_tokens", "batch_lines", "hourly_price"):
+        if getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive")
+    runs = []
+    for config in configs:
+        print(f"== {config.name}: {' '.join(config.serve_flags) or config.url}", flush=True)
+        slices = run_configuration(config, users, args)
+        for row in slices:
+            print(format_slice(row, args.slo_itl_ms), flush=True)
+        runs.append({"name": config.name, "serve_flags": config.serve_flags, "url": config.url,
+                     "slices": [asdict(s) for s in slices], "summary": summarize(slices)})
+    compare(runs)
+    report = {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "model": args.model, "users": users,
+              "slice_seconds": args.slice_seconds, "slo_itl_ms": args.slo_itl_ms, "hourly_price": args.hourly_price,
+              "chat_max_tokens": args.chat_max_tokens, "batch_max_tokens": args.batch_max_tokens, "runs": runs}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(comparison_table(runs))
+    plot_dir = Path(args.plot_dir)
+    plot_dir.mkdir(parents=True, exist_ok=True)
+    for run in runs:
+        plot(run, report, runs, plot_dir / f"trace-{run['name']}.png")
+    print(f"wrote {out} and {plot_dir}/trace-*.png")
+    return 0
+
+
+def run_configuration(config: Configuration, users: list[int], args: argparse.Namespace) -> list[SliceReport]:
+    if config.url:
+        return asyncio.run(replay(config.url, users, args))
+    port, home = free_port(), tempfile.mkdtemp(prefix="carpool-bench-trace-")
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "CARPOOL_DB": os.path.join(home, "carpool.db"),
+           "CARPOOL_BATCH_DIR": os.path.join(home, "batches")}
+    flags = [*config.serve_flags, *(["--model", args.model] if args.model else []),
+             *(["--num-threads", str(args.num_threads)] if args.num_threads else [])]
+    server = subprocess.Popen([sys.executable, "-m", "carpool.cli", "serve", "--port", str(port), "--log-level",
+                               "warning", *flags], env=env, stdout=subprocess.DEVNULL)
+    try:
+        if not wait_healthy(url, server, STARTUP_SECONDS):
+            raise RuntimeError(f"carpool serve {' '.join(flags)} did not become healthy")
+        return asyncio.run(replay(url, users, args))
+    finally:
+        server.terminate()
+        server.wait(60)
+
+
+async def replay(url: str, users: list[int], args: argparse.Namespace) -> list[SliceReport]:
+    prompts = first_human_turns(max_chars=2000)
+    tags = count()
+
+    def next_prompt() -> str:  # tagged, so no request gets another's prefix from the cache
+        tag = next(tags)
+        return f"[{tag}] {prompts[tag % len(prompts)]}"
+
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        model = (await client.get("/v1/models")).json()["data"][0]["id"]
+        await chat_request(client, model, next_prompt(), 4, [], 0.0)  # the first request pays one-time costs
+        batch_id = await submit_batch(client, model, next_prompt, args.batch_lines, args.batch_max_tokens)
+        start = time.monotonic()
+        gaps: list[tuple[float, float]] = []  # (seconds into the trace, ITL gap)
+        samples: list[tuple[float, dict]] = []  # (seconds into the trace, metric values)
+        stop = asyncio.Event()
+        errors: list[str] = []
+
+        def target_users() -> int:
+            index = int((time.monotonic() - start) // args.slice_seconds)
+            return users[index] if index < len(users) else 0
+
+        async def user(number: int):
+            while not stop.is_set():
+                if number >= target_users():
+                    await asyncio.sleep(0.1)
+                    continue
+                try:
+                    await chat_request(client, model, next_prompt(), args.chat_max_tokens, gaps, start)
+                except (RuntimeError, httpx.HTTPError) as error:  # counted and shown, not the end of the run
+                    errors.append(repr(error))
+                    await asyncio.sleep(0.5)
+
+        async def sampler():
+            while not stop.is_set():
+                samples.append((time.monotonic() - start, await scrape(client)))
+                await asyncio.sleep(SAMPLE_SECONDS)
+
+        tasks = [asyncio.create_task(user(n)) for n in range(max(users))] + [asyncio.create_task(sampler())]
+        await asyncio.sleep(len(users) * args.slice_seconds)
+        samples.append((time.monotonic() - start, await scrape(client)))
+        stop.set()
+        await client.post(f"/v1/batches/{batch_id}/cancel")
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    if errors:
+        print(f"  {len(errors)} chat requests failed, e.g. {errors[0]}", flush=True)
+    return slice_reports(users, args.slice_seconds, gaps, samples, args.slo_itl_ms, args.hourly_price)
+
+
+async def chat_request(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int,
+                       gaps: list, start: float) -> None:
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "service_tier": "priority", "ignore_eos": True}
+    last = None
+    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"chat request: HTTP {response.status_code}: {(await response.aread())[:200]!r}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data:") or '"content"' not in line:
+                continue
+            now = time.monotonic()
+            if last is not None:
+                gaps.append((now - start, now - last))
+            last = now
+
+
+async def submit_batch(client: httpx.AsyncClient, model: str, next_prompt, lines: int, max_tokens: int) -> str:
+    data = "".join(json.dumps({
+        "custom_id": f"trace-{i}", "method": "POST", "url": "/v1/chat/completions",
+        "body": {"model": model, "messages": [{"role": "user", "content": next_prompt()}], "max_tokens": max_tokens,
+                 "temperature": 0, "ignore_eos": True},
+    }) + "\n" for i in range(lines)).encode()
+    uploaded = await client.post("/v1/files", files={"file": ("trace.jsonl", data)}, data={"purpose": "batch"})
+    uploaded.raise_for_status()
+    batch = await client.post("/v1/batches", json={"input_file_id": uploaded.json()["id"],
+                                                   "endpoint": "/v1/chat/completions", "completion_window": "24h"})
+    batch.raise_for_status()
+    return batch.json()["id"]
+
+
+async def scrape(client: httpx.AsyncClient) -> dict:
+    return metric_values((await client.get("/metrics")).text)
+
+
+def metric_values(text: str) -> dict:
+    """Output tokens so far (all tiers, and priority) and the step token budget, from Prometheus text."""
+    values = {"tokens": 0.0, "priority_tokens": 0.0, "step_token_budget": None}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "carpool:generation_tokens_total":
+                values["tokens"] += sample.value
+                if sample.labels.get("tier") == "priority":
+                    values["priority_tokens"] += sample.value
+            elif sample.name == "carpool:step_token_budget":
+                values["step_token_budget"] = sample.value
+    return values
+
+
+def slice_reports(users: list[int], slice_seconds: float, gaps: list, samples: list, slo_ms: float,
+                  hourly_price: float) -> list[SliceReport]:
+    reports = []
+    for index, count_ in enumerate(users):
+        begin, end = index * slice_seconds, (index + 1) * slice_seconds
+        itls = [gap * 1000 for at, gap in gaps if begin <= at < end]
+        first, last = _sample_at(samples, begin), _sample_at(samples, end)
+        seconds = max(last[0] - first[0], 1e-9)
+        tok_s = (last[1]["tokens"] - first[1]["tokens"]) / seconds
+        budgets = [v["step_token_budget"] for at, v in samples if begin <= at < end and v["step_token_budget"]]
+        p99 = percentile(itls, 99)
+        reports.append(SliceReport(
+            index=index, users=count_, itl_p50_ms=percentile(itls, 50), itl_p99_ms=p99,
+            within_slo=None if p99 is None else p99 <= slo_ms,
+            output_tokens_per_s=tok_s,
+            priority_tokens_per_s=(last[1]["priority_tokens"] - first[1]["priority_tokens"]) / seconds,
+            cost_per_1m_tokens=hourly_price / 3600 / tok_s * 1e6 if tok_s > 0 else None,
+            mean_step_token_budget=sum(budgets) / len(budgets) if budgets else None,
+        ))
+    return reports
+
+
+def _sample_at(samples: list, at: float) -> tuple:
+    """The sample taken closest to `at` seconds into the trace."""
+    return min(samples, key=lambda sample: abs(sample[0] - at))
+
+
+def summarize(slices: list[SliceReport]) -> dict:
+    peak = [s for s in slices if s.users > 0 and s.within_slo is not None]
+    tok_s = sum(s.output_tokens_per_s for s in slices) / len(slices)
+    return {
+        "peak_slices": len(peak),
+        "peak_slices_within_slo": sum(s.within_slo for s in peak),
+        "peak_share_within_slo": sum(s.within_slo for s in peak) / len(peak) if peak else None,
+        "mean_output_tokens_per_s": tok_s,
+    }
+
+
+def compare(runs: list[dict]) -> None:
+    """Each run's throughput against the best fixed configuration's (the others, when none is fixed)."""
+    for run in runs:
+        others = [r for r in runs if r is not run and r["name"].startswith("fixed")] or \
+                 [r for r in runs if r is not run]
+        best = max((r["summary"]["mean_output_tokens_per_s"] for r in others), default=None)
+        run["summary"]["throughput_vs_best_other"] = run["summary"]["mean_output_tokens_per_s"] / best if best else None
+
+
+def format_slice(s: SliceReport, slo_ms: float) -> str:
+    def ms(value):
+        return "-" if value is None else f"{value:.0f}"
+
+    verdict = "" if s.within_slo is None else ("ok" if s.within_slo else f"over {slo_ms:g}")
+    cost = "-" if s.cost_per_1m_tokens is None else f"${s.cost_per_1m_tokens:.3f}"
+    budget = "-" if s.mean_step_token_budget is None else f"{s.mean_step_token_budget:.0f}"
+    return (f"  min {s.index:>2} users {s.users:>2}  ITL p50 {ms(s.itl_p50_ms):>4} p99 {ms(s.itl_p99_ms):>5} ms "
+            f"{verdict:<9} out {s.output_tokens_per_s:6.1f} tok/s (priority {s.priority_tokens_per_s:5.1f})  "
+            f"{cost}/1M  step budget {budget}")
+
+
+def comparison_table(runs: list[dict]) -> str:
+    lines = [f"{'configuration':<14}{'peak min in SLO':>16}{'mean out tok/s':>16}{'vs best other':>14}"]
+    for run in runs:
+        s = run["summary"]
+        share = "-" if s["peak_share_within_slo"] is None else \
+            f"{s['peak_slices_within_slo']}/{s['peak_slices']} ({s['peak_share_within_slo']:.0%})"
+        ratio = "-" if s["throughput_vs_best_other"] is None else f"{s['throughput_vs_best_other']:.2f}x"
+        lines.append(f"{run['name']:<14}{share:>16}{s['mean_output_tokens_per_s']:>16.1f}{ratio:>14}")
+    return "\n".join(lines)
+
+
+def plot(run: dict, report: dict, runs: list[dict], path: Path) -> None:
+    """ITL p99 per slice against the SLO, and output tok/s, on the same axes limits for every configuration."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    slice_s = report["slice_seconds"]
+    itl_top = max([s["itl_p99_ms"] or 0 for r in runs for s in r["slices"]] + [report["slo_itl_ms"]]) * 1.1
+    tok_top = max(s["output_tokens_per_s"] for r in runs for s in r["slices"]) * 1.1 or 1
+    x = [s["index"] for s in run["slices"]]
+    figure, (itl, tok) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    itl.plot(x, [s["itl_p99_ms"] for s in run["slices"]], marker="o", color="C3", label="priority ITL p99")
+    itl.axhline(report["slo_itl_ms"], linestyle="--", color="k", label=f"SLO {report['slo_itl_ms']:g} ms")
+    itl.set(ylabel="ms (log)", yscale="log", ylim=(5, itl_top),
+            title=f"{run['name']}: {' '.join(run['serve_flags']) or run['url']}")
+    users = itl.twinx()
+    users.step(x, [s["users"] for s in run["slices"]], where="mid", color="C7", alpha=0.5, label="priority users")
+    users.set(ylabel="priority users", ylim=(0, max(report["users"]) * 1.2 or 1))
+    tok.bar(x, [s["output_tokens_per_s"] for s in run["slices"]], color="C0", label="all tiers")
+    tok.bar(x, [s["priority_tokens_per_s"] for s in run["slices"]], color="C1", label="priority")
+    tok.set(ylabel="output tok/s", ylim=(0, tok_top), xlabel=f"minute of the day (1 minute = {slice_s:g} s)")
+    for axis in (itl, tok):
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=8, loc="upper right")
+    figure.tight_layout()
+    figure.savefig(path, dpi=90)
+    plt.close(figure)
