@@ -115,7 +115,8 @@ class PrefixAffinity(Routing):
         load = loads[best]
         if request.tier == PRIORITY_TIER:  # latency first: the cached replica only if it can start at once
             return best if load.has_room else fallback
-        overloaded = not load.has_room or load.in_flight - loads[fallback].in_flight > self.imbalance
+        # Other tiers may queue behind their cache (a hit saves the prefill), within `imbalance`.
+        overloaded = load.kv_usage >= FULL_KV or load.in_flight - loads[fallback].in_flight > self.imbalance
         return fallback if overloaded else best
 
     def _remember(self, hashes: list[int], replica: int) -> None:

@@ -1,0 +1,273 @@
+"""A discrete-event simulator of N carpool replicas behind the router: what TTFT, ITL, prefix-cache hit rate and
+cost per 1M tokens to expect at a scale this machine cannot run (1-64 replicas), from carpool's own measured
+step times and the router's own routing code (carpool.server.replicas.routing).
+
+Each replica is modelled as the engine schedules: continuous batching under `max_num_seqs` sequences and a
+`max_num_batched_tokens` token budget a step (long prompts chunked), decode sequences first, and a prefix cache of
+`num_blocks` blocks (LRU) keyed by the same salted block-hash chain the engine uses; a step lasts
+`StepModel.seconds(prefill tokens, decode sequences)`, a line fitted to real engine steps (`measure_step_model`).
+Sessions (a document's questions, a chat's turns) arrive as a Poisson process; a session's next turn is sent
+when its previous one finishes, as the replay bench (carpool.bench.replicas) does.
+"""
+
+import heapq
+import itertools
+import math
+import random
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from carpool.engine.request import EngineRequest
+from carpool.engine.sampling_params import SamplingParams
+from carpool.server.replicas.routing import ReplicaLoad, make_routing
+
+
+@dataclass(frozen=True)
+class StepModel:
+    """Seconds one engine step takes: fixed cost, plus per prompt token computed, plus per decoding sequence."""
+
+    base: float
+    per_prefill_token: float
+    per_decode_seq: float
+
+    def seconds(self, prefill_tokens: int, decode_seqs: int) -> float:
+        return self.base + self.per_prefill_token * prefill_tokens + self.per_decode_seq * decode_seqs
+
+    @classmethod
+    def fit(cls, steps: list[tuple[int, int, float]]) -> "StepModel":
+        """Least squares over (prefill tokens, decode sequences, seconds) of real steps; coefficients kept >= 0."""
+        if len(steps) < 3:
+            raise ValueError("steps: need at least 3 measured steps to fit a step model")
+        rows = np.array([[1.0, p, d] for p, d, _ in steps])
+        times = np.array([s for _, _, s in steps])
+        coefficients, *_ = np.linalg.lstsq(rows, times, rcond=None)
+        return cls(*(max(float(c), 0.0) for c in coefficients))
+
+
+@dataclass(frozen=True)
+class Turn:
+    prompt_token_ids: list[int]
+    output_tokens: int
+
+
+@dataclass(frozen=True)
+class Session:
+    """Turns sent one after another (the next when the previous finishes), under one tenant's cache salt."""
+
+    turns: list[Turn]
+    salt: str | None = None
+
+
+@dataclass
+class ReplicaSpec:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    num_blocks: int = 4096
+    block_size: int = 16
+
+
+@dataclass
+class SimResult:
+    replicas: int
+    routing: str
+    ttft: list[float] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    makespan: float = 0.0
+
+    def summary(self, hourly_price_per_replica: float) -> dict:
+        tokens = self.prompt_tokens + self.output_tokens
+        dollars = self.replicas * hourly_price_per_replica * self.makespan / 3600
+        return {
+            "replicas": self.replicas, "routing": self.routing, "requests": len(self.ttft),
+            "hit_rate": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
+            "ttft_p50_s": _percentile(self.ttft, 50), "ttft_p99_s": _percentile(self.ttft, 99),
+            "itl_p50_s": _percentile(self.itl, 50), "itl_p99_s": _percentile(self.itl, 99),
+            "output_tokens_per_s": self.output_tokens / self.makespan if self.makespan else 0.0,
+            "usd_per_1m_tokens": dollars / tokens * 1e6 if tokens else 0.0,
+            "usd_per_1m_output_tokens": dollars / self.output_tokens * 1e6 if self.output_tokens else 0.0,
+        }
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+@dataclass
+class _Seq:
+    request: EngineRequest
+    session: int
+    turn: int
+    arrival: float
+    replica: int = -1
+    to_prefill: int = 0  # prompt tokens still to compute
+    produced: int = 0
+    last_token_at: float | None = None
+
+
+class _Replica:
+    def __init__(self, spec: ReplicaSpec):
+        self.spec = spec
+        self.waiting: deque[_Seq] = deque()
+        self.running: list[_Seq] = []
+        self.cache: OrderedDict[int, None] = OrderedDict()
+        self.busy = False
+
+    def cached_tokens(self, request: EngineRequest) -> int:
+        """Leading prompt blocks in the cache (at least the last token is always computed, as in the engine)."""
+        hashes, size = _chain(request, self.spec.block_size), self.spec.block_size
+        hit = 0
+        for block in hashes:
+            if block not in self.cache:
+                break
+            self.cache.move_to_end(block)
+            hit += 1
+        return min(hit * size, len(request.prompt_token_ids) - 1)
+
+    def insert(self, request: EngineRequest) -> None:
+        for block in _chain(request, self.spec.block_size):
+            self.cache[block] = None
+            self.cache.move_to_end(block)
+        while len(self.cache) > self.spec.num_blocks:
+            self.cache.popitem(last=False)
+
+
+def _chain(request: EngineRequest, block_size: int) -> list[int]:
+    tokens, chain, hashes = request.prompt_token_ids, hash(("salt", request.cache_salt)), []
+    for start in range(0, len(tokens) // block_size * block_size, block_size):
+        chain = hash((chain, tuple(tokens[start:start + block_size])))
+        hashes.append(chain)
+    return hashes
+
+
+def simulate(sessions: list[Session], arrivals: list[float], replicas: int, routing: str, step: StepModel,
+             spec: ReplicaSpec) -> SimResult:
+    """Run `sessions` (session i starts at arrivals[i]) on `replicas` replicas routed by `routing`."""
+    if replicas < 1:
+        raise ValueError("replicas must be at least 1")
+    if len(arrivals) != len(sessions):
+        raise ValueError("arrivals: one arrival time per session")
+    router = make_routing(routing, spec.block_size)
+    loads = [ReplicaLoad(slots=spec.max_num_seqs) for _ in range(replicas)]
+    nodes = [_Replica(spec) for _ in range(replicas)]
+    result = SimResult(replicas, routing)
+    events: list = []
+    order = itertools.count()
+    for index, at in enumerate(arrivals):
+        heapq.heappush(events, (at, next(order), "arrive", (index, 0)))
+    now = 0.0
+    while events:
+        now, _, kind, payload = heapq.heappop(events)
+        if kind == "arrive":
+            session_index, turn_index = payload
+            session = sessions[session_index]
+            turn = session.turns[turn_index]
+            request = EngineRequest(f"s{session_index}-{turn_index}", turn.prompt_token_ids,
+                                    SamplingParams(max_tokens=turn.output_tokens), cache_salt=session.salt,
+                                    arrival_time=now)
+            seq = _Seq(request, session_index, turn_index, now)
+            seq.replica = router.choose(request, loads)
+            loads[seq.replica].in_flight += 1
+            nodes[seq.replica].waiting.append(seq)
+            _start_step(nodes[seq.replica], seq.replica, now, step, events, order, result)
+        else:
+            _finish_step(nodes, loads, payload, now, sessions, step, events, order, result)
+    result.makespan = now - min(arrivals, default=0.0)
+    return result
+
+
+def _start_step(node: _Replica, index: int, now: float, step: StepModel, events, order, result: SimResult) -> None:
+    if node.busy or not (node.waiting or node.running):
+        return
+    spec = node.spec
+    while node.waiting and len(node.running) < spec.max_num_seqs:
+        seq = node.waiting.popleft()
+        cached = node.cached_tokens(seq.request)
+        result.prompt_tokens += len(seq.request.prompt_token_ids)
+        result.cached_tokens += cached
+        seq.to_prefill = len(seq.request.prompt_token_ids) - cached
+        node.running.append(seq)
+    decoding = [seq for seq in node.running if seq.to_prefill == 0]
+    budget = spec.max_num_batched_tokens - len(decoding)
+    chunks = []
+    for seq in node.running:
+        if seq.to_prefill and budget > 0:
+            chunk = min(seq.to_prefill, budget)
+            chunks.append((seq, chunk))
+            budget -= chunk
+    node.busy = True
+    duration = step.seconds(sum(c for _, c in chunks), len(decoding))
+    heapq.heappush(events, (now + duration, next(order), "step", (index, decoding, chunks)))
+
+
+def _finish_step(nodes, loads, payload, now, sessions, step, events, order, result: SimResult) -> None:
+    index, decoding, chunks = payload
+    node = nodes[index]
+    node.busy = False
+    emitted = list(decoding)
+    for seq, chunk in chunks:
+        seq.to_prefill -= chunk
+        if seq.to_prefill == 0:  # the prompt's last chunk samples the first token
+            node.insert(seq.request)
+            result.ttft.append(now - seq.arrival)
+            emitted.append(seq)
+    for seq in emitted:
+        if seq.last_token_at is not None:
+            result.itl.append(now - seq.last_token_at)
+        seq.last_token_at = now
+        seq.produced += 1
+        result.output_tokens += 1
+        if seq.produced >= seq.request.params.max_tokens:
+            node.running.remove(seq)
+            loads[index].in_flight -= 1
+            if seq.turn + 1 < len(sessions[seq.session].turns):
+                heapq.heappush(events, (now, next(order), "arrive", (seq.session, seq.turn + 1)))
+    used = sum(math.ceil(len(s.request.prompt_token_ids) / node.spec.block_size) for s in node.running)
+    loads[index].kv_usage = min(1.0, used / node.spec.num_blocks)
+    _start_step(node, index, now, step, events, order, result)
+
+
+def poisson_arrivals(count: int, rate: float, seed: int = 0) -> list[float]:
+    """`count` session start times at `rate` sessions a second (exponential gaps), from 0."""
+    if rate <= 0:
+        raise ValueError("rate must be positive")
+    rng, at, times = random.Random(seed), 0.0, []
+    for _ in range(count):
+        times.append(at)
+        at += rng.expovariate(rate)
+    return times
+
+
+def measure_step_model(config, prompt_lengths=(64, 256, 512), batch_sizes=(1, 4, 8, 16), decode_steps=8) -> StepModel:
+    """Fit a StepModel to real steps of carpool's engine under `config` (an EngineConfig): prefill-only steps of
+    several sizes, then decode steps at several batch sizes (random token prompts; no prefix cache hits)."""
+    from carpool.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(config)
+    rng = random.Random(0)
+    vocab = engine.model_config.vocab_size
+    steps: list[tuple[int, int, float]] = []
+    ids = itertools.count()
+
+    def run(prompts: list[int], max_tokens: int) -> None:
+        for length in prompts:
+            prompt = [rng.randrange(100, vocab) for _ in range(length)]
+            engine.add_request(f"fit-{next(ids)}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0,
+                                                                         ignore_eos=True))
+        while engine.has_unfinished_requests():
+            engine.step()
+            stats = engine.last_step
+            if stats is not None and stats.num_tokens:
+                steps.append((stats.num_prefill_tokens, stats.num_decode_tokens, stats.duration))
+
+    run([16], 4)  # warm-up: first-call costs are not a step's
+    steps.clear()
+    for length in prompt_lengths:
+        run([length], 1)
+    for size in batch_sizes:
+        run([16] * size, decode_steps)
+    return StepModel.fit(steps)

@@ -1,0 +1,55 @@
+"""The replica simulator: its step model fit, its timing against hand-computed cases, and the routing effect it
+exists to predict (prefix affinity keeps hit rate; more replicas cut queueing)."""
+
+import random
+
+import pytest
+
+from carpool.bench.simulate import ReplicaSpec, Session, StepModel, Turn, poisson_arrivals, simulate
+
+STEP = StepModel(base=0.010, per_prefill_token=0.0001, per_decode_seq=0.002)
+
+
+def test_fit_recovers_a_known_step_line():
+    rng = random.Random(1)
+    steps = [(p, d, STEP.seconds(p, d) * (1 + rng.uniform(-0.01, 0.01)))
+             for p, d in [(0, 1), (0, 8), (0, 32), (256, 0), (512, 0), (128, 4), (64, 16)]]
+    fitted = StepModel.fit(steps)
+    assert fitted.base == pytest.approx(STEP.base, rel=0.1)
+    assert fitted.per_prefill_token == pytest.approx(STEP.per_prefill_token, rel=0.05)
+    assert fitted.per_decode_seq == pytest.approx(STEP.per_decode_seq, rel=0.1)
+    with pytest.raises(ValueError, match="steps"):
+        StepModel.fit(steps[:2])
+
+
+def test_one_request_takes_one_prefill_step_then_one_decode_step_a_token():
+    prompt = list(range(1, 301))
+    result = simulate([Session([Turn(prompt, 5)])], [0.0], 1, "prefix", STEP, ReplicaSpec())
+    assert result.ttft == [pytest.approx(STEP.seconds(300, 0))]
+    assert result.itl == [pytest.approx(STEP.seconds(0, 1))] * 4
+    # A 300-token prompt under a 128-token budget takes three chunks.
+    chunked = simulate([Session([Turn(prompt, 1)])], [0.0], 1, "prefix", STEP, ReplicaSpec(max_num_batched_tokens=128))
+    assert chunked.ttft == [pytest.approx(STEP.seconds(128, 0) * 2 + STEP.seconds(44, 0))]
+
+
+def document_sessions(documents=7, questions=6, length=600):
+    rng = random.Random(0)
+    docs = [[rng.randrange(1000, 30000) for _ in range(length)] for _ in range(documents)]
+    return [Session([Turn(doc + [rng.randrange(1000, 30000) for _ in range(12)], 4)], salt=f"tenant{d % 3}")
+            for _ in range(questions) for d, doc in enumerate(docs)]
+
+
+def test_prefix_routing_keeps_the_hit_rate_that_round_robin_loses():
+    sessions = document_sessions()
+    arrivals = poisson_arrivals(len(sessions), rate=4.0)
+    rates = {routing: simulate(sessions, arrivals, 4, routing, STEP, ReplicaSpec()).summary(1.0)["hit_rate"]
+             for routing in ("prefix", "round-robin")}
+    assert rates["prefix"] > 0.8 and rates["prefix"] > 1.5 * rates["round-robin"], rates
+
+
+def test_more_replicas_cut_ttft_under_the_same_load():
+    sessions = document_sessions()
+    arrivals = poisson_arrivals(len(sessions), rate=200.0)
+    ttft = {n: simulate(sessions, arrivals, n, "prefix", STEP, ReplicaSpec()).summary(1.0)["ttft_p50_s"]
+            for n in (1, 4)}
+    assert ttft[4] < ttft[1] / 2, ttft
