@@ -44,6 +44,7 @@ def create_app(
     max_queued_per_tier: int = limits.MAX_QUEUED_PER_TIER,
     max_body_bytes: int = limits.MAX_BODY_BYTES,
     batch_dir: str | None = None,
+    batch_db: str | None = None,
     ledger_panels: Callable[[], dict] | None = None,
     cascades: dict[str, Cascade] | None = None,
 ) -> FastAPI:
@@ -61,7 +62,8 @@ def create_app(
     serving = Serving(backends)
     cascade_serving = CascadeServing(serving, cascades or {})
     register_queue_metrics(metrics.registry, {backend.model_name: backend.queues for backend in backends})
-    batches = BatchService(serving, gate, batch_dir) if batch_dir else None  # the Batch API, if given a home
+    # The Batch API, if given a home; `batch_db`: the PostgreSQL URL replicas share its metadata in.
+    batches = BatchService(serving, gate, batch_dir, db=batch_db) if batch_dir else None
     started = int(time.time())
 
     @asynccontextmanager

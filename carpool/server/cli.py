@@ -158,6 +158,16 @@ def open_gate(args: argparse.Namespace, configs: dict) -> tuple:
     return ledger, batch_dir, batch_dir_lock
 
 
+def shared_batch_db(args: argparse.Namespace, ledger) -> str | None:
+    """The PostgreSQL --db whose replicas share the Batch API's metadata (a ledger's server only); None: the
+    metadata stays in the batch dir (SQLite)."""
+    from carpool.economics.db import default_db_path
+    from carpool.postgres import is_postgres_url
+
+    db = args.db or default_db_path()
+    return db if ledger and is_postgres_url(db) else None
+
+
 def attach_ledger(app, ledger, args: argparse.Namespace) -> None:
     """The ledger's /metrics series and usage routes, when there is a ledger."""
     from carpool.economics.routes import usage_router
@@ -199,6 +209,7 @@ def serve(args: argparse.Namespace, configs: dict) -> int:
         max_queued_per_tier=args.max_queued_per_tier,
         max_body_bytes=args.max_body_bytes,
         batch_dir=str(batch_dir),
+        batch_db=shared_batch_db(args, ledger),
         ledger_panels=ledger_panels(ledger) if ledger else None,
         cascades=cascades,
     )

@@ -7,14 +7,21 @@ owns it in its `database` file: a server with another database refuses it at sta
 `--api-key`s keeps no ledger, so its batches are billed nowhere: its dir is its own (`<db>.api-key-batches`),
 owned by no database, and never one a ledger's server runs. And a dir is run by one live server at a time (an
 exclusive lock held while it serves), or two servers on one database would run, and bill, each batch twice.
+
+Replicas sharing a PostgreSQL `--db` share its batch dir instead: the metadata lives in that database, and each
+batch is claimed there by the one server running it (BatchStore.claim), so no dir lock is taken. The dir must
+then be one every replica mounts (`--batch-dir` on shared storage for replicas on several machines).
 """
 
 import fcntl
+import hashlib
 import os
 import sqlite3
 import tempfile
 from pathlib import Path
 
+from carpool import postgres
+from carpool.models.loader import cache_dir
 from carpool.server.batch.store import BatchStore
 
 OWNER_FILE = "database"
@@ -27,17 +34,31 @@ class BatchDirUnusable(ValueError):
 
 
 def default_batch_dir(db_path: str | Path, ledger: bool = True) -> Path:
-    """`CARPOOL_BATCH_DIR`, else `<db>.batches` beside the database (`<db>.api-key-batches` without a ledger)."""
+    """`CARPOOL_BATCH_DIR`, else `<db>.batches` beside the database (`<db>.api-key-batches` without a ledger); for
+    a PostgreSQL database, a folder named after it in carpool's cache folder (replicas on this machine share it)."""
     override = os.environ.get("CARPOOL_BATCH_DIR")
-    return Path(override) if override else Path(f"{db_path}.{'batches' if ledger else 'api-key-batches'}")
+    if override:
+        return Path(override)
+    kind = "batches" if ledger else "api-key-batches"
+    if postgres.is_postgres_url(str(db_path)):
+        digest = hashlib.sha256(postgres.redacted(str(db_path)).encode()).hexdigest()[:16]
+        return cache_dir() / f"postgres-{digest}.{kind}"
+    return Path(f"{db_path}.{kind}")
 
 
 def claim_batch_dir(batch_dir: str | Path, db_path: str | Path | None):
     """Run before the model loads: the dir exists (created if need be), can be written, its store opens, it
     belongs to `db_path` (None: no ledger; a dir nobody owns yet is claimed), and no other live server runs it.
-    Returns the lock: the dir stays this process's while the returned file is open."""
+    Returns the lock: the dir stays this process's while the returned file is open. A PostgreSQL `db_path` shares
+    the dir with its other servers: nothing is locked (the returned object's close does nothing)."""
     root = Path(batch_dir)
-    database = NO_LEDGER if db_path is None else str(Path(db_path).expanduser().resolve())
+    shared = postgres.is_postgres_url(str(db_path))
+    if db_path is None:
+        database = NO_LEDGER
+    elif shared:
+        database = postgres.redacted(str(db_path))
+    else:
+        database = str(Path(db_path).expanduser().resolve())
     try:
         root.mkdir(parents=True, exist_ok=True)
         marker = root / OWNER_FILE
@@ -49,22 +70,32 @@ def claim_batch_dir(batch_dir: str | Path, db_path: str | Path | None):
                     f"--batch-dir of its own (or delete {marker} if that database is gone)")
         else:
             _write_atomically(marker, database + "\n")
-        lock = open(root / LOCK_FILE, "a")
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            lock.close()
-            raise BatchDirUnusable(f"{root}: in use by another running carpool server; give this one a "
-                                   "--batch-dir of its own") from None
-        store = BatchStore(root)
+        if shared:
+            lock = _Unlocked()
+        else:
+            lock = open(root / LOCK_FILE, "a")
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                lock.close()
+                raise BatchDirUnusable(f"{root}: in use by another running carpool server; give this one a "
+                                       "--batch-dir of its own") from None
+        store = BatchStore(root, str(db_path) if shared else None)
         try:
             store.check_writable()
         finally:
             store.close()
         return lock
-    except (OSError, sqlite3.Error) as error:
+    except (OSError, sqlite3.Error, *(postgres.errors() if shared else ())) as error:
         cause = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
         raise BatchDirUnusable(f"{root}: {cause}") from None
+
+
+class _Unlocked:
+    """What a shared dir's claim holds: nothing (each batch is claimed in the database instead)."""
+
+    def close(self) -> None:
+        pass
 
 
 def _write_atomically(path: Path, text: str) -> None:

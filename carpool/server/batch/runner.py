@@ -10,6 +10,10 @@ Lifecycle: validating -> in_progress -> finalizing -> completed, or validating -
 in_progress -> expired (past the completion window), validating|in_progress -> cancelling -> cancelled.
 Lines still unanswered at expiry or cancellation get an error line each (`batch_expired`, `batch_cancelled`),
 so every custom_id appears exactly once in the output or error file.
+
+A batch runs only while this server holds its claim (BatchStore.claim). On a store shared by replicas the runner
+looks again every ADOPT_SECONDS: it resumes unfinished batches nobody holds (their server died), and notices a
+cancellation another replica's API wrote for a batch it runs.
 """
 
 import asyncio
@@ -27,6 +31,7 @@ from carpool.server.batch.validation import InvalidLine, iter_lines, parse_line,
 from carpool.server.errors import error_body
 
 log = logging.getLogger(__name__)
+ADOPT_SECONDS = 5.0
 
 
 @dataclass
@@ -61,6 +66,7 @@ class BatchRunner:
         self._slots: asyncio.Semaphore | None = None
         self._tasks: dict[str, asyncio.Task] = {}
         self._cancel_requested: dict[str, asyncio.Event] = {}
+        self._adopter: asyncio.Task | None = None
 
     # Lifecycle ---------------------------------------------------------------------------------------
 
@@ -69,16 +75,30 @@ class BatchRunner:
         self._slots = asyncio.Semaphore(self.max_in_flight)
         for batch_id in self.store.active_batch_ids():
             self.submit(batch_id)
+        if self.store.shared:
+            self._adopter = asyncio.create_task(self._adopt(), name="batch adopter")
+
+    async def _adopt(self) -> None:
+        while True:
+            await asyncio.sleep(ADOPT_SECONDS)
+            try:
+                for batch_id in self.store.active_batch_ids():
+                    if batch_id not in self._tasks:
+                        self.submit(batch_id)
+                    elif self.store.get_batch(batch_id)["status"] == "cancelling":
+                        self._cancel_event(batch_id).set()
+            except Exception:  # the database is away for now: look again next time
+                log.exception("batch runner: looking for batches to resume failed")
 
     async def stop(self) -> None:
         """Abort what is in flight; those lines have no result yet, so the next start runs them again."""
-        tasks = list(self._tasks.values())
+        tasks = [*self._tasks.values(), *([self._adopter] if self._adopter else [])]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
     def submit(self, batch_id: str) -> None:
-        if batch_id in self._tasks:
+        if batch_id in self._tasks or not self.store.claim(batch_id):
             return
         task = asyncio.create_task(self._drive(batch_id), name=f"batch {batch_id}")
         self._tasks[batch_id] = task
@@ -94,6 +114,7 @@ class BatchRunner:
     def _forget(self, batch_id: str) -> None:
         task = self._tasks.pop(batch_id)
         self._cancel_requested.pop(batch_id, None)
+        self.store.release(batch_id)
         if not task.cancelled() and task.exception() is not None:
             log.error("batch %s stopped on an error", batch_id, exc_info=task.exception())
 

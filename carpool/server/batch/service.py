@@ -13,11 +13,12 @@ from carpool.server.serving import Serving
 
 class BatchService:
     def __init__(self, serving: Serving, gate: Gate, batch_dir: str | Path, limits: BatchLimits | None = None,
-                 max_in_flight: int | None = None):
+                 max_in_flight: int | None = None, db: str | None = None):
+        """`db`: the PostgreSQL URL that holds the batches' metadata for every replica (None: in `batch_dir`)."""
         self.limits = limits = limits or BatchLimits()
         # Enough batch requests to fill every sequence slot the engines have; more would only wait in their queues.
         max_in_flight = max_in_flight or serving.max_num_seqs
-        self.store = BatchStore(batch_dir)
+        self.store = BatchStore(batch_dir, db)
         self.runner = BatchRunner(self.store, serving_endpoints(serving), limits, max_in_flight)
         self.router = create_batch_router(self.store, self.runner, gate, limits)
 

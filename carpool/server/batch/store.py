@@ -1,4 +1,11 @@
-"""Batches, files and per-request results: one SQLite database plus a files/ folder, under the batch dir.
+"""Batches, files and per-request results: a database plus a files/ folder, under the batch dir.
+
+The database is batches.db in the batch dir, or, for replicas sharing a PostgreSQL `--db`, that database (the
+same tables, carpool/migrations/002_batches.sql, and the same SQL: carpool.postgres speaks sqlite3's interface);
+the files/ folder must then be one every replica reads and writes (a shared mount), as each replica may be
+asked for any file and may run any batch. A batch is run by one server at a time: on SQLite the whole dir is
+one server's (carpool.server.batch.home), on PostgreSQL each batch is claimed with a session advisory lock that
+lives as long as its server's connection, so a killed server's batches are free for another to resume.
 
 Everything a batch needs to survive `kill -9` is here. A result is written the moment its request finishes,
 keyed by (batch, line) and unique by (batch, custom_id), so a restarted server re-runs only the lines that
@@ -11,8 +18,11 @@ import secrets
 import sqlite3
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import BinaryIO
+
+from carpool import postgres
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (
@@ -77,6 +87,10 @@ TIMESTAMPS = {
 }
 _UPDATABLE = {"total", "errors"}
 _COPY_CHUNK = 1 << 20
+_CLAIMS = 0x62617463  # advisory lock namespace of batch claims ("batc"); the batch id's hash is the other half
+# On a shared files folder another replica may be mid-upload (or mid-finalize) on a file not registered yet: only
+# files older than this count as left by a dead process.
+SHARED_ORPHAN_SECONDS = 3600
 
 
 class FileTooLarge(Exception):
@@ -88,22 +102,45 @@ def new_id(prefix: str) -> str:
 
 
 class BatchStore:
-    def __init__(self, root: str | Path):
+    def __init__(self, root: str | Path, db: str | None = None):
+        """`db`: a PostgreSQL URL that holds the metadata of every replica's batches (None: batches.db in `root`)."""
         self.root = Path(root)
         self.files_dir = self.root / "files"
         self.files_dir.mkdir(parents=True, exist_ok=True)
         # Touched from the event loop and from worker threads (uploads, validation): one connection, one lock.
         self._lock = threading.Lock()
-        self._conn = sqlite3.connect(self.root / "batches.db", timeout=30, check_same_thread=False)
-        self._conn.row_factory = sqlite3.Row
-        self._conn.execute("PRAGMA journal_mode=WAL")
-        self._conn.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL survives a killed process
-        self._conn.executescript(SCHEMA)
+        self.shared = postgres.is_postgres_url(db)
+        if self.shared:
+            self._conn = postgres.connect_postgres(db)
+            self._claims = postgres.connect_postgres(db)  # its session holds this server's batch claims
+        else:
+            self._conn = sqlite3.connect(self.root / "batches.db", timeout=30, check_same_thread=False)
+            self._conn.row_factory = sqlite3.Row
+            self._conn.execute("PRAGMA journal_mode=WAL")
+            self._conn.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL survives a killed process
+            self._conn.executescript(SCHEMA)
         self._remove_orphans()
 
     def close(self) -> None:
         with self._lock:
             self._conn.close()
+            if self.shared:
+                self._claims.close()
+
+    def claim(self, batch_id: str) -> bool:
+        """Whether this server may run the batch now: no other live server is running it. Hold it until
+        `release` (or this server's end)."""
+        if not self.shared:
+            return True  # the batch dir, and so every batch in it, is this server's alone
+        with self._lock:
+            (claimed,) = self._claims.execute("SELECT pg_try_advisory_lock(?, hashtext(?))",
+                                              (_CLAIMS, batch_id)).fetchone()
+        return claimed
+
+    def release(self, batch_id: str) -> None:
+        if self.shared:
+            with self._lock:
+                self._claims.execute("SELECT pg_advisory_unlock(?, hashtext(?))", (_CLAIMS, batch_id))
 
     def check_writable(self) -> None:
         """Raise (OSError, sqlite3.Error) unless both the files folder and the database take writes: a read-only
@@ -111,6 +148,9 @@ class BatchStore:
         with tempfile.TemporaryFile(dir=self.files_dir):
             pass
         with self._lock:
+            if self.shared:
+                postgres.check_writable(self._conn)
+                return
             self._conn.execute("BEGIN IMMEDIATE")
             try:
                 self._conn.execute("CREATE TABLE carpool_write_check (x)")
@@ -124,8 +164,9 @@ class BatchStore:
     def _remove_orphans(self) -> None:
         """Files written by a process that died before registering them (an upload or a finalize cut short)."""
         known = {row["id"] for row in self._query("SELECT id FROM files")}
+        written_before = time.time() - SHARED_ORPHAN_SECONDS if self.shared else float("inf")
         for path in self.files_dir.iterdir():
-            if path.name not in known:
+            if path.name not in known and path.stat().st_mtime < written_before:
                 path.unlink(missing_ok=True)
 
     # Files ---------------------------------------------------------------------------------------------
@@ -171,9 +212,9 @@ class BatchStore:
               newest_first: bool, filters: list[tuple[str, object]] = ()) -> tuple[list[dict], bool]:
         """One page of the caller's rows of `table` in creation order, starting after the row `after`;
         and whether more rows follow."""
-        where, args = ["1"], []
+        where, args = ["TRUE"], []
         if not everyone:
-            where.append("owner IS ?")
+            where.append("owner IS NOT DISTINCT FROM ?")
             args.append(owner)
         for clause, value in filters:
             where.append(clause)
@@ -288,7 +329,8 @@ class BatchStore:
         """Keep a request's outcome; False (and nothing changed) if that line or custom_id already has one."""
         with self._lock, self._conn:
             cursor = self._conn.execute(
-                "INSERT OR IGNORE INTO results (batch_id, line, custom_id, ok, record) VALUES (?, ?, ?, ?, ?)",
+                "INSERT INTO results (batch_id, line, custom_id, ok, record) VALUES (?, ?, ?, ?, ?) "
+                "ON CONFLICT DO NOTHING",
                 (batch_id, line, custom_id, int(ok), json.dumps(record, ensure_ascii=False)),
             )
             if cursor.rowcount != 1:

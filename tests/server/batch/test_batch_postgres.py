@@ -1,0 +1,131 @@
+"""The Batch API's store shared by replicas through PostgreSQL (started by the suite: conftest.postgres_server):
+one files folder, metadata in the database, and each batch run by exactly one server."""
+
+import asyncio
+import io
+import time
+
+import pytest
+from batch_fakes import EchoEndpoint, request_line
+from test_batch_runner import TERMINAL, all_custom_ids, make_batch, new_runner, wait_for
+
+from carpool.server.batch import runner as batch_runner
+from carpool.server.batch.home import BatchDirUnusable, claim_batch_dir, default_batch_dir
+from carpool.server.batch.store import BatchStore
+
+
+@pytest.fixture
+def stores(tmp_path, postgres_url):
+    """Two replicas' stores: one database, one shared batch dir."""
+    opened = [BatchStore(tmp_path, postgres_url) for _ in range(2)]
+    yield opened
+    for store in opened:
+        store.close()
+
+
+def test_files_batches_and_results_are_shared(stores, tmp_path):
+    first, second = stores
+    assert not (tmp_path / "batches.db").exists()  # the metadata is in PostgreSQL
+    upload = first.save_file("tenant-a", "in.jsonl", "batch", io.BytesIO(b"{}\n"), 1 << 20, int(time.time()))
+    assert second.get_file(upload["id"])["bytes"] == 3 and second.file_path(upload["id"]).read_bytes() == b"{}\n"
+    files, more = second.list_files("tenant-a", False, "batch", None, 10, newest_first=True)
+    assert [f["id"] for f in files] == [upload["id"]] and not more
+    assert second.list_files("tenant-b", False, None, None, 10, newest_first=True) == ([], False)
+    assert second.list_files(None, False, None, None, 10, newest_first=True) == ([], False)
+    batch_id = make_batch(first, [request_line("a", "x")])
+    assert second.active_batch_ids() == [batch_id]
+    assert first.add_result(batch_id, 1, "a", True, {"custom_id": "a"})
+    assert not second.add_result(batch_id, 1, "a", True, {"custom_id": "a"})  # answered once, whoever tries
+    assert second.answered_lines(batch_id) == {1} and second.get_batch(batch_id)["completed"] == 1
+    assert first.transition(batch_id, "in_progress", int(time.time()), ("validating",))
+    assert not second.transition(batch_id, "in_progress", int(time.time()), ("validating",))
+
+
+def test_a_batch_is_claimed_by_one_server_until_it_lets_go_or_dies(stores, tmp_path, postgres_url):
+    first, second = stores
+    batch_id = make_batch(first, [request_line("a", "x")])
+    assert first.claim(batch_id) and not second.claim(batch_id)
+    first.release(batch_id)
+    assert second.claim(batch_id) and not first.claim(batch_id)
+    second.close()  # its server died: its connection, and with it the claim, is gone
+    assert first.claim(batch_id)
+    stores[1] = BatchStore(tmp_path, postgres_url)
+
+
+def test_two_servers_started_on_one_batch_run_each_line_once(stores):
+    endpoints = [EchoEndpoint(delay=0.01), EchoEndpoint(delay=0.01)]
+    batch_id = make_batch(stores[0], [request_line(f"r{i}", f"p{i}") for i in range(20)])
+
+    async def scenario():
+        runners = [new_runner(store, endpoint) for store, endpoint in zip(stores, endpoints, strict=True)]
+        for runner in runners:
+            await runner.start()  # each picks up every unfinished batch it can claim
+        batch = await wait_for(stores[1], batch_id, TERMINAL)
+        for runner in runners:
+            await runner.stop()
+        return batch
+
+    batch = asyncio.run(scenario())
+    assert batch["status"] == "completed" and batch["completed"] == 20
+    assert sorted(len(endpoint.started) for endpoint in endpoints) == [0, 20]  # one server ran all of it
+    assert all_custom_ids(stores[0], batch) == sorted(f"r{i}" for i in range(20))
+
+
+def test_a_dead_servers_batch_is_resumed_by_another(monkeypatch, stores, tmp_path, postgres_url):
+    monkeypatch.setattr(batch_runner, "ADOPT_SECONDS", 0.1)
+    doomed, survivor = stores
+    slow, fast = EchoEndpoint(delay=0.2), EchoEndpoint()
+    batch_id = make_batch(doomed, [request_line(f"r{i}", f"p{i}") for i in range(12)])
+
+    async def scenario():
+        dying, rescuer = new_runner(doomed, slow, max_in_flight=2), new_runner(survivor, fast)
+        await dying.start()
+        await rescuer.start()  # both live: the batch is the first's
+        while len(slow.finished) < 2:
+            await asyncio.sleep(0.01)
+        assert not fast.started
+        await dying.stop()  # what `kill -9` leaves: lines in flight unanswered, the claim's connection gone
+        doomed.close()
+        batch = await wait_for(survivor, batch_id, TERMINAL)  # the survivor's next look finds it free
+        await rescuer.stop()
+        return batch
+
+    batch = asyncio.run(scenario())
+    stores[0] = BatchStore(tmp_path, postgres_url)
+    assert batch["status"] == "completed" and batch["completed"] == 12
+    assert len(slow.finished) + len(fast.started) >= 12 and set(fast.started) <= {f"p{i}" for i in range(12)}
+    assert all_custom_ids(survivor, batch) == sorted(f"r{i}" for i in range(12))
+
+
+def test_a_cancel_sent_to_another_replica_stops_the_batch(monkeypatch, stores):
+    monkeypatch.setattr(batch_runner, "ADOPT_SECONDS", 0.05)
+    running, other = stores
+    endpoint = EchoEndpoint(delay=0.1)
+    batch_id = make_batch(running, [request_line(f"r{i}", f"p{i}") for i in range(40)])
+
+    async def scenario():
+        runner, other_runner = new_runner(running, endpoint, max_in_flight=1), new_runner(other, EchoEndpoint())
+        await runner.start()
+        await other_runner.start()
+        while not endpoint.finished:
+            await asyncio.sleep(0.01)
+        # what the other replica's POST /v1/batches/{id}/cancel does
+        assert other.transition(batch_id, "cancelling", int(time.time()), ("validating", "in_progress"))
+        other_runner.cancel(batch_id)
+        batch = await wait_for(other, batch_id, {"cancelled"}, timeout=5)
+        for each in (runner, other_runner):
+            await each.stop()
+        return batch
+
+    batch = asyncio.run(scenario())
+    assert batch["completed"] < 40 and batch["completed"] + batch["failed"] == 40
+
+
+def test_replicas_share_a_postgres_databases_batch_dir(tmp_path, postgres_url):
+    """No dir lock between servers of one PostgreSQL database; a SQLite database's server still may not use it."""
+    locks = [claim_batch_dir(tmp_path / "shared", postgres_url) for _ in range(2)]
+    for lock in locks:
+        lock.close()
+    with pytest.raises(BatchDirUnusable, match="holds the batches of the database postgresql://"):
+        claim_batch_dir(tmp_path / "shared", tmp_path / "carpool.db")
+    assert default_batch_dir(postgres_url).name.startswith("postgres-")
