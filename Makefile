@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: serve test venv dev scale chromium models peers clean
+.PHONY: serve test venv dev scale chromium postgres models peers clean
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -39,17 +39,22 @@ models: $(VENV)/.test-models
 
 venv: $(VENV)/.runtime
 scale: $(VENV)/.scale
-dev: $(VENV)/.dev chromium
+dev: $(VENV)/.dev chromium postgres
 
 # The dashboard's browser test drives Debian's headless Chromium through Selenium (as root; nothing to do once
 # /usr/bin/chromium and chromedriver are there).
 chromium:
 	@test -x /usr/bin/chromium -a -x /usr/bin/chromedriver || (apt-get update -q && apt-get install -y -q chromium chromium-driver)
 
+# The tests of the shared stores (`--db postgresql://...`) start a throwaway server of their own from Debian's
+# postgresql package (tests/postgres_server.py; as root it runs as the package's `postgres` user).
+postgres:
+	@ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1 || (apt-get update -q && apt-get install -y -q postgresql)
+
 serve: $(VENV)/.runtime
 	$(BIN)/carpool serve --host $(HOST) --port $(PORT)
 
-test: $(VENV)/.dev chromium
+test: $(VENV)/.dev chromium postgres
 	$(BIN)/python -m pytest -q
 
 # llama.cpp's server, built from source (about 15 minutes on 2 cores), for side-by-side benchmarks only.
