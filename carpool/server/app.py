@@ -21,12 +21,19 @@ from carpool.server.batch.service import BatchService
 from carpool.server.body_limit import BodyLimit
 from carpool.server.cascade.config import Cascade
 from carpool.server.cascade.runner import CascadeServing
+from carpool.server.compression import CompressionService
 from carpool.server.dashboard import dashboard_router
 from carpool.server.errors import APIError, error_body, install_error_handlers
 from carpool.server.gate import OpenGate
 from carpool.server.generation import Backends, Generation, GenerationFailed
 from carpool.server.metrics import ServerMetrics
-from carpool.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from carpool.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    CompressRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from carpool.server.request_id import RequestId
 from carpool.server.responses import ChatFormat, CompletionFormat
 from carpool.server.serving import Serving
@@ -47,11 +54,13 @@ def create_app(
     batch_db: str | None = None,
     ledger_panels: Callable[[], dict] | None = None,
     cascades: dict[str, Cascade] | None = None,
+    compression_model: str | None = None,
 ) -> FastAPI:
     """`engines`: one engine, served as `model_name`, or {served name: engine} for several models, each with its
     own tier queues (a flood on one model does not 429 another). `ledger_panels`: the ledger's part of
     /dashboard (carpool.economics.dashboard), which then needs an admin key. `cascades`: {name: Cascade} that
-    clients may pass as `model` (carpool.server.cascade)."""
+    clients may pass as `model` (carpool.server.cascade). `compression_model`: the served model that scores
+    prompt compression (default: the smallest served; carpool.server.compression)."""
     engines = {model_name: engines} if isinstance(engines, AsyncEngine) else engines
     gate = gate or OpenGate()
     metrics = ServerMetrics(list(engines))
@@ -61,6 +70,7 @@ def create_app(
         backends.append(Backends(engine, gate, metrics.models[name], TierQueues(max_queued_per_tier), name))
     serving = Serving(backends)
     cascade_serving = CascadeServing(serving, cascades or {})
+    compression = CompressionService(serving, gate, compression_model)
     register_queue_metrics(metrics.registry, {backend.model_name: backend.queues for backend in backends})
     # The Batch API, if given a home; `batch_db`: the PostgreSQL URL replicas share its metadata in.
     batches = BatchService(serving, gate, batch_dir, db=batch_db) if batch_dir else None
@@ -100,20 +110,27 @@ def create_app(
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request, caller: Caller):
+        body, compressed = await compression.apply(body, caller, request.state.request_id)
         if body.model in cascade_serving:
             return await _respond(request, *await cascade_serving.answer(body, caller, request.state.request_id),
                                   body.stream, body.stream_options)
         await _compile_constraint(body)
-        return await _respond(request, *serving.start_chat(body, caller), None, body.stream, body.stream_options)
+        return await _respond(request, *compression.started(serving.start_chat(body, caller), compressed), None,
+                              body.stream, body.stream_options)
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request, caller: Caller):
+        body, compressed = await compression.apply(body, caller, request.state.request_id)
         if body.model in cascade_serving:
             return await _respond(request, *await cascade_serving.answer(body, caller, request.state.request_id),
                                   body.stream, body.stream_options)
         await _compile_constraint(body)
-        return await _respond(request, *serving.start_completion(body, caller), None, body.stream,
-                              body.stream_options)
+        return await _respond(request, *compression.started(serving.start_completion(body, caller), compressed),
+                              None, body.stream, body.stream_options)
+
+    @app.post("/v1/compress")
+    async def compress(body: CompressRequest, request: Request, caller: Caller) -> dict:
+        return await compression.compress_body(body, caller, request.state.request_id)
 
     @app.get("/v1/models")
     def list_models(caller: Caller) -> dict:

@@ -51,6 +51,9 @@ def add_serve_parser(subparsers) -> None:
                         help="model cascades TOML: names clients may pass as `model` that ask the served models in "
                              "order, escalating when a step's answer scores below its threshold "
                              "(carpool.server.cascade.config; `carpool cascade calibrate` fits the thresholds)")
+    parser.add_argument("--compression-model", default=None, metavar="NAME",
+                        help="the served model that scores `prompt_compression` and /v1/compress (its per-token "
+                             "surprisal; default: the smallest served model)")
     parser.add_argument("--replicas", type=int, default=0,
                         help="serve each model from N engine replicas on Ray Serve behind this one endpoint (needs "
                              "`make scale`; --num-threads is then each replica's; default: one engine in-process)")
@@ -183,6 +186,9 @@ def serve(args: argparse.Namespace, configs: dict) -> int:
 
     # Checked before any model loads: a bad file or a step naming an unserved model fails at once.
     cascades = load_cascades(args.cascades, list(configs)) if args.cascades else None
+    if args.compression_model is not None and args.compression_model not in configs:
+        raise ValueError(f"--compression-model: {args.compression_model!r} is not served (served: "
+                         f"{', '.join(configs)})")
     if cascades and args.replicas:
         raise ValueError("--cascades: not supported with --replicas yet; serve the cascade from one process")
     if args.replicas:
@@ -212,6 +218,7 @@ def serve(args: argparse.Namespace, configs: dict) -> int:
         batch_db=shared_batch_db(args, ledger),
         ledger_panels=ledger_panels(ledger) if ledger else None,
         cascades=cascades,
+        compression_model=args.compression_model,
     )
     registry = app.state.metrics.registry
     phases = {name: PhaseMeter() for name in engines}

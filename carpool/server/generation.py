@@ -65,6 +65,7 @@ class Generation:
         self.unrecorded: GateError | None = None  # the gate could not make the usage durable: answer this instead
         # Extra UsageRecord fields, computed from the finished generation as its row is written (a cascade's step).
         self.ledger_fields: Callable[["Generation"], dict] | None = None
+        self.original_prompt_tokens: int | None = None  # prompt_compression: the prompt's tokens before it
         self.done = asyncio.Event()
         self._recording: asyncio.Task | None = None
         # Only a stream reads outputs one by one; a whole response is built from each choice's last output.
@@ -182,7 +183,8 @@ class Generation:
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens}
+            | ({} if self.original_prompt_tokens is None else {"original_prompt_tokens": self.original_prompt_tokens}),
         }
 
     def usage_record(self) -> UsageRecord:
@@ -204,6 +206,7 @@ class Generation:
             finish_reason=next((r for r in ("error", "abort", "length") if r in reasons), "stop"),
             key_id=self.principal.key_id,
             tenant=self.principal.tenant,
+            original_prompt_tokens=self.original_prompt_tokens,
         )
         return replace(record, **self.ledger_fields(self)) if self.ledger_fields else record
 

@@ -11,7 +11,7 @@ Extensions are vLLM's, with vLLM's names and meanings. Text must be valid Unicod
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from carpool.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY
@@ -136,6 +136,22 @@ class NamedToolChoice(Body):
     function: FunctionName
 
 
+class PromptCompression(Body):
+    """carpool's extension: compress the prompt before prefill (LLMLingua, scored by a small served model).
+    The system prompt, the final question (the last paragraph of the last message or prompt) and `protected`
+    spans are kept verbatim."""
+
+    rate: float | None = Field(None, gt=0, le=1, description="the share of the prompt's tokens to keep")
+    target_tokens: int | None = Field(None, ge=1, description="how many prompt tokens to keep")
+    protected: Annotated[list[Text], Field(max_length=64)] | None = Field(None, description="spans kept verbatim")
+
+    @model_validator(mode="after")
+    def _one_budget(self):
+        if (self.rate is None) == (self.target_tokens is None):
+            raise PydanticCustomError("compression_budget", "give exactly one of rate and target_tokens")
+        return self
+
+
 class GenerationRequest(Body):
     """What chat and text completions share."""
 
@@ -178,6 +194,7 @@ class GenerationRequest(Body):
     guided_regex: Text | None = None
     guided_choice: Annotated[list[Text], NonEmpty] | None = None
     guided_grammar: Text | None = Field(None, description="Lark, or llama.cpp's GBNF")
+    prompt_compression: PromptCompression | None = None
     # OpenAI parameters carpool does not implement.
     store: Unsupported = None
     metadata: Unsupported = None
@@ -265,6 +282,14 @@ class TokenizeRequest(Body):
     prompt: Text | None = None
     messages: Annotated[list[ChatMessage], NonEmpty] | None = None
     add_special_tokens: bool | None = None
+
+
+class CompressRequest(PromptCompression):
+    """POST /v1/compress: a prompt or messages, compressed as `prompt_compression` would compress them."""
+
+    model: Text | None = Field(None, description="the model whose tokens are counted (default: the scorer's)")
+    prompt: Text | None = None
+    messages: Annotated[list[ChatMessage], NonEmpty] | None = None
 
 
 class DetokenizeRequest(Body):

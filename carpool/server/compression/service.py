@@ -1,0 +1,175 @@
+"""Prompt compression in the server: `POST /v1/compress`, and the `prompt_compression` extension of chat and text
+completions, which compresses a request's prompt before it is tokenized for prefill.
+
+What is kept verbatim: system (and developer) messages, the final question (the last paragraph of the last message,
+or of a text prompt), and the spans the caller lists in `protected`. The scorer is one served model (`--compression-
+model`, default the smallest served); its work is billed as a ledger row of its own (purpose 'compression',
+parent_request_id the client's x-request-id, model the scorer), admitted by the gate like any request's.
+"""
+
+import asyncio
+from dataclasses import dataclass
+
+from carpool.economics.contract import Gate, Principal
+from carpool.server.compression.compressor import Budget, Compressed, Piece, compress
+from carpool.server.compression.scorer import EngineScorer
+from carpool.server.errors import APIError
+from carpool.server.generation import Generation
+from carpool.server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    CompressRequest,
+    PromptCompression,
+)
+from carpool.engine.tiers import DEFAULT_TIER
+from carpool.server.serving import ModelServing, Serving, requested_tier
+
+# The scorer reads each compressible token about twice (paragraph scores, then the iterative pass): what the gate
+# is asked to admit before the work starts.
+SCORED_PER_TOKEN = 2
+
+
+@dataclass
+class Applied:
+    """A request's compression: its prompt tokens before, for usage and the ledger."""
+
+    original_prompt_tokens: int
+
+
+class CompressionService:
+    def __init__(self, serving: Serving, gate: Gate, model_name: str | None = None):
+        self.serving, self.gate = serving, gate
+        if model_name is None:  # the smallest served model scores: its compute is the overhead
+            model_name = min(serving.models, key=lambda name: _num_parameters(serving.models[name]))
+        if model_name not in serving.models:
+            raise ValueError(f"compression_model: {model_name!r} is not served (served: {', '.join(serving.models)})")
+        self.model_name = model_name
+
+    # Surfaces ------------------------------------------------------------------------------------------
+
+    async def compress_body(self, body: CompressRequest, principal: Principal, client_request_id: str) -> dict:
+        """POST /v1/compress: the compressed prompt or messages, with token counts in `model`'s tokens."""
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "prompt: give exactly one of prompt and messages", param="prompt")
+        target = self.serving.model(body.model or self.model_name)
+        pieces = _question_pieces(body.prompt, 0) if body.prompt is not None else _message_pieces(body.messages)
+        result = await self._compress(pieces, body, target, principal, DEFAULT_TIER, client_request_id)
+        answer = {"object": "compression", "model": target.model_name, "scorer_model": self.model_name,
+                  "original_tokens": result.original_tokens, "compressed_tokens": result.compressed_tokens,
+                  "target_tokens": result.target_tokens, "kept_ratio": round(result.kept_ratio, 4)}
+        if body.prompt is not None:
+            return answer | {"prompt": result.texts[0]}
+        return answer | {"messages": [m.model_dump(exclude_none=True) for m in _replaced(body.messages, result)]}
+
+    async def apply(self, body: ChatCompletionRequest | CompletionRequest, principal: Principal,
+                    client_request_id: str):
+        """The body with its prompt compressed (and `prompt_compression` cleared), and what it was before;
+        (body, None) when the body does not ask."""
+        asked = body.prompt_compression
+        if asked is None:
+            return body, None
+        if body.model is not None and body.model not in self.serving.models:
+            raise APIError(400, f"prompt_compression: not available for {body.model!r}, which is not a served model",
+                           param="prompt_compression")
+        target = self.serving.model(body.model)
+        tier = requested_tier(body)
+        if isinstance(body, ChatCompletionRequest):
+            original = len(target.engine.tokenize(target.chat_prompt(body.messages, target._tools(body)[0])))
+            result = await self._compress(_message_pieces(body.messages), asked, target, principal,
+                                          tier, client_request_id)
+            body = body.model_copy(update={"messages": _replaced(body.messages, result), "prompt_compression": None})
+            return body, Applied(original)
+        prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+        if not all(isinstance(prompt, str) for prompt in prompts):
+            raise APIError(400, "prompt_compression: needs a text prompt (token ids cannot be compressed)",
+                           param="prompt_compression")
+        original = sum(len(target.engine.tokenize(prompt)) for prompt in prompts)
+        compressed = []
+        for prompt in prompts:
+            result = await self._compress(_question_pieces(prompt, 0), asked, target, principal, tier,
+                                          client_request_id)
+            compressed.append(result.texts[0])
+        prompt = compressed[0] if isinstance(body.prompt, str) else compressed
+        return body.model_copy(update={"prompt": prompt, "prompt_compression": None}), Applied(original)
+
+    @staticmethod
+    def started(started: tuple, applied: Applied | None) -> tuple:
+        """(generation, format) from the serving start, its usage now reporting the prompt before compression."""
+        if applied is not None:
+            generation: Generation = started[0]
+            generation.original_prompt_tokens = applied.original_prompt_tokens
+        return started
+
+    # The work --------------------------------------------------------------------------------------------
+
+    async def _compress(self, pieces: list[Piece], asked: PromptCompression, target: ModelServing,
+                        principal: Principal, tier: str, client_request_id: str) -> Compressed:
+        try:
+            budget = Budget(rate=asked.rate, target_tokens=asked.target_tokens)
+        except ValueError as error:
+            raise APIError(400, str(error), param="prompt_compression") from error
+        pieces = _protect(pieces, asked.protected or [])
+        scorer_serving = self.serving.models[self.model_name]
+        scorer = EngineScorer(scorer_serving.engine, self.model_name, tier)
+        estimate = SCORED_PER_TOKEN * sum(len(scorer.tokenizer.encode(p.text, add_special_tokens=False))
+                                          for p in pieces if not p.protected)
+        self.gate.admit(principal, tier, estimate, request_id=scorer.request_id)
+        tokenizer = target.tokenizer
+        try:
+            result = await compress(pieces, budget, scorer, lambda texts: sum(
+                len(tokenizer.encode(text, add_special_tokens=False)) for text in texts))
+        finally:  # the scorer's work is billed even when the request fails after it
+            if scorer.prompt_tokens:
+                durable = self.gate.record(principal, scorer.usage_record(principal, client_request_id))
+                if durable is not None:
+                    await asyncio.wrap_future(durable)
+        return result
+
+
+def _num_parameters(serving: ModelServing) -> int:
+    return sum(p.numel() for p in serving.engine.engine.model.parameters())
+
+
+def _question_pieces(text: str, group: int) -> list[Piece]:
+    """A text: its last paragraph (the question) protected, the rest compressible."""
+    cut = text.rstrip().rfind("\n\n")
+    if cut < 0:
+        return [Piece(text, True, group)]
+    cut += 2
+    return [Piece(text[:cut], False, group), Piece(text[cut:], True, group)]
+
+
+def _message_pieces(messages: list[ChatMessage]) -> list[Piece]:
+    pieces = []
+    for i, message in enumerate(messages):
+        if message.role in ("system", "developer"):
+            pieces.append(Piece(message.text, True, i))
+        elif i == len(messages) - 1:
+            pieces.extend(_question_pieces(message.text, i))
+        else:
+            pieces.append(Piece(message.text, False, i))
+    return pieces
+
+
+def _protect(pieces: list[Piece], spans: list[str]) -> list[Piece]:
+    """Compressible pieces split around every occurrence of a protected span, which becomes a protected piece."""
+    for span in (s for s in spans if s):
+        split = []
+        for piece in pieces:
+            if piece.protected or span not in piece.text:
+                split.append(piece)
+                continue
+            parts = piece.text.split(span)
+            for k, part in enumerate(parts):
+                if k:
+                    split.append(Piece(span, True, piece.group))
+                if part:
+                    split.append(Piece(part, False, piece.group))
+        pieces = split
+    return pieces
+
+
+def _replaced(messages: list[ChatMessage], result: Compressed) -> list[ChatMessage]:
+    return [message.model_copy(update={"content": text}) if message.text != text else message
+            for message, text in zip(messages, result.texts)]

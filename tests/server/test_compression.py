@@ -1,0 +1,119 @@
+"""Prompt compression (LLMLingua over a served model's surprisal): protected text stays verbatim and the result
+meets its budget; the `prompt_compression` extension bills the compressed prompt plus a scorer row tied to the
+client request; /v1/compress and the extension refuse bad values with a 400 naming the parameter."""
+
+import asyncio
+import itertools
+
+import httpx
+import pytest
+
+from carpool.bench.datasets import gsm8k
+from carpool.economics.contract import Principal
+from carpool.server.app import create_app
+from carpool.server.compression import Budget, Piece, compress
+from carpool.server.compression.scorer import EngineScorer
+
+PROBLEMS = list(itertools.islice(gsm8k(), 3))
+DEMOS = "\n\n".join(f"Question: {p['question']}\nAnswer: {p['answer']}" for p in PROBLEMS[:2])
+QUESTION = f"Question: {PROBLEMS[2]['question']}\nAnswer:"
+SYSTEM = "You are a careful math tutor. Think step by step."
+KEEP = "Janet’s ducks lay 16 eggs per day."  # inside the first demonstration
+
+
+class RecordingGate:
+    def __init__(self):
+        self.records, self.admitted = [], []
+
+    def authenticate(self, api_key):
+        return Principal()
+
+    def admit(self, principal, tier, estimated_tokens, request_id=None):
+        self.admitted.append(request_id)
+
+    def record(self, principal, usage):
+        self.records.append(usage)
+
+    def health(self):
+        return None
+
+
+def post(app, path, body):
+    async def send():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://carpool") as client:
+            return await client.post(path, json=body)
+
+    return asyncio.run(send())
+
+
+def count(tokenizer, texts):
+    return sum(len(tokenizer.encode(text, add_special_tokens=False)) for text in texts)
+
+
+@pytest.mark.parametrize("budget", [Budget(rate=0.5), Budget(target_tokens=120)])
+def test_protected_text_stays_verbatim_and_the_result_meets_its_budget(engine, budget):
+    scorer = EngineScorer(engine, "m", "default")
+    pieces = [Piece(SYSTEM, True, 0), Piece(DEMOS[:DEMOS.index(KEEP)], False, 1), Piece(KEEP, True, 1),
+              Piece(DEMOS[DEMOS.index(KEEP) + len(KEEP):] + "\n\n", False, 1), Piece(QUESTION, True, 1)]
+    result = asyncio.run(compress(pieces, budget, scorer))
+    system, user = result.texts
+    assert system == SYSTEM and user.endswith(QUESTION) and KEEP in user
+    original = count(scorer.tokenizer, [SYSTEM, DEMOS + "\n\n" + QUESTION])
+    assert result.original_tokens == original
+    target = budget.tokens(original)
+    assert result.compressed_tokens == count(scorer.tokenizer, result.texts) <= target
+    assert result.compressed_tokens >= 0.8 * target  # the budget is used, not undershot by dropping everything
+    assert scorer.prompt_tokens > 0  # what its ledger row bills
+
+
+def test_the_extension_bills_the_compressed_prompt_and_a_scorer_row(engine):
+    gate = RecordingGate()
+    app = create_app({"m": engine}, gate)
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": DEMOS + "\n\n" + QUESTION}]
+    body = {"model": "m", "messages": messages, "max_tokens": 2, "temperature": 0}
+    full = post(app, "/v1/chat/completions", body).json()["usage"]
+    response = post(app, "/v1/chat/completions", body | {"prompt_compression": {"rate": 0.4}})
+    usage = response.json()["usage"]
+    assert usage["prompt_tokens_details"]["original_prompt_tokens"] == full["prompt_tokens"]
+    assert usage["prompt_tokens"] < 0.6 * full["prompt_tokens"]
+    assert "original_prompt_tokens" not in full["prompt_tokens_details"]
+    plain, scored, billed = gate.records
+    assert plain.original_prompt_tokens is None and billed.original_prompt_tokens == full["prompt_tokens"]
+    assert billed.prompt_tokens == usage["prompt_tokens"] and billed.purpose == "request"
+    assert scored.purpose == "compression" and scored.model == "m" and scored.prompt_tokens > 0
+    assert scored.parent_request_id == response.headers["x-request-id"]
+    assert scored.request_id in gate.admitted  # the scorer's work passed the gate before it ran
+
+
+def test_compress_endpoint_answers_text_with_counts(engine):
+    app = create_app({"m": engine}, RecordingGate())
+    answer = post(app, "/v1/compress", {"prompt": DEMOS + "\n\n" + QUESTION, "target_tokens": 120}).json()
+    assert answer["prompt"].endswith(QUESTION) and answer["compressed_tokens"] <= 120 < answer["original_tokens"]
+    assert answer["kept_ratio"] == pytest.approx(answer["compressed_tokens"] / answer["original_tokens"], abs=1e-4)
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": DEMOS + "\n\n" + QUESTION}]
+    answer = post(app, "/v1/compress", {"messages": messages, "rate": 0.5}).json()
+    assert answer["messages"][0] == messages[0] and answer["messages"][1]["content"].endswith(QUESTION)
+
+
+@pytest.mark.parametrize(("path", "extra", "param"), [
+    ("/v1/chat/completions", {"prompt_compression": {"rate": 0}}, "prompt_compression"),
+    ("/v1/chat/completions", {"prompt_compression": {"rate": 1.5}}, "prompt_compression"),
+    ("/v1/chat/completions", {"prompt_compression": {}}, "prompt_compression"),
+    ("/v1/chat/completions", {"prompt_compression": {"rate": 0.5, "target_tokens": 9}}, "prompt_compression"),
+    ("/v1/chat/completions", {"prompt_compression": {"target_tokens": "9"}}, "prompt_compression"),
+    ("/v1/completions", {"prompt": [1, 2, 3], "prompt_compression": {"rate": 0.5}}, "prompt_compression"),
+    ("/v1/compress", {"prompt": "a", "messages": [{"role": "user", "content": "b"}], "rate": 0.5}, "prompt"),
+    ("/v1/compress", {"rate": 0.5}, "prompt"),
+    ("/v1/compress", {"prompt": "a", "rate": 0}, "rate"),
+    ("/v1/compress", {"prompt": "a"}, None),
+    ("/v1/compress", {"prompt": "a", "rate": 0.5, "model": "nope"}, "model"),
+])
+def test_bad_values_are_a_400_naming_the_parameter(engine, path, extra, param):
+    gate = RecordingGate()
+    app = create_app({"m": engine}, gate)
+    body = {"/v1/chat/completions": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
+            "/v1/completions": {"max_tokens": 2}}.get(path, {})
+    response = post(app, path, body | extra)
+    assert response.status_code == (404 if param == "model" else 400), response.text
+    assert response.json()["error"]["param"] == param
+    assert gate.records == []
