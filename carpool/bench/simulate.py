@@ -271,3 +271,58 @@ def measure_step_model(config, prompt_lengths=(64, 256, 512), batch_sizes=(1, 4,
     for size in batch_sizes:
         run([16] * size, decode_steps)
     return StepModel.fit(steps)
+
+
+def add_parser(modes) -> None:
+    parser = modes.add_parser("simulate", help="predict TTFT/ITL, hit rate and cost per 1M tokens for 1-64 "
+                                               "replicas from this machine's measured step times")
+    parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
+    parser.add_argument("--replicas", type=lambda text: [int(v) for v in text.split(",")], default=[1, 2, 4, 8, 16,
+                                                                                                    32, 64])
+    parser.add_argument("--routing", nargs="+", default=["prefix", "round-robin"])
+    parser.add_argument("--rate", type=float, default=4.0, help="sessions started a second, per replica")
+    parser.add_argument("--sessions-per-replica", type=int, default=60)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads a replica (the fitted step model's)")
+    parser.add_argument("--step", default=None, metavar="BASE,PER_PREFILL_TOKEN,PER_DECODE_SEQ",
+                        help="a step model in seconds instead of fitting one to this machine")
+    parser.add_argument("--hourly-price", type=float, default=0.10, help="dollars an hour a replica costs")
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--out", default="bench-results/simulate.json")
+    parser.set_defaults(func=main)
+
+
+def main(args) -> int:
+    import json
+    from pathlib import Path
+
+    from carpool.bench.replicas import workload
+    from carpool.engine.config import EngineConfig
+    from carpool.models import Tokenizer
+    from carpool.models.loader import resolve_model_dir
+
+    if args.step:
+        step = StepModel(*(float(v) for v in args.step.split(",")))
+    else:
+        step = measure_step_model(EngineConfig(model=args.model, num_threads=args.threads))
+    tokenizer = Tokenizer.from_dir(resolve_model_dir(args.model))
+    rows = []
+    for replicas in args.replicas:
+        # The load grows with the replicas (rate and sessions per replica): the question is what scale does to
+        # latency, hit rate and cost when the traffic grows with it. More tenants as well: each has its own cache.
+        sessions = workload(tokenizer, meetings=6 * replicas, max_doc_words=900, chats=6 * replicas,
+                            tenants=3 * replicas, max_tokens=args.max_tokens)
+        sessions = (sessions * (1 + args.sessions_per_replica * replicas // len(sessions)))[
+            :args.sessions_per_replica * replicas]
+        arrivals = poisson_arrivals(len(sessions), args.rate * replicas)
+        for routing in args.routing:
+            row = simulate(sessions, arrivals, replicas, routing, step, ReplicaSpec()).summary(args.hourly_price)
+            rows.append(row)
+            print(f"{replicas:>3} replicas {routing:<13} hit {row['hit_rate']:.2f}  TTFT p50 "
+                  f"{row['ttft_p50_s'] * 1e3:7.0f} ms p99 {row['ttft_p99_s'] * 1e3:7.0f} ms  ITL p50 "
+                  f"{row['itl_p50_s'] * 1e3:5.1f} ms  ${row['usd_per_1m_tokens']:.3f}/1M tokens", flush=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"step_model": vars(step), "rate_per_replica": args.rate, "rows": rows}, indent=2)
+                   + "\n")
+    print(f"step model {step}; wrote {out}")
+    return 0

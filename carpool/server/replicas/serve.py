@@ -106,7 +106,10 @@ def serve_replicas(args: argparse.Namespace, configs: dict[str, EngineConfig]) -
         return 0 if server.started else 1
     finally:
         if ray.is_initialized():
-            serve.shutdown()
+            if args.ray_address:  # a shared cluster: take our replicas down; a local Ray goes down whole
+                for name in configs:
+                    for index in range(args.replicas):
+                        serve.delete(app_name(name, index), _blocking=False)
             ray.shutdown()
         if ledger:
             ledger.close()
