@@ -17,6 +17,7 @@ from carpool.engine.sequence import Sequence
 from carpool.engine.slo import StepTimeModel
 from carpool.engine.tiers import BY_NAME
 from carpool.server.cli import model_configs
+from carpool.server.dashboard.data import DashboardData
 from carpool.server.metrics import ServerMetrics
 
 PRIORITY, FLEX, BATCH = (BY_NAME[name].priority for name in ("priority", "flex", "batch"))
@@ -168,6 +169,8 @@ def test_the_engine_sizes_steps_from_its_own_timings_and_exports_them():
     assert 'carpool:step_token_budget{model_name="m"} 64.0' in text
     assert 'carpool:step_budget_reason{model_name="m",reason="throughput",tier=""} 1.0' in text
     assert 'carpool:step_budget_reason{model_name="m",reason="itl",tier="priority"} 0.0' in text
+    (shown,) = DashboardData(metrics.registry, ["m"], time.time()).document()["models"]
+    assert (shown["gauges"]["step_token_budget"], shown["step_budget_reason"]) == (64, "throughput")
 
 
 @pytest.mark.parametrize("field, value, message", [

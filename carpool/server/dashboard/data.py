@@ -86,6 +86,15 @@ def ratio(numerator: float, denominator: float) -> float | None:
     return numerator / denominator if denominator else None
 
 
+def step_budget_reason(samples: Samples, model_name: str) -> str | None:
+    """The SLO controller's latest reason ("itl priority", "throughput", "fixed"), None before the first step."""
+    for (sample, labels), value in samples.items():
+        labels = dict(labels)
+        if sample == "carpool:step_budget_reason" and labels["model_name"] == model_name and value == 1:
+            return f"{labels['reason']} {labels['tier']}".strip()
+    return None
+
+
 class DashboardData:
     """Builds the document /dashboard/data serves; remembers recent readings for the windowed figures."""
 
@@ -147,7 +156,10 @@ class DashboardData:
                 "running": total(samples, "carpool:num_requests_running", model_name=name),
                 "waiting": total(samples, "carpool:num_requests_waiting", model_name=name),
                 "prefix_cache_hit_rate": total(samples, "carpool:prefix_cache_hit_rate", model_name=name),
+                "step_token_budget": total(samples, "carpool:step_token_budget", model_name=name),
+                "step_max_seqs": total(samples, "carpool:step_max_seqs", model_name=name),
             },
+            "step_budget_reason": step_budget_reason(samples, name),
             "queued": {tier: total(samples, "carpool:num_requests_queued", model_name=name, tier=tier)
                        for tier in TIER_NAMES},
             "window": {

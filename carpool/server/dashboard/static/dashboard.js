@@ -164,6 +164,9 @@ function renderModel(doc, model) {
     values: series((m) => (m.window.prefill_share === null ? null : 100 * m.window.prefill_share)) },
     { label: "engine busy %", color: COLORS.decode, values: series((m) => 100 * m.window.busy_share) }], "%");
 
+  text("step-budget", integer(model.gauges.step_token_budget));
+  text("step-max-seqs", integer(model.gauges.step_max_seqs));
+  text("step-reason", model.step_budget_reason || "-");
   barChart("chart-step-tokens", bucketBars(w.step_tokens), "tokens per step");
   barChart("chart-step-seqs", bucketBars(w.step_seqs), "sequences per step");
 
