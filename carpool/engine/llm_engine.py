@@ -23,6 +23,7 @@ from carpool.engine.spec_decode.draft_model import DraftModelDrafter
 from carpool.engine.spec_decode.ngram import NgramDrafter
 from carpool.engine.spec_decode.rejection_sampler import sample_verified
 from carpool.engine.structured.grammars import GrammarCompiler
+from carpool.engine.structured.masks import prefetch_grammar_masks
 from carpool.engine.tiers import BY_NAME, DEFAULT_TIER, TIER_NAMES
 from carpool.models import Tokenizer, load_model
 from carpool.models.loader import resolve_model_dir
@@ -229,6 +230,7 @@ class LLMEngine:
         if self.speculator:
             self.speculator.propose(batch)
         forward_start = time.monotonic()
+        prefetch_grammar_masks(batch.seqs, batch.num_new_tokens, self.model_config.vocab_size)
         logits, sampling = self.runner.run(batch)
         sampled = sample_verified(logits, sampling, self.tokenizer.stop_token_ids) if sampling else []
         spec = self.speculator.observe(batch, sampling, sampled, time.monotonic() - forward_start) \
