@@ -115,13 +115,14 @@ async def compress(pieces: list[Piece], budget: Budget, scorer: Scorer,
 
 def _paragraphs(piece: Piece):
     """A compressible piece's paragraphs, each with the blank line after it (a few-shot prompt's demonstrations
-    are paragraphs); a protected piece whole."""
+    are paragraphs), or its lines when it has no blank line (a transcript's turns); a protected piece whole."""
     if piece.protected:
         yield piece, piece.text
         return
+    separator = "\n\n" if "\n\n" in piece.text else "\n"
     rest = piece.text
     while rest:
-        cut = rest.find("\n\n")
+        cut = rest.find(separator)
         end = len(rest) if cut < 0 else len(rest) - len(rest[cut:].lstrip("\n"))
         yield piece, rest[:end]
         rest = rest[end:]
