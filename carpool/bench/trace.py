@@ -66,8 +66,8 @@ def add_parser(modes) -> None:
                         help="replay against this running server (repeatable) instead of starting the three")
     parser.add_argument("--model", default=None, help="model for the servers started here (default: SmolLM2-135M)")
     parser.add_argument("--slo-itl-ms", type=float, default=100.0, help="priority ITL SLO (default: 100)")
-    parser.add_argument("--small", default="32:8", metavar="TOKENS:SEQS",
-                        help="the fixed small step: token budget and max sequences (default: 32:8)")
+    parser.add_argument("--small", default="64:16", metavar="TOKENS:SEQS",
+                        help="the fixed small step: token budget and max sequences (default: 64:16)")
     parser.add_argument("--large", default="512:64", metavar="TOKENS:SEQS",
                         help="the fixed large step, also the SLO controller's ceilings (default: 512:64)")
     parser.add_argument("--users", default=",".join(map(str, DEFAULT_USERS)),

@@ -174,6 +174,8 @@ class SloController:
     def _meet_ttft(self, limits: StepLimits, itl_tier: int, running: list, waiting: list, num_decodes: int,
                    context_per_seq: float, now: float) -> StepLimits:
         """Raise the budget to the smallest that prefills every TTFT-bound prompt (tier <= itl_tier) in time."""
+        if not self.ttft:
+            return limits
         prompts = sorted((s for s in running + waiting if s.num_tokens - s.num_computed_tokens > 1),
                          key=lambda s: (s.priority, s.times.arrival))
         needed, ahead, tightest = limits.max_tokens, 0, None
