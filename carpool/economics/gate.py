@@ -69,10 +69,13 @@ class LocalAdmission:
 
 
 class LedgerGate:
-    def __init__(self, db_path: str | Path, prices: PriceSheet, clock: Callable[[], float] = time.time):
-        """`db_path`: a SQLite file, or a PostgreSQL URL shared by several replicas."""
+    def __init__(self, db_path: str | Path, prices: PriceSheet, clock: Callable[[], float] = time.time,
+                 served_models: tuple[str, ...] = ()):
+        """`db_path`: a SQLite file, or a PostgreSQL URL shared by several replicas. `served_models`: what a
+        request may run on, priced for its worst case at admission (default: any model on the sheet)."""
         self.db_path = db_path
         self.prices = prices
+        self.served_models = served_models
         self.clock = clock
         # Key lookups run on the server's threads; one connection behind a lock is enough for an indexed read.
         self._conn = open_database(db_path)
@@ -110,7 +113,7 @@ class LedgerGate:
             return  # no keys configured: the server is open
         if key.allowed_tiers is not None and tier not in key.allowed_tiers:
             raise GateError(403, f"service_tier {tier!r} is not allowed for this key", "tier_not_allowed")
-        estimated_cost = self.prices.worst_case_cost(tier, estimated_tokens)
+        estimated_cost = self.prices.worst_case_cost(tier, estimated_tokens, self.served_models)
         self._admission.admit(key, estimated_tokens, estimated_cost, request_id, self.clock())
 
     def _current_key(self, key_id: str | None) -> ApiKey | None:
@@ -197,10 +200,11 @@ class LedgerGate:
 def open_ledger_gate(
     db_path: str | Path | None = None, prices_path: str | Path | None = None, served_models: tuple[str, ...] = ()
 ) -> LedgerGate:
-    """The gate for `carpool serve`: fails (PriceSheetError, naming the entry) unless the sheet is sound and
-    prices every served model, so no request can finish without a price."""
+    """The gate for `carpool serve`, in one process or as replicas (one function for both): `db_path` a SQLite
+    file or a PostgreSQL URL the replicas share. Fails (PriceSheetError, naming the entry) unless the sheet is
+    sound and prices every served model, so no request can finish without a price."""
     prices = load_price_sheet(prices_path)
     for model in served_models:
         if not prices.covers(model):
             raise PriceSheetError(f'price sheet {prices.source}: no entry models."{model}" for the served model')
-    return LedgerGate(db_path or default_db_path(), prices)
+    return LedgerGate(db_path or default_db_path(), prices, served_models=served_models)

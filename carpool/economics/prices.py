@@ -53,10 +53,11 @@ class PriceSheet:
             raise ValueError(f"unknown service tier {tier!r} (known: {', '.join(TIER_NAMES)})")
         return self.tiers[tier]
 
-    def worst_case_cost(self, tier: str, tokens: int) -> float:
-        """The most `tokens` (prompt and output together) can cost at `tier`, whatever the model: each at the
-        dearest rate any model on the sheet charges (a cache write, if that costs more than a plain input)."""
-        dearest = max(max(p.input * max(1.0, self.cache_write), p.output) for p in self.models.values())
+    def worst_case_cost(self, tier: str, tokens: int, models: tuple[str, ...] = ()) -> float:
+        """The most `tokens` (prompt and output together) can cost at `tier` on any of `models` (default: any
+        model on the sheet): each at the dearest rate charged (a cache write, if that costs more than an input)."""
+        prices = [self.price(model) for model in models] or list(self.models.values())
+        dearest = max(max(p.input * max(1.0, self.cache_write), p.output) for p in prices)
         return tokens * dearest / TOKENS_PER_PRICE_UNIT * self.tier_multiplier(tier)
 
     def cost(self, usage: UsageRecord) -> float:

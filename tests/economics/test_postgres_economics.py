@@ -4,7 +4,7 @@ shared by several gates as replicas share it: each gate has connections of its o
 import threading
 
 import pytest
-from economics_helpers import Clock, usage
+from economics_helpers import TEST_SHEET, Clock, usage
 
 from carpool.cli import main
 from carpool.economics import keys as key_store
@@ -12,6 +12,7 @@ from carpool.economics import shared_admission
 from carpool.economics.contract import GateError
 from carpool.economics.db import SCHEMA, DatabaseUnusable, check_postgres, expected_columns, open_database
 from carpool.economics.gate import LedgerGate
+from carpool.economics.prices import load_price_sheet
 from carpool.postgres import connect_postgres, migrations
 from carpool.economics.reports import usage_summary
 
@@ -138,6 +139,14 @@ def test_a_request_whose_worst_case_exceeds_what_is_left_is_refused(gates, postg
         gate.admit(gate.authenticate(secret), "default", 1001, request_id="big")
     assert refused.value.status == 429 and "lower max_tokens" in refused.value.message
     gate.admit(gate.authenticate(secret), "default", 1000, request_id="fits")
+
+
+def test_the_worst_case_is_priced_on_the_served_models(tmp_path):
+    sheet = tmp_path / "prices.toml"
+    sheet.write_text(TEST_SHEET + '[models."dear-model"]\ninput = 10.0\noutput = 40.0\n')
+    prices = load_price_sheet(sheet)
+    assert prices.worst_case_cost("default", 1000, ("test-model",)) == pytest.approx(1000 * 4.0 / 1e6)
+    assert prices.worst_case_cost("priority", 1000) == pytest.approx(1000 * 40.0 / 1e6 * 2)  # any model
 
 
 def test_a_dead_replicas_reservations_lapse(monkeypatch, postgres_url, prices):
