@@ -128,7 +128,10 @@ class CompressionService:
 
 
 def _num_parameters(serving: ModelServing) -> int:
-    return sum(p.numel() for p in serving.engine.engine.model.parameters())
+    """Approximately, from the config: a replica router's engine (carpool.server.replicas) holds no weights."""
+    config = serving.engine.engine.model_config
+    per_layer = config.hidden_size * (4 * config.hidden_size + 3 * config.intermediate_size)
+    return config.num_layers * per_layer + config.vocab_size * config.hidden_size
 
 
 def _question_pieces(text: str, group: int) -> list[Piece]:
