@@ -29,7 +29,7 @@ class RecordingGate:
 
         return Principal()
 
-    def admit(self, principal, tier, estimated_tokens):
+    def admit(self, principal, tier, estimated_tokens, request_id=None):
         pass
 
     def record(self, principal, usage):

@@ -51,6 +51,8 @@ class CascadeServing:
                     await gen.wait()
                 except GenerationFailed as error:
                     raise APIError(500, f"The engine failed while generating: {error}") from error
+                finally:  # the handler cancelled (server stopping): the step's engine work stops with it
+                    gen.cancel()
                 if not verdict.accepted:
                     continue
             fmt.logprobs = _client_wants_logprobs(body)  # the scorer's logprobs go to the client only if asked
