@@ -111,11 +111,12 @@ class ModelRunner:
                 log_probs = torch.log_softmax(self.model.compute_logits(rows).float(), dim=-1)
                 targets = seq.token_ids[begin + 1 : stop + 1]
                 index = torch.tensor(targets, dtype=torch.long, device=log_probs.device)[:, None]
-                chosen = log_probs.gather(1, index)[:, 0].tolist()
+                chosen = log_probs.gather(1, index)
+                ranks = ((log_probs > chosen).sum(dim=-1) + 1).tolist()
                 top = torch.topk(log_probs, k) if k else None
-                for i, (token, logprob) in enumerate(zip(targets, chosen)):
+                for i, (token, logprob) in enumerate(zip(targets, chosen[:, 0].tolist())):
                     alternatives = list(zip(top.indices[i].tolist(), top.values[i].tolist())) if k else []
-                    seq.prompt_logprobs.append(TokenLogprob(token, logprob, alternatives))
+                    seq.prompt_logprobs.append(TokenLogprob(token, logprob, alternatives, ranks[i]))
 
     def _metadata(self, runs: list[tuple[Sequence, int, int]], table_of, window: int) -> AttentionMetadata:
         """One KV cache group's view of the step: where each new key goes and which blocks each query reads.

@@ -19,6 +19,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # (token id, logprob) of the most likely alternatives, best first
+    rank: int | None = None  # the token's rank among all tokens (1: the likeliest), where it is computed
 
 
 @dataclass

@@ -274,7 +274,12 @@ class CompletionRequest(GenerationRequest):
     echo: bool | None = Field(None, description="the prompt's text before each choice's text")
     best_of: int | None = Field(None, ge=1, le=MAX_CHOICES,
                                 description="candidates per prompt; the n with the highest cumulative logprob return")
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
+                                        description="vLLM's: each prompt token's logprob, rank and the top k")
     suffix: Unsupported = None
+
+    def sampling_options(self) -> dict:
+        return super().sampling_options() | {"prompt_logprobs": self.prompt_logprobs}
 
 
 class TokenizeRequest(Body):

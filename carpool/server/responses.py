@@ -114,7 +114,16 @@ class CompletionFormat(_Format):
             "text": choice.echo + output.text,
             "logprobs": self._logprobs(choice, output.logprobs or []) if self.logprobs else None,
             "finish_reason": output.finish_reason,
-        }
+        } | ({} if output.prompt_logprobs is None else {"prompt_logprobs": self._prompt_logprobs(output)})
+
+    def _prompt_logprobs(self, output: RequestOutput) -> list[dict | None]:
+        """vLLM's shape: None for the first token, then {token id: {logprob, rank, decoded_token}} holding the
+        prompt's token and the top k."""
+        return [None if lp is None else {
+            str(token): {"logprob": logprob, "rank": rank, "decoded_token": self.token_text(token)}
+            for token, logprob, rank in [(lp.token_id, lp.logprob, lp.rank)]
+            + [(t, p, r) for r, (t, p) in enumerate(lp.top, start=1)]
+        } for lp in output.prompt_logprobs]
 
     def chunk_choice(self, choice: Choice, output: RequestOutput, first: bool) -> dict:
         return {

@@ -158,8 +158,10 @@ class ModelServing:
         prompt = request.prompt
         prompts = prompt if isinstance(prompt, list) and not isinstance(prompt[0], int) else [prompt]
         if request.echo and request.logprobs is not None:
-            raise APIError(400, "echo: echo together with logprobs is not supported (this server does not compute "
-                                "prompt logprobs)", param="echo")
+            raise APIError(400, "echo: echo together with logprobs is not supported (prompt_logprobs gives the "
+                                "prompt's logprobs)", param="echo")
+        if request.prompt_logprobs is not None and request.stream:
+            raise APIError(400, "prompt_logprobs: not supported when streaming", param="prompt_logprobs")
         n, best_of = request.n or 1, request.best_of or request.n or 1
         if best_of < n:
             raise APIError(400, f"best_of: must be at least n ({n}), got {best_of}", param="best_of")

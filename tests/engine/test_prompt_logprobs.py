@@ -51,6 +51,8 @@ def test_prompt_logprobs_match_a_full_forward_when_chunked_and_cached(llm, token
         row = reference[position - 1]
         assert entry.token_id == prompt_ids[position]
         assert entry.logprob == pytest.approx(float(row[prompt_ids[position]]), abs=1e-3)
+        above = [int((row > entry.logprob + sign * 1e-3).sum()) + 1 for sign in (1, -1)]
+        assert above[0] <= entry.rank <= above[1]  # the rank among all tokens, up to near ties
         top = torch.topk(row, 3)
         assert [t for t, _ in entry.top] == top.indices.tolist()
         assert [v for _, v in entry.top] == pytest.approx(top.values.tolist(), abs=1e-3)
