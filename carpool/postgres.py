@@ -12,6 +12,7 @@ never leaves a transaction open on the server. psycopg (`make scale`) is importe
 """
 
 import re
+import select
 import threading
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
@@ -42,10 +43,10 @@ def redacted(url: str) -> str:
 
 
 def errors() -> tuple[type[Exception], ...]:
-    """What a failed statement raises."""
+    """What a failed statement raises (PostgresUnusable: the session was lost and no new one opens)."""
     import psycopg
 
-    return (psycopg.Error,)
+    return (psycopg.Error, PostgresUnusable)
 
 
 class Row(tuple):
@@ -69,23 +70,39 @@ def _row_factory(cursor):
 
 
 class PostgresConnection:
+    """One session, replaced when the server has dropped it (a restart, a failover, pg_terminate_backend): before
+    each statement or transaction, an idle session whose socket has anything to read (the server's goodbye, or
+    its end of file: an idle session is sent nothing else) is closed and a new one opened, so a long-lived
+    server heals by itself instead of failing the next request on each of its connections."""
+
     def __init__(self, url: str):
+        self.url = url
+        self._conn = self._connect()
+        self._transactions = threading.local()
+
+    def _connect(self):
         import psycopg
 
-        self.url = url
         try:
-            self._conn = psycopg.connect(url, autocommit=True, row_factory=_row_factory,
-                                         options=f"-c lock_timeout={LOCK_TIMEOUT}")
+            return psycopg.connect(self.url, autocommit=True, row_factory=_row_factory,
+                                   options=f"-c lock_timeout={LOCK_TIMEOUT}")
         except psycopg.Error as error:
-            raise PostgresUnusable(f"{redacted(url)}: {cause(error)}") from None
-        self._transactions = threading.local()
+            raise PostgresUnusable(f"{redacted(self.url)}: {cause(error)}") from None
 
     @property
     def raw(self):
         """The psycopg connection itself."""
         return self._conn
 
+    def _heal(self) -> None:
+        if getattr(self._transactions, "stack", None):
+            return  # inside a transaction: its session must stay; a lost one fails the transaction
+        if self._conn.broken or self._conn.closed or select.select([self._conn.fileno()], [], [], 0)[0]:
+            self._conn.close()
+            self._conn = self._connect()
+
     def execute(self, sql: str, args: tuple | list = ()):
+        self._heal()
         return self._conn.execute(_placeholders(sql), args or None)
 
     def executemany(self, sql: str, rows: list) -> None:
@@ -93,6 +110,7 @@ class PostgresConnection:
             cursor.executemany(_placeholders(sql), rows)
 
     def __enter__(self) -> "PostgresConnection":
+        self._heal()
         transaction = self._conn.transaction()
         transaction.__enter__()
         self._transactions.__dict__.setdefault("stack", []).append(transaction)

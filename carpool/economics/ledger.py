@@ -153,7 +153,7 @@ class LedgerWriter:
                         break
                 held += [item for item in items if isinstance(item, tuple)]
                 if held:
-                    conn, held = self._commit(conn, held)
+                    held = self._commit(conn, held)
                 for item in items:
                     if isinstance(item, threading.Event):
                         item.set()
@@ -179,23 +179,16 @@ class LedgerWriter:
                 if not written.done():
                     written.set_exception(LedgerUnwritable(self.problem))
         finally:
-            if conn is not None:
-                conn.close()
+            conn.close()
 
-    def _commit(self, conn, rows: list[Held]) -> tuple[object, list[Held]]:
-        """Commit the rows in one transaction: the connection to use next (None: open a new one, as a dropped
-        PostgreSQL connection never comes back) and the rows still to write (all of them, if it failed)."""
+    def _commit(self, conn, rows: list[Held]) -> list[Held]:
+        """Commit the rows in one transaction; the rows still to write (all of them, if it failed)."""
         try:
-            if conn is None:
-                conn = _open(self.db_path)
             with conn:
                 conn.executemany(_INSERT, [row for row, _, _ in rows])
                 if self._settle is not None:
                     self._settle(conn, [(row, reservation) for row, _, reservation in rows])
         except self._errors as error:
-            if conn is not None and is_postgres_url(self.db_path):
-                conn.close()
-                conn = None
             if self.problem is None:
                 log.error("ledger %s: %d rows not written (%s); refusing billable requests until it can write",
                           self.db_path, len(rows), error)
@@ -203,11 +196,11 @@ class LedgerWriter:
             for _, written, _ in rows:
                 if not written.done():
                     written.set_exception(LedgerUnwritable(self.problem))
-            return conn, [(withheld_row(row), written, reservation) for row, written, reservation in rows]
+            return [(withheld_row(row), written, reservation) for row, written, reservation in rows]
         if self.problem is not None:
             log.warning("ledger %s: writable again; %d held rows written", self.db_path, len(rows))
         self.problem = None
         for _, written, _ in rows:
             if not written.done():
                 written.set_result(None)
-        return conn, []
+        return []

@@ -8,7 +8,7 @@ from economics_helpers import TEST_SHEET, Clock, usage
 
 from carpool.cli import main
 from carpool.economics import keys as key_store
-from carpool.economics import shared_admission
+from carpool.economics import ledger, shared_admission
 from carpool.economics.contract import GateError
 from carpool.economics.db import SCHEMA, DatabaseUnusable, check_postgres, expected_columns, open_database
 from carpool.economics.gate import LedgerGate
@@ -187,3 +187,30 @@ def test_revoking_a_key_acts_on_every_replica(gates, postgres_url):
         with pytest.raises(GateError) as revoked:
             gate.admit(principal, "default", 10)
         assert revoked.value.status == 401
+
+
+def test_a_gate_heals_after_the_database_drops_its_sessions(monkeypatch, gates, postgres_url):
+    """A PostgreSQL restart or failover ends every session; the gate's connections open new ones by themselves."""
+    monkeypatch.setattr(ledger, "RETRY_SECONDS", 0.05)
+    key, secret = new_key(postgres_url, budget=1.0, budget_period="day", rpm=100)
+    gate = gates[0]
+    gate.record(gate.authenticate(secret), usage(request_id="before")).result(timeout=30)
+    killer = open_database(postgres_url)
+    others = "FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
+    killer.execute(f"SELECT pg_terminate_backend(pid) {others}")
+    while killer.execute(f"SELECT COUNT(*) {others}").fetchone()[0]:  # until every session has gone
+        threading.Event().wait(0.01)
+    killer.close()
+    outcomes = []
+    for attempt in range(3):
+        try:
+            principal = gate.authenticate(secret)
+            gate.admit(principal, "default", 10, request_id=f"after-{attempt}")
+            gate.record(principal, usage(request_id=f"after-{attempt}")).result(timeout=30)
+            outcomes.append("ok")
+        except Exception as error:
+            outcomes.append(f"{type(error).__name__}: {error}")
+    assert outcomes == ["ok"] * 3 and gate.health() is None, outcomes
+    conn = open_database(postgres_url)
+    assert conn.execute("SELECT COUNT(*) FROM ledger WHERE request_id = 'after-2'").fetchone()[0] == 1
+    conn.close()
