@@ -27,7 +27,7 @@ from carpool.economics.keys import ANONYMOUS, ApiKey, find_key, has_keys, list_k
 from carpool.economics.ledger import RETRY_SECONDS, LedgerWriter
 from carpool.economics.prices import PriceSheet, PriceSheetError, load_price_sheet
 from carpool.economics.rate_limit import RateLimiter, RateLimitExceeded
-from carpool.economics.reports import UsageSummary, usage_summary
+from carpool.economics.reports import CascadeSummary, UsageSummary, cascade_summary, usage_summary
 from carpool.economics.spend import PERIODS, SpendTracker
 
 
@@ -183,6 +183,15 @@ class LedgerGate:
         conn = open_database(self.db_path)
         try:
             return usage_summary(conn, group_by, start, end)
+        finally:
+            conn.close()
+
+    def cascade_usage(self, start: float | None = None, end: float | None = None) -> list[CascadeSummary]:
+        """The cascade report over [start, end) (carpool.economics.reports.cascade_summary)."""
+        self.flush(timeout=5)
+        conn = open_database(self.db_path)
+        try:
+            return cascade_summary(conn, self.prices, start, end)
         finally:
             conn.close()
 

@@ -27,13 +27,28 @@ def usage_router(gate: LedgerGate, caller: Callable[..., Principal]) -> APIRoute
         if group_by not in GROUP_BY:
             raise GateError(400, f"group_by must be one of {', '.join(GROUP_BY)}, got {group_by!r}", "invalid_value",
                             param="group_by")
-        bounds = {}
-        for name, text in (("start", start), ("end", end)):
-            try:
-                bounds[name] = parse_time(text) if text is not None else None
-            except ValueError as error:
-                raise GateError(400, str(error), "invalid_value", param=name) from None
+        bounds = _bounds(start, end)
         rows = gate.usage(group_by, bounds["start"], bounds["end"])
         return report_document(rows, group_by, bounds["start"], bounds["end"])
 
+    @router.get("/v1/usage/cascades")
+    def cascade_usage(principal: Annotated[Principal, Depends(caller)], start: str | None = None,
+                      end: str | None = None):
+        """Per model cascade: share answered by each step, cost, estimated saving (reports.cascade_summary)."""
+        if not principal.is_admin:
+            raise GateError(403, "The usage report needs an admin key.", "admin_key_required")
+        bounds = _bounds(start, end)
+        rows = gate.cascade_usage(bounds["start"], bounds["end"])
+        return {"object": "list", "start": bounds["start"], "end": bounds["end"], "data": [r.as_dict() for r in rows]}
+
     return router
+
+
+def _bounds(start: str | None, end: str | None) -> dict[str, float | None]:
+    bounds = {}
+    for name, text in (("start", start), ("end", end)):
+        try:
+            bounds[name] = parse_time(text) if text is not None else None
+        except ValueError as error:
+            raise GateError(400, str(error), "invalid_value", param=name) from None
+    return bounds

@@ -6,12 +6,15 @@ from contextlib import closing
 from dataclasses import replace
 
 import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
 
 from carpool.cli import main
 from carpool.economics.contract import Principal, UsageRecord
 from carpool.economics.db import connect
 from carpool.economics.gate import open_ledger_gate
 from carpool.economics.reports import cascade_summary
+from carpool.economics.routes import usage_router
 
 
 def attempt(parent, step, model, accepted, output_tokens, tier="default"):
@@ -40,6 +43,10 @@ def test_shares_cost_and_saving_per_cascade(tmp_path, capsys):
                cost(rows[3])]
     assert summary.cost_all_last == pytest.approx(sum(as_last))
     assert 0 < summary.saved == pytest.approx(sum(as_last) - summary.cost)
+    app = FastAPI()
+    app.include_router(usage_router(gate, caller=lambda: Principal(is_admin=True)))
+    (served,) = TestClient(app).get("/v1/usage/cascades").json()["data"]
+    assert served["saved"] == pytest.approx(summary.saved) and served["requests"] == 3
     gate.close()
     assert main(["cost", "cascades", "--db", str(db), "--format", "json"]) == 0
     (document,) = json.loads(capsys.readouterr().out)["data"]
