@@ -51,6 +51,13 @@ class ChatFormat(_Format):
         self.tool_names = tool_names
         self.parsers: dict[int, ToolCallParser] | None = {} if tool_names is not None else None
 
+    def chunk(self, gen: Generation, choice: Choice, output: RequestOutput) -> dict | None:
+        body = super().chunk(gen, choice, output)
+        sent = body and body["choices"][0]
+        if sent and not (sent["delta"] or sent["finish_reason"] or (sent["logprobs"] or {}).get("content")):
+            return None  # text the tool-call parser holds back: nothing the client could see
+        return body
+
     def choice(self, choice: Choice) -> dict:
         output = choice.last
         message = {"role": "assistant", "content": output.text, "refusal": None}
@@ -71,7 +78,9 @@ class ChatFormat(_Format):
         delta, finish_reason = {"content": output.delta_text}, output.finish_reason
         if self.parsers is not None:
             parser = self.parsers.setdefault(choice.index, ToolCallParser(self.tool_names))
-            delta["content"], calls = parser.feed(output.text, output.finished)
+            content, calls = parser.feed(output.text, output.finished)
+            # As OpenAI streams calls: no `"content": ""` beside them or for text held back (null in the first).
+            delta = {"content": content} if content else {"content": None} if first else {}
             if calls:
                 delta["tool_calls"] = calls
             if parser.calls and output.finished:

@@ -21,7 +21,7 @@ from carpool.server.protocol import (
     TokenizeRequest,
 )
 from carpool.server.responses import ChatFormat, CompletionFormat
-from carpool.server.tool_calls import call_grammar, template_arguments
+from carpool.server.tool_calls import call_grammar, check_tools, template_arguments
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 
@@ -120,6 +120,10 @@ class ModelServing:
             raise APIError(400, f"tools: the model {self.model_name!r} does not support tool calling (its chat "
                                 "template has no tools)", param="tools")
         tools = [tool.model_dump(exclude_none=True) for tool in request.tools]
+        try:
+            check_tools(tools)
+        except ValueError as error:
+            raise APIError.from_value_error(error, type(request).model_fields) from error
         if choice is None or choice == "auto":
             return tools, None
         name = None if choice == "required" else choice.function.name

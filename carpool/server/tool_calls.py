@@ -11,8 +11,23 @@ import json
 import uuid
 
 from carpool.engine.structured import StructuredOutput
+from carpool.engine.structured.grammars import check_json_schema
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+
+def check_tools(tools: list[dict]) -> None:
+    """ValueError naming the tool unless each function's parameters are a JSON schema of an object that the grammar
+    library accepts: whatever tool_choice is, so "auto" takes the same tools as "required" (where they become the
+    grammar), and a call's arguments are always a JSON object, as OpenAI's are."""
+    for i, tool in enumerate(tools):
+        parameters = tool["function"].get("parameters")
+        if parameters is None:
+            continue
+        where = f"tools[{i}].function.parameters"
+        if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
+            raise ValueError(f"{where} must be a JSON schema of type \"object\"")
+        check_json_schema(parameters, where)
 
 
 def call_grammar(tools: list[dict], name: str | None, parallel: bool) -> StructuredOutput:
@@ -70,7 +85,7 @@ class ToolCallParser:
                     self.cursor = len(text)
                 return content, calls
             call = _parse_call(text[start + len(OPEN):close], len(self.calls))
-            if call is None:
+            if call is None or call["function"]["name"] not in self.tool_names:  # no tool of the request's
                 content += self._content(text[start:close + len(CLOSE)], False)
             else:
                 self.calls.append(call)

@@ -160,6 +160,10 @@ def test_a_model_without_tool_support_is_400_naming_it(client):
     ({"tool_choice": "required", "tools": [{"type": "function", "function": {"name": f"f{i}", "parameters": {
         "type": "object", "properties": {f"p{j}": {"type": "string"} for j in range(40)}}}} for i in range(128)]},
      "tools", "at most"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}]}, "tools",
+     "tools[0].function.parameters: invalid"),  # tool_choice "auto" checks the tools as "required" does
+    ({"tools": [WEATHER, {"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
+      "tool_choice": "auto"}, "tools", 'tools[1].function.parameters must be a JSON schema of type "object"'),
 ])
 def test_bad_constraints_are_400_naming_the_parameter(client, fields, param, words):
     with pytest.raises(openai.BadRequestError) as raised:
@@ -205,6 +209,7 @@ def test_auto_tool_choice_parses_the_call_the_model_writes(client):
     [streamed] = [call for delta in deltas for call in delta.tool_calls or []]
     assert streamed.function.arguments == call.function.arguments
     assert not "".join(delta.content or "" for delta in deltas)
+    assert all(delta.content != "" for delta in deltas)  # OpenAI sends null beside calls, nothing for held text
 
 
 def test_a_new_constraint_compiles_off_the_event_loop(engine, monkeypatch):

@@ -4,8 +4,10 @@ text streams in, with nothing of a call leaking into the content."""
 import json
 from types import SimpleNamespace
 
+import pytest
+
 from carpool.server.responses import ChatFormat
-from carpool.server.tool_calls import ToolCallParser, call_grammar, parse_tool_calls
+from carpool.server.tool_calls import ToolCallParser, call_grammar, check_tools, parse_tool_calls
 
 NAMES = frozenset({"get_weather"})
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -76,3 +78,32 @@ def test_a_cut_off_output_with_calls_finishes_length_and_keeps_the_unclosed_call
         assert whole["message"]["content"].startswith("<tool_call>")
         chunk = ChatFormat(None, False, NAMES).chunk_choice(SimpleNamespace(index=0), output, first=True)
         assert chunk["finish_reason"] == expected and len(chunk["delta"]["tool_calls"]) == 1
+
+
+def test_a_tagged_call_of_a_tool_the_request_does_not_have_stays_content():
+    unknown = CALL.replace("get_weather", "rm_rf")
+    assert parse_tool_calls(f"{unknown}\n{CALL}", NAMES)[1][0]["function"]["name"] == "get_weather"
+    assert parse_tool_calls(unknown, NAMES) == (unknown, [])
+
+
+def test_check_tools_takes_object_schemas_only():
+    check_tools([{"function": {"name": "a"}}, {"function": {"name": "b", "parameters": {"type": "object"}}}])
+    for i, parameters in ((0, {"type": "array"}), (1, {"type": "object", "properties": {"a": {"type": 5}}})):
+        tools = [{"function": {"name": "a"}}] * i + [{"function": {"name": "x", "parameters": parameters}}]
+        with pytest.raises(ValueError, match=rf"^tools\[{i}\]\.function\.parameters"):
+            check_tools(tools)
+
+
+def test_streamed_calls_send_no_empty_content_chunks():
+    text = f"{CALL}\n{CALL}"
+    formatter, chunks = ChatFormat(None, False, NAMES), []
+    gen = SimpleNamespace(request_id="r", created=0, model_name="m", tier="standard")
+    for end in range(0, len(text) + 1, 4):
+        end = min(end + 1, len(text))
+        output = SimpleNamespace(text=text[:end], delta_text=text[end - 4:end], finish_reason="stop",
+                                 finished=end == len(text), logprobs=None, delta_logprobs=[])
+        chunks.append(formatter.chunk(gen, SimpleNamespace(index=0), output))
+    sent = [chunk["choices"][0] for chunk in chunks if chunk is not None]
+    assert [c["delta"].get("content", "absent") for c in sent] == [None] + ["absent"] * (len(sent) - 1)
+    assert sum(len(c["delta"].get("tool_calls", [])) for c in sent) == 2 and sent[-1]["finish_reason"] == "tool_calls"
+    assert len(sent) <= 4  # the first, one per call, the last: held-back text sends nothing

@@ -10,6 +10,7 @@ keyword at fault ("Unimplemented keys: [\"not\"]").
 """
 
 import functools
+import json
 import threading
 
 import llguidance
@@ -23,6 +24,22 @@ _FORMATS = {"json": "json_schema", "json_object": "json_schema", "regex": "regex
 LIMITS = dict(max_grammar_size=100_000, initial_lexer_fuel=200_000, step_lexer_fuel=100_000,
               step_max_items=20_000, max_lexer_states=50_000)
 COMPILE_CACHE_SIZE = 256
+
+
+@functools.lru_cache(maxsize=COMPILE_CACHE_SIZE)
+def _schema_error(text: str) -> str:
+    try:
+        return llguidance.LLMatcher.validate_grammar(llguidance.grammar_from("json_schema", text))
+    except ValueError as error:
+        return str(error)
+
+
+def check_json_schema(schema: dict, source: str) -> None:
+    """ValueError naming `source` unless llguidance can compile `schema`: checked without a tokenizer (0.1-0.4 ms,
+    cached), so it can run on the request's path before any grammar is built."""
+    error = _schema_error(json.dumps(schema, sort_keys=True))
+    if error:
+        raise ValueError(f"{source}: invalid or unsupported JSON schema: {' '.join(error.split())}")
 
 
 class CompiledGrammar:
