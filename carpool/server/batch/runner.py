@@ -12,8 +12,9 @@ Lines still unanswered at expiry or cancellation get an error line each (`batch_
 so every custom_id appears exactly once in the output or error file.
 
 A batch runs only while this server holds its claim (BatchStore.claim). On a store shared by replicas the runner
-looks again every ADOPT_SECONDS: it resumes unfinished batches nobody holds (their server died), and notices a
-cancellation another replica's API wrote for a batch it runs.
+looks again every ADOPT_SECONDS: it resumes unfinished batches nobody holds (their server died), stops those whose
+claim it lost to another server (its claims' session dropped), and notices a cancellation another replica's API
+wrote for a batch it runs.
 """
 
 import asyncio
@@ -82,6 +83,9 @@ class BatchRunner:
         while True:
             await asyncio.sleep(ADOPT_SECONDS)
             try:
+                for batch_id in self.store.lost_claims(list(self._tasks)):
+                    log.warning("batch %s: its claim was lost to another server, which runs it now", batch_id)
+                    self._tasks[batch_id].cancel()
                 for batch_id in self.store.active_batch_ids():
                     if batch_id not in self._tasks:
                         self.submit(batch_id)

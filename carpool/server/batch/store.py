@@ -113,6 +113,7 @@ class BatchStore:
         if self.shared:
             self._conn = postgres.connect_postgres(db)
             self._claims = postgres.connect_postgres(db)  # its session holds this server's batch claims
+            self._claims_session = self._claims.raw.info.backend_pid
         else:
             self._conn = sqlite3.connect(self.root / "batches.db", timeout=30, check_same_thread=False)
             self._conn.row_factory = sqlite3.Row
@@ -133,9 +134,25 @@ class BatchStore:
         if not self.shared:
             return True  # the batch dir, and so every batch in it, is this server's alone
         with self._lock:
-            (claimed,) = self._claims.execute("SELECT pg_try_advisory_lock(?, hashtext(?))",
-                                              (_CLAIMS, batch_id)).fetchone()
+            return self._try_claim(batch_id)
+
+    def _try_claim(self, batch_id: str) -> bool:
+        (claimed,) = self._claims.execute("SELECT pg_try_advisory_lock(?, hashtext(?))", (_CLAIMS, batch_id)).fetchone()
         return claimed
+
+    def lost_claims(self, batch_ids: list[str]) -> list[str]:
+        """Of the batches this server runs, those it no longer holds: its claims' session was lost (a database
+        restart; the connection opens a new one) and another server has claimed them since. The rest are
+        claimed again on the new session."""
+        if not self.shared:
+            return []
+        with self._lock:
+            self._claims.execute("SELECT 1")  # replaces a session the server dropped
+            session = self._claims.raw.info.backend_pid
+            if session == self._claims_session:
+                return []
+            self._claims_session = session
+            return [batch_id for batch_id in batch_ids if not self._try_claim(batch_id)]
 
     def release(self, batch_id: str) -> None:
         if self.shared:

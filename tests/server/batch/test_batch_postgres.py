@@ -11,6 +11,7 @@ from test_batch_runner import TERMINAL, all_custom_ids, make_batch, new_runner, 
 
 from carpool.server.batch import runner as batch_runner
 from carpool.server.batch.home import BatchDirUnusable, claim_batch_dir, default_batch_dir
+from carpool.postgres import connect_postgres
 from carpool.server.batch.store import BatchStore
 
 
@@ -48,7 +49,10 @@ def test_a_batch_is_claimed_by_one_server_until_it_lets_go_or_dies(stores, tmp_p
     first.release(batch_id)
     assert second.claim(batch_id) and not first.claim(batch_id)
     second.close()  # its server died: its connection, and with it the claim, is gone
-    assert first.claim(batch_id)
+    deadline = time.monotonic() + 5  # once its backend has noticed the closed socket and ended
+    while not first.claim(batch_id):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
     stores[1] = BatchStore(tmp_path, postgres_url)
 
 
@@ -129,3 +133,48 @@ def test_replicas_share_a_postgres_databases_batch_dir(tmp_path, postgres_url):
     with pytest.raises(BatchDirUnusable, match="holds the batches of the database postgresql://"):
         claim_batch_dir(tmp_path / "shared", tmp_path / "carpool.db")
     assert default_batch_dir(postgres_url).name.startswith("postgres-")
+
+
+def drop_claims_session(store: BatchStore, postgres_url: str) -> None:
+    """What a database restart does to a server's claims: its session ends (the others are left alone here)."""
+    killer = connect_postgres(postgres_url)
+    pid = store._claims.raw.info.backend_pid
+    killer.execute("SELECT pg_terminate_backend(?)", (pid,))
+    while killer.execute("SELECT COUNT(*) FROM pg_stat_activity WHERE pid = ?", (pid,)).fetchone()[0]:
+        time.sleep(0.01)
+    killer.close()
+
+
+def test_claims_lost_with_their_session_are_taken_again_unless_another_server_has(stores, postgres_url):
+    first, second = stores
+    kept, taken = (make_batch(first, [request_line("a", "x")]) for _ in range(2))
+    assert first.claim(kept) and first.claim(taken)
+    drop_claims_session(first, postgres_url)
+    assert second.claim(taken)  # free while the first server has no session
+    assert first.lost_claims([kept, taken]) == [taken]
+    assert not second.claim(kept)  # the first holds it again
+    assert first.lost_claims([kept]) == []
+
+
+def test_a_runner_that_lost_its_claim_stops_running_the_batch(monkeypatch, stores, postgres_url):
+    monkeypatch.setattr(batch_runner, "ADOPT_SECONDS", 0.2)
+    first, second = stores
+    slow = EchoEndpoint(delay=0.05)
+    batch_id = make_batch(first, [request_line(f"r{i}", f"p{i}") for i in range(200)])
+
+    async def scenario():
+        runner = new_runner(first, slow, max_in_flight=1)
+        await runner.start()
+        while not slow.finished:
+            await asyncio.sleep(0.01)
+        drop_claims_session(first, postgres_url)
+        assert second.claim(batch_id)  # another server takes it before the runner looks again
+        deadline = time.monotonic() + 5
+        while batch_id in runner._tasks and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        stopped = batch_id not in runner._tasks
+        await runner.stop()
+        return stopped
+
+    assert asyncio.run(scenario())
+    assert len(slow.started) < 200
