@@ -11,6 +11,7 @@ from carpool.models.cli import add_models_parser
 from carpool.server.batch.cli import add_batch_parser
 from carpool.bench.cascade_cli import add_cascade_parser
 from carpool.server.cli import add_serve_parser
+from carpool.server.compression.cli import add_compress_parser
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -54,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_info_parser(subparsers)
     add_models_parser(subparsers)
     add_cascade_parser(subparsers)
+    add_compress_parser(subparsers)
     return parser
 
 

@@ -117,3 +117,18 @@ def test_bad_values_are_a_400_naming_the_parameter(engine, path, extra, param):
     assert response.status_code == (404 if param == "model" else 400), response.text
     assert response.json()["error"]["param"] == param
     assert gate.records == []
+
+
+def test_the_cli_compresses_through_a_running_server(server, tmp_path, capsys):
+    from carpool.cli import main
+
+    path = tmp_path / "prompt.txt"
+    demo = DEMOS.split("\n\n")[0]  # one demonstration: the live server's engine is shared by many tests
+    path.write_text(demo + "\n\n" + QUESTION)
+    assert main(["compress", str(path), "--rate", "0.6", "--protect", KEEP, "--url", server.url,
+                 "--api-key", server.api_key]) == 0
+    out, err = capsys.readouterr()
+    assert out.endswith(QUESTION) and KEEP in out and len(out) < len(demo) + len(QUESTION)
+    assert "kept" in err
+    assert main(["compress", str(path), "--rate", "0.5", "--url", server.url]) == 2  # no key: the server's 401
+    assert "401" in capsys.readouterr().err

@@ -148,29 +148,39 @@ async def _keep_paragraphs(units: list[_Unit], budget_tokens: int, scorer: Score
 
 
 async def _keep_tokens(units: list[_Unit], budget_tokens: int, scorer: Scorer) -> None:
-    """Fine level, iterative: each window of kept text is scored after the compressed prompt before it, and keeps
-    its share of what is left of the budget as its most surprising tokens (ties: the earlier token)."""
+    """Fine level, iterative: windows of kept text (across paragraphs, up to WINDOW_TOKENS) are scored in order,
+    each after the compressed prompt before it, and each keeps its share of what is left of the budget as its
+    most surprising tokens (ties: the earlier token)."""
     left = sum(sum(u.keep) for u in units if not u.protected)
     quota_left = min(budget_tokens, left)
     prefix: list[int] = []
+    window: list[tuple[_Unit, int]] = []  # (unit, position) of the kept tokens waiting to be scored
+
+    async def score_window():
+        nonlocal left, quota_left, prefix
+        ids = [unit.ids[i] for unit, i in window]
+        quota = round(quota_left * len(ids) / left)
+        left, quota_left = left - len(ids), quota_left - quota
+        surprisal = (await scorer.surprisals([_fit(prefix + ids, scorer)]))[0][-len(ids):]
+        chosen = set(sorted(range(len(ids)), key=lambda j: (-surprisal[j], j))[:quota])
+        for j, (unit, i) in enumerate(window):
+            unit.keep[i] = j in chosen
+            unit.surprisal.append((i, surprisal[j]))
+        prefix += [ids[j] for j in sorted(chosen)]
+        window.clear()
+
     for unit in units:
         if unit.protected:
+            if window:
+                await score_window()
             prefix += unit.ids
             continue
-        positions = [i for i, k in enumerate(unit.keep) if k]
-        for start in range(0, len(positions), WINDOW_TOKENS):
-            window = positions[start:start + WINDOW_TOKENS]
-            ids = [unit.ids[i] for i in window]
-            quota = round(quota_left * len(window) / left)
-            left, quota_left = left - len(window), quota_left - quota
-            prompt = _fit(prefix + ids, scorer)
-            surprisal = (await scorer.surprisals([prompt]))[0][-len(ids):]
-            ranked = sorted(range(len(ids)), key=lambda j: (-surprisal[j], j))[:quota]
-            chosen = set(ranked)
-            for j, position in enumerate(window):
-                unit.keep[position] = j in chosen
-            unit.surprisal.extend(zip(window, surprisal))
-            prefix += [ids[j] for j in sorted(chosen)]
+        for i in (i for i, k in enumerate(unit.keep) if k):
+            window.append((unit, i))
+            if len(window) == WINDOW_TOKENS:
+                await score_window()
+    if window:
+        await score_window()
 
 
 def _drop_least_surprising(units: list[_Unit], count: int) -> bool:
