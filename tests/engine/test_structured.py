@@ -113,3 +113,31 @@ def test_constrained_outputs_survive_preemption(llm):
         if out.finish_reason == "stop":
             check_person(out.text)
     assert sum(o.finish_reason == "stop" for o in together) >= 6
+
+
+def test_masks_filled_beside_the_forward_pass_give_the_same_tokens(llm, monkeypatch):
+    """With a core to spare, each step's masks are filled on a worker thread during the forward pass, for the
+    constrained rows wherever they sit in the batch: the same tokens as filled inline after it."""
+    import threading
+
+    from carpool.engine.structured import masks
+
+    prompt = chat(llm, "Describe a person as JSON.")
+    free = SamplingParams(max_tokens=16, temperature=0)
+    params = [free, constrained("json", PERSON), free, constrained("regex", "[0-9]{3}-[a-z]{2}")]
+    llm.generate([prompt], SamplingParams(max_tokens=1))  # both runs below then read the prompt from the cache
+    monkeypatch.setattr(masks, "overlaps_forward", lambda: False)
+    inline = llm.generate([prompt] * 4, params)
+    fill, threads = masks.GrammarMasks.__init__, []
+
+    def recording(self, *args):
+        threads.append(threading.current_thread().name)
+        fill(self, *args)
+
+    monkeypatch.setattr(masks.GrammarMasks, "__init__", recording)
+    monkeypatch.setattr(masks, "overlaps_forward", lambda: True)
+    beside = llm.generate([prompt] * 4, params)
+    assert [o.token_ids for o in beside] == [o.token_ids for o in inline]
+    assert threads and all(name.startswith("carpool-grammar-masks") for name in threads)  # none refilled inline
+    check_person(beside[1].text)
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", beside[3].text)
