@@ -82,10 +82,12 @@ class PostgresConnection:
 
     def _connect(self):
         import psycopg
+        from psycopg.conninfo import conninfo_to_dict
 
         try:
-            return psycopg.connect(self.url, autocommit=True, row_factory=_row_factory,
-                                   options=f"-c lock_timeout={LOCK_TIMEOUT}")
+            # Added to the URL's own options (a search_path, say), which a plain options= would replace.
+            options = f"{conninfo_to_dict(self.url).get('options', '')} -c lock_timeout={LOCK_TIMEOUT}".strip()
+            return psycopg.connect(self.url, autocommit=True, row_factory=_row_factory, options=options)
         except psycopg.Error as error:
             raise PostgresUnusable(f"{redacted(self.url)}: {cause(error)}") from None
 

@@ -30,7 +30,7 @@ def postgres_server():
 
 @pytest.fixture
 def postgres_url(postgres_server, request):
-    """A fresh, empty database on the session's server, for one test."""
+    """A fresh, empty database (a schema of its own) on the session's server, for one test."""
     import re
 
-    return postgres_server.create_database(re.sub(r"\W", "_", request.node.name)[:40] + f"_{id(request) % 10**6}")
+    return postgres_server.create_schema(re.sub(r"\W", "_", request.node.name)[:40].lower() + f"_{id(request) % 10**6}")

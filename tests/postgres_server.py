@@ -42,6 +42,7 @@ class PostgresServer:
             entry = pwd.getpwnam(self._user)
             os.chown(self.root, entry.pw_uid, entry.pw_gid)
         self.superuser = self._user or pwd.getpwuid(os.geteuid()).pw_name
+        self._test_database: str | None = None
 
     def _run(self, *args: str) -> None:
         command = [str(self.bin_dir / args[0]), *args[1:]]
@@ -67,6 +68,17 @@ class PostgresServer:
         with psycopg.connect(self.url(), autocommit=True) as conn:
             conn.execute(f'CREATE DATABASE "{name}"')
         return self.url(name)
+
+    def create_schema(self, name: str) -> str:
+        """A fresh, empty schema in the server's one test database, and a URL whose sessions work in it: as good as
+        a database of its own for carpool's tables, in 10 ms instead of CREATE DATABASE's ~1 s."""
+        import psycopg
+
+        if self._test_database is None:
+            self._test_database = self.create_database("carpool_tests")
+        with psycopg.connect(self._test_database, autocommit=True) as conn:
+            conn.execute(f'CREATE SCHEMA "{name}"')
+        return f"{self._test_database}?options=-c%20search_path%3D{name}"
 
     def stop(self) -> None:
         try:
