@@ -11,7 +11,7 @@ the protected text is left.
 """
 
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 # Paragraphs kept at the coarse level, in tokens, as a multiple of the compressible budget: the token-level pass
