@@ -21,6 +21,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field, ValidationError
 
+from carpool.bench.structured_jobs import batch_extraction, compare_servers
 from carpool.engine.args import add_engine_args, engine_config
 from carpool.engine.llm_engine import LLMEngine
 from carpool.engine.sampling_params import SamplingParams
@@ -59,13 +60,22 @@ def add_parser(modes) -> None:
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32], help="concurrent streams to compare")
     parser.add_argument("--max-tokens", type=int, default=64, help="output tokens per request in the overhead run")
     parser.add_argument("--skip-validity", action="store_true", help="run the overhead comparison only")
+    parser.add_argument("--skip-overhead", action="store_true", help="skip the constrained vs free tok/s comparison")
+    parser.add_argument("--validity-max-tokens", type=int, default=96, help="max_tokens of each validity request")
+    parser.add_argument("--formats", nargs="+", choices=list(FORMATS), default=None, help="validity formats to run")
+    parser.add_argument("--batch-lines", type=int, default=0,
+                        help="also run an extraction job of this many lines through the Batch API (0: none)")
+    parser.add_argument("--url", action="append", default=[],
+                        help="a server (no /v1; e.g. llama-server) to send the extraction schema to, repeatable")
+    parser.add_argument("--server-requests", type=int, default=64, help="requests per --url server")
+    parser.add_argument("--server-concurrency", type=int, default=8, help="requests in flight per --url server")
     parser.add_argument("--out", default="bench-results/structured.json", help="where the JSON report goes")
     add_engine_args(parser)
     parser.set_defaults(func=lambda args: main(args, engine_config(args)))
 
 
 def main(args: argparse.Namespace, config) -> int:
-    for name in ("requests", "max_tokens"):
+    for name in ("requests", "max_tokens", "validity_max_tokens", "server_requests", "server_concurrency"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive")
     config.max_num_seqs = max(config.max_num_seqs, *args.streams)
@@ -75,10 +85,22 @@ def main(args: argparse.Namespace, config) -> int:
         for name, row in report["validity"].items():
             print(f"{name:14} {row['valid']}/{row['requests']} valid ({100 * row['valid'] / row['requests']:.1f}%)",
                   flush=True)
-    report["overhead"] = overhead(LLMEngine(config), args.streams, args.max_tokens)
-    print(f"{'streams':>7} {'free tok/s':>11} {'json tok/s':>11} {'ratio':>6}")
-    for row in report["overhead"]:
-        print(f"{row['streams']:>7} {row['free_tok_s']:>11.1f} {row['constrained_tok_s']:>11.1f} {row['ratio']:>6.2f}")
+    if args.batch_lines > 0:
+        job = report["batch_extraction"] = batch_extraction(config, args.batch_lines, args.validity_max_tokens)
+        print(f"batch extraction: {job['valid']}/{job['lines']} valid ({job['status']}), {job['seconds']:.0f} s, "
+              f"{job['output_tokens']} output tokens, cost ${job['cost']:.6f}", flush=True)
+    if args.url:
+        report["servers"] = compare_servers(args.url, args.server_requests, args.server_concurrency,
+                                            args.validity_max_tokens)
+        for row in report["servers"]:
+            print(f"{row['url']} ({row['model']}): {row['valid']}/{row['requests']} valid, {row['tok_s']:.1f} "
+                  f"output tok/s at {args.server_concurrency} in flight", flush=True)
+    if not args.skip_overhead:
+        report["overhead"] = overhead(LLMEngine(config), args.streams, args.max_tokens)
+        print(f"{'streams':>7} {'free tok/s':>11} {'json tok/s':>11} {'ratio':>6}")
+        for row in report["overhead"]:
+            print(f"{row['streams']:>7} {row['free_tok_s']:>11.1f} {row['constrained_tok_s']:>11.1f} "
+                  f"{row['ratio']:>6.2f}")
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2) + "\n")
@@ -97,7 +119,7 @@ def validity(args: argparse.Namespace, config) -> dict:
     with tempfile.TemporaryDirectory(prefix="carpool-bench-structured-") as workdir, \
             LocalServer(config, Path(workdir)) as server:
         client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
-        formats = dict(FORMATS)
+        formats = {name: check for name, check in FORMATS.items() if name in (args.formats or FORMATS)}
         if not supports_tools(config):
             formats = {name: check for name, check in formats.items() if not name.startswith("tools")}
         report = {}
@@ -105,7 +127,7 @@ def validity(args: argparse.Namespace, config) -> dict:
             valid = 0
             for i in range(args.requests):
                 try:
-                    valid += bool(check(client, server.model, i))
+                    valid += bool(check(client, server.model, i, args.validity_max_tokens))
                 except (ValueError, ValidationError, openai.LengthFinishReasonError):
                     pass
             report[name] = {"requests": args.requests, "valid": valid}
@@ -120,41 +142,44 @@ def _ask(i: int, what: str) -> list[dict]:
     return [{"role": "user", "content": f"{what} (example {i})"}]
 
 
-def _create(client, model: str, i: int, what: str, **kwargs):
-    return client.chat.completions.create(model=model, messages=_ask(i, what), max_tokens=96, temperature=0.7,
+def _create(client, model: str, i: int, max_tokens: int, what: str, **kwargs):
+    return client.chat.completions.create(model=model, messages=_ask(i, what), max_tokens=max_tokens, temperature=0.7,
                                           seed=i, **kwargs).choices[0]
 
 
-def check_parse(client, model: str, i: int) -> bool:
+def check_parse(client, model: str, i: int, max_tokens: int) -> bool:
     choice = client.chat.completions.parse(model=model, messages=_ask(i, "Invent a person and their city."),
-                                           response_format=Person, max_tokens=96, temperature=0.7, seed=i).choices[0]
+                                           response_format=Person, max_tokens=max_tokens, temperature=0.7,
+                                           seed=i).choices[0]
     return isinstance(choice.message.parsed, Person)
 
 
-def check_json_object(client, model: str, i: int) -> bool:
-    return isinstance(json.loads(_create(client, model, i, "Describe a book as a JSON object.",
+def check_json_object(client, model: str, i: int, max_tokens: int) -> bool:
+    return isinstance(json.loads(_create(client, model, i, max_tokens, "Describe a book as a JSON object.",
                                          response_format={"type": "json_object"}).message.content), dict)
 
 
-def check_regex(client, model: str, i: int) -> bool:
-    text = _create(client, model, i, "Name a person and their age.", extra_body={"guided_regex": REGEX}).message.content
+def check_regex(client, model: str, i: int, max_tokens: int) -> bool:
+    text = _create(client, model, i, max_tokens, "Name a person and their age.",
+                   extra_body={"guided_regex": REGEX}).message.content
     return re.fullmatch(REGEX, text) is not None
 
 
-def check_choice(client, model: str, i: int) -> bool:
-    text = _create(client, model, i, "Pick a colour.", extra_body={"guided_choice": COLOURS}).message.content
+def check_choice(client, model: str, i: int, max_tokens: int) -> bool:
+    text = _create(client, model, i, max_tokens, "Pick a colour.",
+                   extra_body={"guided_choice": COLOURS}).message.content
     return text in COLOURS
 
 
-def check_tools(client, model: str, i: int, tool_choice="required") -> bool:
-    choice = _create(client, model, i, "What is the weather in Rome, and what is new in Rome today?",
+def check_tools(client, model: str, i: int, max_tokens: int, tool_choice="required") -> bool:
+    choice = _create(client, model, i, max_tokens, "What is the weather in Rome, and what is new in Rome today?",
                      tools=[WEATHER, SEARCH], tool_choice=tool_choice)
     calls = choice.message.tool_calls or []
     return choice.finish_reason == "tool_calls" and bool(calls) and all(_valid_call(call) for call in calls)
 
 
-def check_named_tool(client, model: str, i: int) -> bool:
-    return check_tools(client, model, i, {"type": "function", "function": {"name": "search"}})
+def check_named_tool(client, model: str, i: int, max_tokens: int) -> bool:
+    return check_tools(client, model, i, max_tokens, {"type": "function", "function": {"name": "search"}})
 
 
 def _valid_call(call) -> bool:
