@@ -190,6 +190,9 @@ class ModelServing:
                max_tokens: int | None, logprobs: int | None, renamed: dict, best_of: int | None = None,
                echoes: list[str | list[int]] | None = None, structured: StructuredOutput | None = None) -> Generation:
         """Each prompt runs best_of (default n) candidates; with best_of > n the n best of each are returned."""
+        if request.prompt_compression is not None:  # the HTTP routes compress first and clear it; a batch line cannot
+            raise APIError(400, "prompt_compression: not supported here (only on the live /v1 routes)",
+                           param="prompt_compression")
         tier = requested_tier(request)
         n = request.n or 1
         candidates = best_of or n

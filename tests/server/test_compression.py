@@ -132,3 +132,20 @@ def test_the_cli_compresses_through_a_running_server(server, tmp_path, capsys):
     assert "kept" in err
     assert main(["compress", str(path), "--rate", "0.5", "--url", server.url]) == 2  # no key: the server's 401
     assert "401" in capsys.readouterr().err
+
+
+def test_a_start_that_did_not_compress_refuses_the_extension(engine):
+    """A Batch API line reaches the serving start directly: compression there would be silently skipped."""
+    from carpool.server.admission import TierQueues
+    from carpool.server.errors import APIError
+    from carpool.server.generation import Backends
+    from carpool.server.metrics import ServerMetrics
+    from carpool.server.protocol import ChatCompletionRequest
+    from carpool.server.serving import Serving
+
+    serving = Serving([Backends(engine, RecordingGate(), ServerMetrics(["m"]).models["m"], TierQueues(4), "m")])
+    body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "Hi"}],
+                                                 "prompt_compression": {"rate": 0.5}})
+    with pytest.raises(APIError, match="prompt_compression") as refused:
+        serving.start_chat(body, Principal())
+    assert refused.value.param == "prompt_compression"
