@@ -47,6 +47,9 @@ def add_parser(modes) -> None:
     parser.add_argument("--tenants", type=int, default=3)
     parser.add_argument("--rate", type=float, default=1.0, help="sessions started a second")
     parser.add_argument("--max-tokens", type=int, default=16, help="output tokens a request")
+    parser.add_argument("--num-kv-blocks", type=int, default=None,
+                        help="KV pool of each of the N replicas (the 1-replica run gets N times as many): below the "
+                             "workload's working set, as a busy deployment's cache is (default: the server's)")
     parser.add_argument("--skip-throughput", action="store_true", help="no 1 replica x N threads run")
     parser.add_argument("--hourly-price", type=float, default=0.10,
                         help="dollars an hour one replica's share of the machine costs, for the simulator's cost")
@@ -178,11 +181,15 @@ def main(args: argparse.Namespace) -> int:
     threads = os.cpu_count() or 1
     per_replica = max(1, threads // args.replicas)
     model = ["--model", args.model] if args.model else []
+    def pool(replicas: int) -> list[str]:
+        return [] if args.num_kv_blocks is None else ["--num-kv-blocks", str(args.num_kv_blocks * args.replicas
+                                                                             // replicas)]
+
     runs = [(f"{args.replicas}x{per_replica} {routing}", args.replicas, per_replica, routing,
-             ["--replicas", str(args.replicas), "--num-threads", str(per_replica), "--routing", routing])
-            for routing in args.routing]
+             ["--replicas", str(args.replicas), "--num-threads", str(per_replica), "--routing", routing,
+              *pool(args.replicas)]) for routing in args.routing]
     if not args.skip_throughput:
-        runs.append((f"1x{threads}", 1, threads, "prefix", ["--num-threads", str(threads)]))
+        runs.append((f"1x{threads}", 1, threads, "prefix", ["--num-threads", str(threads), *pool(1)]))
     report = {"cpu": _cpu_name(), "cpus": threads, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "command": " ".join(["carpool", "bench", "replicas", *sys.argv[3:]]), "sessions": len(sessions),
               "requests": sum(len(s.turns) for s in sessions), "rate": args.rate, "runs": {}}
@@ -194,7 +201,8 @@ def main(args: argparse.Namespace) -> int:
             step_models[replica_threads] = measure_step_model(EngineConfig(model=args.model,
                                                                            num_threads=replica_threads))
         step = step_models[replica_threads]
-        predicted = simulate(sessions, arrivals, replicas, routing, step, ReplicaSpec())
+        blocks = int(pool(replicas)[1]) if args.num_kv_blocks else ReplicaSpec().num_blocks
+        predicted = simulate(sessions, arrivals, replicas, routing, step, ReplicaSpec(num_blocks=blocks))
         report["runs"][label] = {"measured": measured.summary(), "simulated": predicted.summary(args.hourly_price),
                                  "step_model": vars(step), "errors": sorted(set(measured.errors))[:5]}
         print(f"{label}: measured {_line(measured.summary())}\n{' ' * len(label)}  simulated "

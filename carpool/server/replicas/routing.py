@@ -9,7 +9,7 @@ least loaded replica instead, which spreads new work while each conversation sta
 """
 
 import itertools
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 from carpool.engine.request import EngineRequest
@@ -36,11 +36,12 @@ class ReplicaLoad:
 FULL_KV = 0.95  # a replica this full preempts: new work elsewhere costs a prefill, not a recompute
 
 
-def least_loaded(loads: list[ReplicaLoad]) -> int:
-    """The healthy replica with the fewest requests in flight (then the emptiest KV pool); any replica when
-    none is healthy (the request then fails there, cleanly, rather than waiting for one)."""
+def least_loaded(loads: list[ReplicaLoad], cached: list[int] | None = None) -> int:
+    """The healthy replica with the fewest requests in flight (then the emptiest KV pool, then the fewest
+    `cached` blocks); any replica when none is healthy (the request then fails there, cleanly, rather than
+    waiting for one)."""
     candidates = [i for i, load in enumerate(loads) if load.healthy] or list(range(len(loads)))
-    return min(candidates, key=lambda i: (loads[i].in_flight, loads[i].kv_usage, i))
+    return min(candidates, key=lambda i: (loads[i].in_flight, loads[i].kv_usage, cached[i] if cached else 0, i))
 
 
 class Routing:
@@ -82,6 +83,9 @@ class PrefixAffinity(Routing):
         self.block_size, self.max_blocks, self.imbalance = block_size, max_blocks, imbalance
         self.max_entries = max_entries
         self._holders: OrderedDict[int, set[int]] = OrderedDict()  # block-chain hash -> replicas sent it
+        # Blocks each replica is remembered to hold: among equally loaded replicas a new prefix goes to the one
+        # caching least, so an idle pair does not pile every new document on the first (as SGLang's router does).
+        self._held: Counter[int] = Counter()
 
     def block_hashes(self, request: EngineRequest) -> list[int]:
         tokens, size = request.prompt_token_ids, self.block_size
@@ -104,7 +108,7 @@ class PrefixAffinity(Routing):
         return chosen
 
     def _choose(self, request: EngineRequest, hashes: list[int], loads: list[ReplicaLoad]) -> int:
-        fallback = least_loaded(loads)
+        fallback = least_loaded(loads, [self._held[i] for i in range(len(loads))])
         healthy = [i for i, load in enumerate(loads) if load.healthy]
         if not hashes or not healthy:
             return fallback
@@ -124,15 +128,19 @@ class PrefixAffinity(Routing):
             holders = self._holders.get(block)
             if holders is None:
                 holders = self._holders[block] = set()
-            holders.add(replica)
+            if replica not in holders:
+                holders.add(replica)
+                self._held[replica] += 1
             self._holders.move_to_end(block)
         while len(self._holders) > self.max_entries:
-            self._holders.popitem(last=False)
+            for holder in self._holders.popitem(last=False)[1]:
+                self._held[holder] -= 1
 
     def forget(self, replica: int) -> None:
         """A replica that died and restarts comes back with an empty cache."""
         for holders in self._holders.values():
             holders.discard(replica)
+        self._held[replica] = 0
 
 
 def make_routing(name: str, block_size: int):
