@@ -72,6 +72,7 @@ class Generation:
         self._events: asyncio.Queue | None = asyncio.Queue() if streaming else None
         self._open = len(choices)
         structured = choices[0].request.params.structured if choices else None
+        self.constraint_kind = None if structured is None else structured.constraint_kind  # the ledger's column
         if structured is not None:  # counted once per request, whatever its n
             self.metrics.on_structured("tools" if structured.source == "tools" else structured.kind)
         self._tasks = []
@@ -207,6 +208,7 @@ class Generation:
             key_id=self.principal.key_id,
             tenant=self.principal.tenant,
             original_prompt_tokens=self.original_prompt_tokens,
+            constraint_kind=self.constraint_kind,
         )
         return replace(record, **self.ledger_fields(self)) if self.ledger_fields else record
 

@@ -5,6 +5,7 @@ streamed), and bad constraints are 400s naming the parameter."""
 import asyncio
 import json
 import re
+import sqlite3
 import sys
 from pathlib import Path
 
@@ -160,7 +161,8 @@ def test_a_model_without_tool_support_is_400_naming_it(client):
     ({"tool_choice": "required", "tools": [{"type": "function", "function": {"name": f"f{i}", "parameters": {
         "type": "object", "properties": {f"p{j}": {"type": "string"} for j in range(40)}}}} for i in range(128)]},
      "tools", "at most"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}]}, "tools",
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": 5}}}}}]}, "tools",
      "tools[0].function.parameters: invalid"),  # tool_choice "auto" checks the tools as "required" does
     ({"tools": [WEATHER, {"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
       "tool_choice": "auto"}, "tools", 'tools[1].function.parameters must be a JSON schema of type "object"'),
@@ -194,6 +196,18 @@ def test_metrics_count_constrained_requests_once_each(server, client):
     client.chat.completions.create(model=SMOL, messages=ASK, max_tokens=2)
     assert structured_count(server, SMOL, "choice") == before["choice"] + 1
     assert structured_count(server, SMOL, "json") == before["json"]
+
+
+def test_the_ledger_names_each_constrained_requests_kind(server, client):
+    asks = [{"extra_body": {"guided_choice": ["a"]}}, {"response_format": {"type": "json_object"}},
+            {"extra_body": {"guided_json": PERSON_SCHEMA}}, {}]
+    for ask in asks:
+        client.chat.completions.create(model=SMOL, messages=ASK, max_tokens=2, **ask)
+    client.chat.completions.create(model=QWEN, messages=WEATHER_ASK, tools=[WEATHER], tool_choice="required",
+                                   max_tokens=40, temperature=0)
+    ledger = sqlite3.connect(Path(server.home) / "carpool.db")
+    kinds = [kind for kind, in ledger.execute("SELECT constraint_kind FROM ledger ORDER BY rowid DESC LIMIT 5")]
+    assert kinds[::-1] == ["choice", "json_object", "json_schema", None, "tools"]
 
 
 def test_auto_tool_choice_parses_the_call_the_model_writes(client):

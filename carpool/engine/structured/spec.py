@@ -40,6 +40,12 @@ class StructuredOutput:
                              f"{MAX_SPEC_CHARS} are accepted")
 
     @property
+    def constraint_kind(self) -> str:
+        """What the ledger calls it: json_schema | json_object | regex | choice | grammar, or tools for the grammar
+        of a tool_choice "required" or named function."""
+        return "tools" if self.source == "tools" else "json_schema" if self.kind == "json" else self.kind
+
+    @property
     def text(self) -> str:
         """The constraint as text, the key its compiled grammar is cached under."""
         if self.kind == "json_object":
