@@ -84,7 +84,7 @@ class LedgerGate:
         if is_postgres_url(db_path):
             from carpool.economics.shared_admission import SharedAdmission, settle
 
-            self._admission = SharedAdmission(db_path, clock)
+            self._admission = SharedAdmission(db_path)
             self._writer = LedgerWriter(db_path, settle=settle)
         else:
             self._admission = LocalAdmission(self._conn, clock())

@@ -18,11 +18,10 @@ import os
 import secrets
 import socket
 import threading
-from collections.abc import Callable
 
 from carpool.economics.contract import GateError, UsageRecord
-from carpool.economics.keys import ApiKey
 from carpool.economics.db import open_database
+from carpool.economics.keys import ApiKey
 from carpool.economics.rate_limit import WINDOW_SECONDS, RateLimitExceeded, check_window
 from carpool.economics.spend import PERIODS, period_start
 from carpool.postgres import PostgresConnection
@@ -34,8 +33,7 @@ _ROW_TIME, _ROW_KEY, _ROW_COST = 0, 2, 14  # positions in ledger.ledger_row
 
 
 class SharedAdmission:
-    def __init__(self, url: str, clock: Callable[[], float]):
-        self.clock = clock
+    def __init__(self, url: str):
         self.holder = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
         self._conn: PostgresConnection = open_database(url)
         self._lock = threading.Lock()  # one connection, used by the server's threads and the renewer

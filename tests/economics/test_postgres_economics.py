@@ -214,3 +214,12 @@ def test_a_gate_heals_after_the_database_drops_its_sessions(monkeypatch, gates, 
     conn = open_database(postgres_url)
     assert conn.execute("SELECT COUNT(*) FROM ledger WHERE request_id = 'after-2'").fetchone()[0] == 1
     conn.close()
+
+
+def test_an_unreachable_database_is_one_line_naming_it_without_its_password(postgres_server, prices):
+    url = f"postgresql://carpool:s3cret@127.0.0.1:{postgres_server.port}/no_such_database"
+    with pytest.raises(DatabaseUnusable) as unusable:
+        LedgerGate(url, prices)
+    message = str(unusable.value)
+    assert message.startswith("postgresql://carpool:***@127.0.0.1:") and "s3cret" not in message
+    assert "\n" not in message and "no_such_database" in message
