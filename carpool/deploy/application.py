@@ -47,7 +47,7 @@ class Ingress:
     async def __init__(self, flags: list[str], replicas: dict[str, list]):
         from carpool.economics.dashboard import ledger_panels
         from carpool.server.app import create_app
-        from carpool.server.cli import attach_ledger, open_gate
+        from carpool.server.cli import attach_ledger, open_gate, shared_batch_db
         from carpool.server.gate import OpenGate
         from carpool.server.replicas.door import RequestDoor
         from carpool.server.replicas.router import ReplicaRouter
@@ -64,6 +64,7 @@ class Ingress:
                                           make_routing(args.routing, limits["block_size"]), limits["max_num_seqs"])
         self.app = create_app(routers, ledger or OpenGate(args.api_key), max_queued_per_tier=args.max_queued_per_tier,
                               max_body_bytes=args.max_body_bytes, batch_dir=str(batch_dir),
+                              batch_db=shared_batch_db(args, ledger),
                               ledger_panels=ledger_panels(ledger) if ledger else None)
         wire_metrics(self.app, routers)
         attach_ledger(self.app, ledger, args)

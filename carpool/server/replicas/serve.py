@@ -86,7 +86,7 @@ def serve_replicas(args: argparse.Namespace, configs: dict[str, EngineConfig]) -
 
     from carpool.economics.dashboard import ledger_panels
     from carpool.server.app import create_app
-    from carpool.server.cli import attach_ledger, open_gate
+    from carpool.server.cli import attach_ledger, open_gate, shared_batch_db
     from carpool.server.gate import OpenGate
 
     ledger, batch_dir, batch_dir_lock = open_gate(args, configs)
@@ -96,6 +96,7 @@ def serve_replicas(args: argparse.Namespace, configs: dict[str, EngineConfig]) -
         routers = deploy_routers(configs, args.replicas, args.routing, warmup=not args.no_warmup)
         app = create_app(routers, ledger or OpenGate(args.api_key), max_queued_per_tier=args.max_queued_per_tier,
                          max_body_bytes=args.max_body_bytes, batch_dir=str(batch_dir),
+                         batch_db=shared_batch_db(args, ledger),
                          ledger_panels=ledger_panels(ledger) if ledger else None)
         wire_metrics(app, routers)
         attach_ledger(app, ledger, args)
