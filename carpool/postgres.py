@@ -42,11 +42,18 @@ def redacted(url: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
 
 
+def _psycopg():
+    try:
+        import psycopg
+    except ImportError:
+        raise PostgresUnusable("a postgresql:// database needs psycopg 3, which is not installed; run `make scale` "
+                               "(pip install -r requirements-scale.txt)") from None
+    return psycopg
+
+
 def errors() -> tuple[type[Exception], ...]:
     """What a failed statement raises (PostgresUnusable: the session was lost and no new one opens)."""
-    import psycopg
-
-    return (psycopg.Error, PostgresUnusable)
+    return (_psycopg().Error, PostgresUnusable)
 
 
 class Row(tuple):
@@ -81,7 +88,7 @@ class PostgresConnection:
         self._transactions = threading.local()
 
     def _connect(self):
-        import psycopg
+        psycopg = _psycopg()
         from psycopg.conninfo import conninfo_to_dict
 
         try:

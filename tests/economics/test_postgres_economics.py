@@ -1,6 +1,7 @@
 """Keys, ledger, usage, budgets and rate limits on a real PostgreSQL (started by the suite: conftest.postgres_server),
 shared by several gates as replicas share it: each gate has connections of its own."""
 
+import sys
 import threading
 
 import pytest
@@ -223,3 +224,9 @@ def test_an_unreachable_database_is_one_line_naming_it_without_its_password(post
     message = str(unusable.value)
     assert message.startswith("postgresql://carpool:***@127.0.0.1:") and "s3cret" not in message
     assert "\n" not in message and "no_such_database" in message
+
+
+def test_without_the_driver_a_postgres_url_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "psycopg", None)  # what an install without `make scale` has
+    with pytest.raises(DatabaseUnusable, match="needs psycopg 3.*make scale"):
+        open_database("postgresql://carpool@127.0.0.1:5432/carpool")
