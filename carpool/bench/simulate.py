@@ -280,13 +280,17 @@ def add_parser(modes) -> None:
     parser.add_argument("--replicas", type=lambda text: [int(v) for v in text.split(",")], default=[1, 2, 4, 8, 16,
                                                                                                     32, 64])
     parser.add_argument("--routing", nargs="+", default=["prefix", "round-robin"])
-    parser.add_argument("--rate", type=float, default=4.0, help="sessions started a second, per replica")
-    parser.add_argument("--sessions-per-replica", type=int, default=60)
+    parser.add_argument("--rate", type=float, default=0.15, help="sessions started a second, per replica")
+    parser.add_argument("--meetings", type=int, default=4, help="a replica's worth of traffic: as bench replicas")
+    parser.add_argument("--max-doc-words", type=int, default=700)
+    parser.add_argument("--chats", type=int, default=4)
+    parser.add_argument("--tenants", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads a replica (the fitted step model's)")
     parser.add_argument("--step", default=None, metavar="BASE,PER_PREFILL_TOKEN,PER_DECODE_SEQ",
                         help="a step model in seconds instead of fitting one to this machine")
     parser.add_argument("--hourly-price", type=float, default=0.10, help="dollars an hour a replica costs")
     parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--num-kv-blocks", type=int, default=ReplicaSpec.num_blocks, help="each replica's KV pool")
     parser.add_argument("--out", default="bench-results/simulate.json")
     parser.set_defaults(func=main)
 
@@ -305,17 +309,19 @@ def main(args) -> int:
     else:
         step = measure_step_model(EngineConfig(model=args.model, num_threads=args.threads))
     tokenizer = Tokenizer.from_dir(resolve_model_dir(args.model))
+    # One replica's worth of traffic is `carpool bench replicas`' workload; N replicas serve N copies of it, each
+    # copy for tenants of its own (other salts: nothing cached is shared across copies), arriving N times as fast.
+    # The load per replica stays the same, so what changes with N is routing's reach and the cache's.
+    base = workload(tokenizer, args.meetings, args.max_doc_words, args.chats, args.tenants, args.max_tokens)
     rows = []
     for replicas in args.replicas:
-        # The load grows with the replicas (rate and sessions per replica): the question is what scale does to
-        # latency, hit rate and cost when the traffic grows with it. More tenants as well: each has its own cache.
-        sessions = workload(tokenizer, meetings=6 * replicas, max_doc_words=900, chats=6 * replicas,
-                            tenants=3 * replicas, max_tokens=args.max_tokens)
-        sessions = (sessions * (1 + args.sessions_per_replica * replicas // len(sessions)))[
-            :args.sessions_per_replica * replicas]
-        arrivals = poisson_arrivals(len(sessions), args.rate * replicas)
+        sessions = [Session(session.turns, f"{session.salt}-copy{copy}") for copy in range(replicas)
+                    for session in base]
+        random.Random(replicas).shuffle(sessions)
+        arrivals = poisson_arrivals(len(sessions), args.rate * replicas, seed=replicas)
         for routing in args.routing:
-            row = simulate(sessions, arrivals, replicas, routing, step, ReplicaSpec()).summary(args.hourly_price)
+            spec = ReplicaSpec(num_blocks=args.num_kv_blocks)
+            row = simulate(sessions, arrivals, replicas, routing, step, spec).summary(args.hourly_price)
             rows.append(row)
             print(f"{replicas:>3} replicas {routing:<13} hit {row['hit_rate']:.2f}  TTFT p50 "
                   f"{row['ttft_p50_s'] * 1e3:7.0f} ms p99 {row['ttft_p99_s'] * 1e3:7.0f} ms  ITL p50 "
