@@ -128,8 +128,9 @@ class _Replica:
             hit += 1
         return min(hit * size, len(request.prompt_token_ids) - 1)
 
-    def insert(self, request: EngineRequest) -> None:
-        for block in _chain(request, self.spec.block_size):
+    def insert(self, request: EngineRequest, num_tokens: int) -> None:
+        """The prompt's blocks computed so far (the engine caches each full block as its chunk is computed)."""
+        for block in _chain(request, self.spec.block_size)[:num_tokens // self.spec.block_size]:
             self.cache[block] = None
             self.cache.move_to_end(block)
         while len(self.cache) > self.spec.num_blocks:
@@ -184,21 +185,26 @@ def _start_step(node: _Replica, index: int, now: float, step: StepModel, events,
     if node.busy or not (node.waiting or node.running):
         return
     spec = node.spec
-    while node.waiting and len(node.running) < spec.max_num_seqs:
-        seq = node.waiting.popleft()
-        cached = node.cached_tokens(seq.request)
-        result.prompt_tokens += len(seq.request.prompt_token_ids)
-        result.cached_tokens += cached
-        seq.to_prefill = len(seq.request.prompt_token_ids) - cached
-        node.running.append(seq)
     decoding = [seq for seq in node.running if seq.to_prefill == 0]
     budget = spec.max_num_batched_tokens - len(decoding)
     chunks = []
-    for seq in node.running:
+    for seq in node.running:  # prompts already started go on first, then new ones while the budget lasts
         if seq.to_prefill and budget > 0:
             chunk = min(seq.to_prefill, budget)
             chunks.append((seq, chunk))
             budget -= chunk
+    while node.waiting and len(node.running) < spec.max_num_seqs and budget > 0:
+        seq = node.waiting.popleft()
+        cached = node.cached_tokens(seq.request)  # at admission: what earlier chunks have cached by now
+        result.prompt_tokens += len(seq.request.prompt_token_ids)
+        result.cached_tokens += cached
+        seq.to_prefill = len(seq.request.prompt_token_ids) - cached
+        node.running.append(seq)
+        chunk = min(seq.to_prefill, budget)
+        chunks.append((seq, chunk))
+        budget -= chunk
+    if not chunks and not decoding:
+        return
     node.busy = True
     duration = step.seconds(sum(c for _, c in chunks), len(decoding))
     heapq.heappush(events, (now + duration, next(order), "step", (index, decoding, chunks)))
@@ -211,8 +217,8 @@ def _finish_step(nodes, loads, payload, now, sessions, step, events, order, resu
     emitted = list(decoding)
     for seq, chunk in chunks:
         seq.to_prefill -= chunk
+        node.insert(seq.request, len(seq.request.prompt_token_ids) - seq.to_prefill)
         if seq.to_prefill == 0:  # the prompt's last chunk samples the first token
-            node.insert(seq.request)
             result.ttft.append(now - seq.arrival)
             emitted.append(seq)
     for seq in emitted:
