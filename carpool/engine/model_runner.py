@@ -63,7 +63,8 @@ class ModelRunner:
         """Forward the batch; returns logits for the sequences that reached their last token: one row each, or
         1 + len(spec_token_ids) rows for a sequence verifying drafts, in the order of the returned list."""
         order = sorted(
-            range(len(batch.seqs)), key=lambda i: (batch.num_new_tokens[i] != 1, batch.seqs[i].num_computed_tokens)
+            range(len(batch.seqs)),
+            key=lambda i: (not _decoding(batch.seqs[i], batch.num_new_tokens[i]), batch.seqs[i].num_computed_tokens),
         )
         input_ids, positions, sampled_rows, sampling = [], [], [], []
         runs = []  # (seq, offset in the step's tokens, new tokens)
@@ -122,12 +123,14 @@ class ModelRunner:
         """One KV cache group's view of the step: where each new key goes and which blocks each query reads.
         With a window, a prefill chunk gathers only the blocks from its first query's window on (the others
         are placeholders in a sliding table); shifting keys and queries alike leaves the mask's geometry as is."""
-        slots, decode_seqs, prefills = [], [], []
+        slots, decode_rows, prefills = [], [], []
         for seq, offset, n in runs:
             start = seq.num_computed_tokens
             slots.extend(self._slots(table_of(seq), start, start + n))
-            if n == 1:
-                decode_seqs.append(seq)
+            if _decoding(seq, n):
+                # A verifying sequence's rows are decodes of one table with growing lengths: the causal mask
+                # inside the speculative window, so the step stays a decode step (one fused C++ call).
+                decode_rows.extend((seq, length) for length in range(start + 1, start + n + 1))
                 continue
             blocks, context = None, start + n
             if start:
@@ -138,28 +141,37 @@ class ModelRunner:
             prefills.append(PrefillSegment(offset, offset + n, context, blocks))
         return AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
-            decode_groups=self._decode_groups(decode_seqs, table_of),
+            decode_groups=self._decode_groups(decode_rows, table_of),
             prefills=prefills,
         )
 
-    def _decode_groups(self, seqs: list[Sequence], table_of) -> list[DecodeGroup]:
-        """On the CPU all decodes go in one group: its kernel walks each block table in place. Elsewhere the
-        decodes (sorted by context length) split where the length doubles: the gathered, padded path would
-        otherwise copy several times the KV that attention needs."""
+    def _decode_groups(self, rows: list[tuple[Sequence, int]], table_of) -> list[DecodeGroup]:
+        """rows: (sequence, keys its query attends to) per decode query. On the CPU all decodes go in one group:
+        its kernel walks each block table in place. Elsewhere the decodes (sorted by context length) split where
+        the length doubles: the gathered, padded path would otherwise copy several times the KV that attention
+        needs."""
         if self.device.type == "cpu":
-            return [DecodeGroup(0, len(seqs), *self._decode_tables(seqs, table_of))] if seqs else []
+            return [DecodeGroup(0, len(rows), *self._decode_tables(rows, table_of))] if rows else []
         groups, start = [], 0
-        for i in range(1, len(seqs) + 1):
-            if i == len(seqs) or seqs[i].num_computed_tokens > 2 * seqs[start].num_computed_tokens + self.block_size:
-                groups.append(DecodeGroup(start, i, *self._decode_tables(seqs[start:i], table_of)))
+        for i in range(1, len(rows) + 1):
+            if i == len(rows) or rows[i][1] > 2 * rows[start][1] + self.block_size:
+                groups.append(DecodeGroup(start, i, *self._decode_tables(rows[start:i], table_of)))
                 start = i
         return groups
 
-    def _decode_tables(self, seqs: list[Sequence], table_of) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode_tables(self, rows: list[tuple[Sequence, int]], table_of) -> tuple[torch.Tensor, torch.Tensor]:
         # Padded as Python lists, then one tensor each (not a tensor op per sequence): this runs every step.
-        lengths = [s.num_computed_tokens + 1 for s in seqs]
+        lengths = [length for _, length in rows]
         max_blocks = cdiv(max(lengths), self.block_size)
-        tables = [table_of(seq)[:max_blocks] for seq in seqs]
+        tables = [table_of(seq)[:max_blocks] for seq, _ in rows]
         tables = [table + [0] * (max_blocks - len(table)) for table in tables]
         return (torch.tensor(tables, dtype=torch.long, device=self.device),
                 torch.tensor(lengths, dtype=torch.long, device=self.device))
+
+
+def _decoding(seq: Sequence, num_new_tokens: int) -> bool:
+    """A decode (the sequence's one pending token) or a verification (that token and its speculative drafts)."""
+    drafts = len(seq.spec_token_ids)
+    return num_new_tokens == 1 or (
+        drafts > 0 and num_new_tokens == 1 + drafts and seq.num_computed_tokens + 1 == seq.num_tokens
+    )

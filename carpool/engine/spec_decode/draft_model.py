@@ -31,6 +31,9 @@ class DraftModelDrafter:
         self.end_token_ids = end_token_ids
         self.shadows: dict[int, Sequence] = {}  # target seq_id -> shadow
         self.mirrored: dict[int, int] = {}  # target seq_id -> target tokens the shadow held at the last sync
+        # Whether the last propose computed a shadow's prompt (a request's first drafts, or after preemption):
+        # a cost paid once per request, which the policy must not take for the price of every drafting step.
+        self.prefilled = False
 
     @staticmethod
     def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
@@ -50,6 +53,7 @@ class DraftModelDrafter:
         active = [seq for seq in seqs if self._sync(seq)]
         probs: dict[int, list[torch.Tensor]] = {seq.seq_id: [] for seq in active}
         position = 0
+        self.prefilled = False
         while active:
             batch = ScheduledBatch()
             for seq in active:
@@ -61,6 +65,8 @@ class DraftModelDrafter:
                 batch.num_new_tokens.append(shadow.num_tokens - shadow.num_computed_tokens)
             if not batch:
                 break
+            # Past a verification a shadow catches up with at most its accepted drafts and the new token.
+            self.prefilled |= max(batch.num_new_tokens) > max(seq.num_lookahead_tokens for seq in active) + 1
             logits, _ = self.runner.run(batch)
             drafted = [seq for seq in active if self.shadows[seq.seq_id] in batch.seqs]
             for row, seq in enumerate(drafted):

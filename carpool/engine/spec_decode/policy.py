@@ -1,76 +1,94 @@
-"""How many drafts per sequence a step should verify, from the batch size and the measured acceptance rate.
+"""How many drafts per sequence a step should verify, chosen from what steps with each choice measured.
 
-Verifying k drafts for each of B decoding sequences makes the target compute B (k + 1) tokens in one pass and
-yields B (1 - a^(k+1)) / (1 - a) tokens on average (a: a draft's acceptance probability; Leviathan et al.).
-Decode is bandwidth-bound at small B, so the extra tokens are nearly free; as B grows the step turns
-compute-bound and they cost their full price. The step's time is measured, not assumed: a line
-seconds = fixed + per_token * tokens fitted over recent decode steps, plain and verifying (their mix supplies
-the slope; once the policy stops speculating, those points fade and speculation is tried again), plus the
-drafter's own time per pass. The policy picks the k with the best expected tokens per second, and 0 unless
-speculation beats plain decoding by a margin, so a large batch decodes as it would without speculation.
+Whether speculation pays is a ratio of two measurements, not a model: the tokens a step yields (1 per sequence
+plus the accepted drafts: the acceptance) over the seconds it takes (the target's verify pass over B (k + 1)
+rows plus the drafter's k passes). Both move with things a formula gets wrong on this CPU: the int8-dot GEMV
+costs ~2.7x at 4 rows what it costs at 1 (single thread, Q4_K; `python -m carpool.bench.gemv --rows 1 2 4`),
+not the ~1x of a bandwidth-bound step; n-gram lookup proposes nothing for many sequences; a draft model's pass
+costs what its size says. So the policy keeps, per batch-size bucket (1, 2, 3-4, 5-8, ..., 33-64, 65+) and per
+k in 0..max_k, a running mean of the output tokens per second of decode steps run with that k, and picks the
+best; k = 0 (plain decoding) wins unless speculation measured better by MARGIN. That is what switches it off at
+large batches: there a verify pass costs its rows' full price and the measured rate of k > 0 falls below plain.
+
+Exploration: a bucket first measures k = 0, 1, 2, ... (MIN_SAMPLES steps each), going on to k + 1 only while
+k measured better than k - 1, so a compute-bound bucket pays MIN_SAMPLES steps of k = 1 and no more; after that
+the neighbours of the best k are re-measured one step at a time every REFRESH steps of the bucket, so a change
+in workload (acceptance) or load moves the choice, at a cost of ~1 step in REFRESH.
 """
 
-
-class LinearCost:
-    """seconds ~ fixed + per_token * tokens, by exponentially weighted least squares over recent observations,
-    starting from a prior in which 32 tokens cost twice one (a bandwidth-bound step)."""
-
-    def __init__(self, fixed: float = 0.01, per_token: float = 0.01 / 32, decay: float = 0.98):
-        self.decay = decay
-        self.sums = [0.0] * 5  # weight, x, x^2, y, xy
-        for tokens in (1, 64):
-            self.observe(tokens, fixed + per_token * tokens)
-
-    def observe(self, tokens: int, seconds: float) -> None:
-        self.sums = [s * self.decay for s in self.sums]
-        for i, value in enumerate((1.0, tokens, tokens * tokens, seconds, tokens * seconds)):
-            self.sums[i] += value
-
-    def coefficients(self) -> tuple[float, float]:
-        w, x, xx, y, xy = self.sums
-        spread = w * xx - x * x
-        slope = max(0.0, (w * xy - x * y) / spread) if spread > 1e-9 * w * w else 0.0
-        return max(0.0, (y - slope * x) / w), slope
-
-    def __call__(self, tokens: int) -> float:
-        fixed, slope = self.coefficients()
-        return fixed + slope * tokens
+MIN_SAMPLES = 3  # steps per (bucket, k) before its mean counts: one step on a shared machine is noise
+REFRESH = 100  # steps of a bucket between re-measuring the best k's neighbours
+DECAY = 0.8  # weight of the old mean at each new step: recent steps dominate, one outlier fades in a few
 
 
-class AcceptanceRate:
-    """A draft's acceptance probability: accepted drafts over drafts judged (the accepted ones and the first
-    rejected one of each sequence), over recent steps, starting from `prior`."""
+def bucket(batch_size: int) -> int:
+    """Batch sizes 1, 2, 3-4, 5-8, ... share a bucket: one step shape's cost stands for its neighbours'."""
+    return max(0, (batch_size - 1).bit_length())
 
-    def __init__(self, prior: float, decay: float = 0.99, prior_weight: float = 10.0):
-        self.accepted, self.judged = prior * prior_weight, prior_weight
-        self.decay = decay
 
-    def observe(self, accepted: int, judged: int) -> None:
-        self.accepted = self.accepted * self.decay + accepted
-        self.judged = self.judged * self.decay + judged
+class Rate:
+    """Output tokens per second of one (bucket, k): an exponentially weighted mean over its steps."""
+
+    def __init__(self):
+        self.tokens = self.seconds = 0.0
+        self.samples = 0
+        self.last_step = 0  # the bucket's step count when this was last measured
+
+    def observe(self, tokens: int, seconds: float, step: int) -> None:
+        self.tokens = self.tokens * DECAY + tokens
+        self.seconds = self.seconds * DECAY + seconds
+        self.samples += 1
+        self.last_step = step
 
     @property
     def value(self) -> float:
-        return min(self.accepted / self.judged, 0.99)
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
 class SpeculationPolicy:
-    MARGIN = 1.1  # speculation must promise 10% more tokens per second than plain decoding
+    MARGIN = 1.05  # speculation must measure 5% more tokens per second than plain decoding
 
-    def __init__(self, max_k: int, prior_acceptance: float):
+    def __init__(self, max_k: int):
         self.max_k = max_k
-        self.target = LinearCost()
-        self.draft = LinearCost(fixed=0.0, per_token=0.0)  # n-gram lookup: free; a draft model measures itself
-        self.acceptance = AcceptanceRate(prior_acceptance)
+        self.rates: dict[int, list[Rate]] = {}  # bucket -> a Rate per k in 0..max_k
+        self.steps: dict[int, int] = {}  # bucket -> decode steps observed
 
     def num_drafts(self, batch_size: int) -> int:
-        if batch_size == 0:
+        if batch_size == 0 or self.max_k == 0:
             return 0
-        a = self.acceptance.value
-        best_k, best_rate = 0, batch_size / self.target(batch_size) * self.MARGIN
-        for k in range(1, self.max_k + 1):
-            tokens = batch_size * (1 - a ** (k + 1)) / (1 - a)
-            rate = tokens / (self.target(batch_size * (k + 1)) + k * self.draft(batch_size))
-            if rate > best_rate:
-                best_k, best_rate = k, rate
-        return best_k
+        b = bucket(batch_size)
+        rates, step = self._rates(b), self.steps.get(b, 0)
+        for k, rate in enumerate(rates):
+            if rate.samples < MIN_SAMPLES:
+                return k
+            if k and rate.value <= rates[k - 1].value:
+                break  # more drafts measured worse: larger k are not tried
+        best = self.best(batch_size)
+        stale = [k for k in (best - 1, best + 1) if 0 <= k <= self.max_k and step - rates[k].last_step >= REFRESH]
+        return stale[0] if stale else best
+
+    def best(self, batch_size: int) -> int:
+        """The k with the best measured rate in this batch size's bucket (0 unless one beats plain by MARGIN)."""
+        rates = self._rates(bucket(batch_size))
+        measured = [k for k in range(1, self.max_k + 1) if rates[k].samples >= MIN_SAMPLES]
+        k = max(measured, key=lambda k: rates[k].value, default=0)
+        return k if k and rates[k].value > rates[0].value * self.MARGIN else 0
+
+    def observe(self, batch_size: int, k: int, tokens: int, seconds: float) -> None:
+        """A decode step of batch_size sequences, verifying up to k drafts each, yielded tokens in seconds (the
+        drafter's time included)."""
+        b = bucket(batch_size)
+        self.steps[b] = self.steps.get(b, 0) + 1
+        self._rates(b)[min(k, self.max_k)].observe(tokens, seconds, self.steps[b])
+
+    def measured(self) -> dict[str, dict[int, float]]:
+        """Per bucket (its batch sizes, e.g. "5-8"), the measured tok/s of each k tried enough."""
+        return {
+            f"{2 ** (b - 1) + 1 if b else 1}-{2**b}": {
+                k: round(rate.value, 2) for k, rate in enumerate(rates) if rate.samples >= MIN_SAMPLES
+            }
+            for b, rates in sorted(self.rates.items())
+        }
+
+    def _rates(self, b: int) -> list[Rate]:
+        return self.rates.setdefault(b, [Rate() for _ in range(self.max_k + 1)])

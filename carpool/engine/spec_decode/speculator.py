@@ -6,8 +6,8 @@
    step's token budget and free blocks only: drafts never preempt anyone.
 2. `propose` (after scheduling): the drafter fills the reserved slots; each sequence's segment becomes its
    pending token plus its drafts, verified in the same forward pass as the rest of the batch.
-3. `observe` (after verification): acceptance and step time feed the policy, and the step's counts go to
-   the metrics.
+3. `observe` (after verification): a decode step's tokens and seconds (drafting included) feed the policy,
+   and the step's counts go to the metrics.
 """
 
 import time
@@ -30,14 +30,18 @@ class SpecStepStats:
 
 
 class Speculator:
-    def __init__(self, drafter, max_k: int, prior_acceptance: float = 0.6):
+    def __init__(self, drafter, max_k: int):
         self.drafter = drafter
-        self.policy = SpeculationPolicy(max_k, prior_acceptance)
+        self.policy = SpeculationPolicy(max_k)
+        self.k = 0  # this step's drafts per sequence, as planned
+        self.draft_seconds = 0.0  # this step's drafting time
+        self.prefilled = False  # whether this step's drafting computed a prompt in a draft model (once a request)
 
     def plan(self, running: list[Sequence], max_model_len: int) -> None:
         self.drafter.retain({seq.seq_id for seq in running})
         decoding = [seq for seq in running if seq.num_tokens - seq.num_computed_tokens == 1]
-        k = self.policy.num_drafts(len(decoding))
+        self.k = k = self.policy.num_drafts(len(decoding))
+        self.draft_seconds, self.prefilled = 0.0, False
         for seq in running:
             seq.num_lookahead_tokens = 0
         for seq in decoding:
@@ -54,20 +58,21 @@ class Speculator:
             return
         start = time.monotonic()
         self.drafter.propose(seqs)
-        passes = max(seq.num_lookahead_tokens for seq in seqs)
-        self.policy.draft.observe(len(seqs), (time.monotonic() - start) / passes)
+        self.draft_seconds = time.monotonic() - start
+        self.prefilled = getattr(self.drafter, "prefilled", False)
         for i, seq in enumerate(batch.seqs):
             if seq.num_lookahead_tokens:
                 batch.num_new_tokens[i] -= seq.num_lookahead_tokens - len(seq.spec_token_ids)
 
     def observe(self, batch: ScheduledBatch, sampling: list[Sequence], sampled: list[tuple[list[int], list]],
                 forward_seconds: float) -> SpecStepStats:
-        # Only decode steps (plain and verifying) teach the cost model: a prefill chunk's tokens run as one
-        # matmul-efficient segment and would make verified tokens look cheaper than they are.
-        if all(n == 1 + len(seq.spec_token_ids) for seq, n in zip(batch.seqs, batch.num_new_tokens)):
-            self.policy.target.observe(batch.num_tokens, forward_seconds)
+        # Only decode steps (plain and verifying) teach the policy: a prefill chunk in the step, the target's or
+        # a draft model's first pass over a prompt, would charge its time to the decodes beside it.
+        decode_only = all(n == 1 + len(seq.spec_token_ids) for seq, n in zip(batch.seqs, batch.num_new_tokens))
+        if decode_only and not self.prefilled:
+            tokens = sum(len(emitted) for emitted, _ in sampled)
+            self.policy.observe(len(batch.seqs), self.k, tokens, forward_seconds + self.draft_seconds)
         stats = SpecStepStats(self.drafter.name)
-        rejections = 0
         for seq, (tokens, _) in zip(sampling, sampled):
             k = len(seq.spec_token_ids)
             if not k:
@@ -77,6 +82,4 @@ class Speculator:
             stats.num_draft_tokens += k
             stats.num_accepted_tokens += accepted
             stats.accepted_lengths.append(accepted)
-            rejections += accepted < k
-        self.policy.acceptance.observe(stats.num_accepted_tokens, stats.num_accepted_tokens + rejections)
         return stats
