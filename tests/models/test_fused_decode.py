@@ -66,3 +66,24 @@ def test_fused_decode_logits_equal_the_python_layers(name, dtype, quantization):
     for batch, python, fused_logits in both.pairs:
         assert fused_logits.shape == python.shape == (batch, model.config.vocab_size)
         torch.testing.assert_close(fused_logits, python, rtol=0, atol=tolerance)
+
+
+def test_verification_rows_run_fused_with_a_causal_window():
+    """A step verifying speculative drafts (k + 1 query rows per sequence, beside plain decodes) stays one fused
+    call, and each row sees exactly the keys up to its own position: the fused logits equal the Python layers',
+    and greedy output equals the engine's without speculation (a row that saw a later draft's key would not)."""
+    exact = {"dtype": "float32", "quantization": "none", "max_num_seqs": 4}
+    prompts = [prompt(30), "The cat sat on the mat. The dog sat on the log. The cat", prompt(7)]
+    steps = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    plain = LLM(**exact).generate(prompts, steps)
+    llm = LLM(speculative_model="ngram", num_speculative_tokens=3, **exact)
+    llm.engine.speculator.policy.num_drafts = lambda batch_size: 3
+    model = llm.engine.model
+    both = BothPaths(model)
+    model.forward = both
+    outputs = llm.generate(prompts, steps)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in plain]
+    verify_steps = [(rows, python, fused) for rows, python, fused in both.pairs if rows > 3]
+    assert verify_steps  # some steps verified drafts, through the fused call
+    for rows, python, fused_logits in verify_steps:
+        torch.testing.assert_close(fused_logits, python, rtol=0, atol=1e-4)
