@@ -36,11 +36,9 @@ class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager):
         self.config = config
         self.block_manager = block_manager
-        self.fixed_limits = StepLimits(config.max_num_batched_tokens, config.max_num_seqs, "fixed")
-        self.slo = SloController(config.slo_itl_ms, config.slo_ttft_ms, config.max_num_batched_tokens,
-                                 config.max_num_seqs, config.block_size) \
+        self.slo = SloController(config.slo_itl_ms, config.slo_ttft_ms, config.block_size) \
             if config.slo_itl_ms or config.slo_ttft_ms else None
-        self.limits = self.fixed_limits  # the last step's
+        self.limits = StepLimits(config.max_num_batched_tokens, config.max_num_seqs, "fixed")  # the last step's
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
 
@@ -67,7 +65,10 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         now = time.monotonic()
-        self.limits = self.slo.plan(self.running, self.waiting, now) if self.slo else self.fixed_limits
+        # The flags are read every step: the ceilings under the SLO controller, the limits without it.
+        ceilings = (self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        self.limits = self.slo.plan(self.running, self.waiting, now, *ceilings) if self.slo \
+            else StepLimits(*ceilings, "fixed")
         # One ordering for everything: aged tier, then arrival. Waiting and running requests are ranked the
         # same way, so a preemption can never be undone by its victim on the next step.
         rank = {s: (self.effective_priority(s, now), s.times.arrival, s.seq_id) for s in self.running + self.waiting}

@@ -125,16 +125,18 @@ class StepTimeModel:
 
 
 class SloController:
-    def __init__(self, slo_itl_ms: dict[str, float], slo_ttft_ms: dict[str, float], max_tokens: int,
-                 max_seqs: int, min_chunk: int):
+    def __init__(self, slo_itl_ms: dict[str, float], slo_ttft_ms: dict[str, float], min_chunk: int):
         self.itl = {BY_NAME[tier].priority: ms / 1000 for tier, ms in slo_itl_ms.items()}
         self.ttft = {BY_NAME[tier].priority: ms / 1000 for tier, ms in slo_ttft_ms.items()}
-        self.max_tokens, self.max_seqs, self.min_chunk = max_tokens, max_seqs, min_chunk
+        self.min_chunk = min_chunk
+        self.max_tokens = self.max_seqs = 0  # the ceilings, given to every plan()
         self.model = StepTimeModel()
         self.gap = 0.0  # seconds between a step's end and the next one's start while work waits (EW mean)
         self._busy_since: float | None = None
 
-    def plan(self, running: list, waiting: list, now: float) -> StepLimits:
+    def plan(self, running: list, waiting: list, now: float, max_tokens: int, max_seqs: int) -> StepLimits:
+        """The next step's limits, at most max_tokens and max_seqs (the flags, read by the caller every step)."""
+        self.max_tokens, self.max_seqs = max_tokens, max_seqs
         ceiling = StepLimits(self.max_tokens, self.max_seqs, "throughput")
         present = {s.priority for s in running + waiting}
         governed = [p for p in present if p in self.itl]
