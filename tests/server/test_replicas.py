@@ -5,11 +5,11 @@ killed mid-stream: a clean 5xx error event, then the next requests succeed on th
 import time
 
 import httpx
-import psutil
 import pytest
 from live_server import LiveServer
 
 pytest.importorskip("ray.serve", reason="needs `make scale`")
+import psutil  # noqa: E402  (a dependency of Ray's)
 
 DOCUMENT = " ".join(f"Clause {i}: the tenant shall keep the premises number {i} clean and in good repair."
                     for i in range(12))
