@@ -6,10 +6,13 @@ plain engine and through one engine per drafter (`ngram`, or a draft model shari
 all greedy with the same weights, N requests in flight at once. Speculation is adaptive: at a large batch the
 engine may verify no drafts at all, which is the point of the 32-stream row. Reported: output tokens per
 second, the speedup over the plain engine, the acceptance rate (accepted / proposed drafts) and the mean
-accepted length (drafts kept per verification).
+accepted length (drafts kept per verification), how many drafts per sequence the policy chose at each step
+(its choice and the rates it measured per batch-size bucket are in the JSON), and with --plot a PNG of output
+tok/s against the batch size (the stream counts), plain and per drafter, one panel per workload.
 """
 
 import argparse
+import collections
 import itertools
 import json
 import time
@@ -30,13 +33,15 @@ def add_parser(modes) -> None:
     add_engine_args(parser)
     parser.add_argument("--drafters", nargs="+", default=["ngram"],
                         help="'ngram' and/or draft models (name or path) sharing --model's tokenizer")
-    parser.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32], help="requests in flight at once")
+    parser.add_argument("--batch-sizes", "--streams", dest="streams", type=int, nargs="+", default=[1, 8, 32],
+                        help="requests in flight at once (the sweep: one row per value)")
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS,
                         help="chat: opening prompts of chat_prompts.jsonl; docs: long_docs.jsonl document QA")
     parser.add_argument("--requests-per-stream", type=int, default=2, help="each stream runs this many in turn")
     parser.add_argument("--max-tokens", type=int, default=128, help="output tokens per request at most")
     parser.add_argument("--max-doc-chars", type=int, default=6000, help="skip longer transcripts")
     parser.add_argument("--out", default="bench-results/spec.json", help="where the JSON report goes")
+    parser.add_argument("--plot", help="also write a PNG of tok/s against batch size here (e.g. docs/img/spec.png)")
     parser.set_defaults(func=main)
 
 
@@ -54,6 +59,7 @@ def run(engine: LLMEngine, prompts: list[str], streams: int, max_tokens: int) ->
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
     queue, ids = list(prompts), itertools.count()
     in_flight = output_tokens = drafted = accepted = verifications = 0
+    drafts_per_step = collections.Counter()  # the policy's k at each step
     start = time.perf_counter()
     while queue or engine.has_unfinished_requests():
         while queue and in_flight < streams:
@@ -62,6 +68,8 @@ def run(engine: LLMEngine, prompts: list[str], streams: int, max_tokens: int) ->
         for output in engine.step():
             output_tokens += len(output.delta_token_ids)
             in_flight -= output.finished
+        if engine.speculator:
+            drafts_per_step[engine.speculator.k] += 1
         spec = engine.last_step.spec if engine.last_step else None
         if spec:
             drafted += spec.num_draft_tokens
@@ -75,6 +83,7 @@ def run(engine: LLMEngine, prompts: list[str], streams: int, max_tokens: int) ->
         "draft_tokens": drafted,
         "acceptance_rate": accepted / drafted if drafted else None,
         "mean_accepted_length": accepted / verifications if verifications else None,
+        "steps_by_num_drafts": {str(k): n for k, n in sorted(drafts_per_step.items())},
     }
 
 
@@ -101,12 +110,16 @@ def main(args: argparse.Namespace) -> int:
                 row[drafter] = result
             rows.append(row)
             print(_format_row(row, list(engines)), flush=True)
+    measured = {drafter: engine.speculator.policy.measured() for drafter, engine in engines.items()}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"model": args.model, "dtype": str(plain.dtype), "threads": torch.get_num_threads(),
                                "num_speculative_tokens": args.num_speculative_tokens, "max_tokens": args.max_tokens,
-                               "results": rows}, indent=2))
+                               "results": rows, "policy_measured_tok_per_s": measured}, indent=2))
     print(f"wrote {out}")
+    if args.plot:
+        plot(rows, list(engines), args.model, Path(args.plot))
+        print(f"wrote {args.plot}")
     return 0
 
 
@@ -119,3 +132,30 @@ def _format_row(row: dict, drafters: list[str]) -> str:
         line += (f" | {drafter} {r['output_tokens_per_s']:6.1f} tok/s x{r['speedup']:.2f} "
                  f"(accept {rate}, mean accepted {length})")
     return line
+
+
+def plot(rows: list[dict], drafters: list[str], model: str, path: Path) -> None:
+    """Output tok/s against batch size, plain and per drafter, one panel per workload."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = list(dict.fromkeys(row["workload"] for row in rows))
+    figure, axes = plt.subplots(1, len(workloads), figsize=(5.5 * len(workloads), 4), squeeze=False)
+    for axis, workload in zip(axes[0], workloads):
+        mine = [row for row in rows if row["workload"] == workload]
+        x = [row["streams"] for row in mine]
+        for label in ["plain", *drafters]:
+            axis.plot(x, [row[label]["output_tokens_per_s"] for row in mine], marker="o",
+                      label=label if label == "plain" else f"{label} (adaptive)")
+        axis.set(title=workload, xlabel="requests in flight (batch size)", ylabel="output tok/s")
+        axis.set_xscale("log", base=2)
+        axis.set_xticks(x, [str(v) for v in x])
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=8)
+    figure.suptitle(f"{model}: speculative decoding on and off, greedy")
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
