@@ -1,7 +1,12 @@
-"""Kernel micro-benchmark: ggml_linear at decode's few activation rows, matmul "exact" against "int8-dot" side by
-side in one run (the machine may be shared: compare the ratio, not the absolute figures).
+"""Kernel micro-benchmark: ggml_linear at decode's activation rows, matmul "exact" against "int8-dot" side by side
+in one run (the machine may be shared: compare the ratio, not the absolute figures).
 
-    python -m carpool.bench.gemv [--model qwen2.5-coder-1.5b] [--rows 1 4 8] [--threads 1 2]
+    python -m carpool.bench.gemv [--model qwen2.5-coder-1.5b] [--rows 1 4 8 16 32 64] [--threads 1 2] [--cpu-time]
+
+The int8-dot column runs the integer kernels at every row count (the GEMV up to 4 rows, the batched kernel above),
+whatever the format's row limit; "default" says which of the two int8-dot mode runs at that count in this build
+(torch.ops.carpool.int8_dot_max_rows). --cpu-time times the calling thread's CPU time instead of the wall clock:
+steadier on a loaded machine, meaningful at 1 thread only.
 
 Q4_K and Q6_K come from the model's GGUF file (its largest tensor of each); Q4_0, Q4_1, Q5_0 and Q8_0 are the
 same shape quantized by gguf-py. GB/s counts the weight blocks one call streams. Then the error of one int8-dot
@@ -9,6 +14,7 @@ call against the exact path.
 """
 
 import argparse
+import contextlib
 import functools
 import time
 
@@ -18,7 +24,7 @@ import torch
 
 from carpool.kernels import kernel_path
 from carpool.models.catalog import model_path
-from carpool.models.quantization import MATMUL_MODES, set_matmul_mode
+from carpool.models.quantization import KERNEL_TYPES, MATMUL_MODES, set_matmul_mode
 
 Q = gguf.GGMLQuantizationType
 FILE_TYPES = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
@@ -43,24 +49,35 @@ def weights(model: str) -> dict:
     return out
 
 
-def seconds_per_call(calls: dict, min_time: float = 0.1, rounds: int = 7) -> dict:
+def seconds_per_call(calls: dict, min_time: float = 0.1, rounds: int = 7, clock=time.perf_counter) -> dict:
     """name -> the fastest seconds per call over `rounds`, the candidates taking turns so both see the same load."""
     counts = {}
     for name, fn in calls.items():
         fn()
-        start, n = time.perf_counter(), 0
-        while time.perf_counter() - start < 0.02:
+        start, n = clock(), 0
+        while clock() - start < 0.02:
             fn()
             n += 1
         counts[name] = max(1, int(n * min_time / 0.02))
     best = dict.fromkeys(calls, float("inf"))
     for _ in range(rounds):
         for name, fn in calls.items():
-            start = time.perf_counter()
+            start = clock()
             for _ in range(counts[name]):
                 fn()
-            best[name] = min(best[name], (time.perf_counter() - start) / counts[name])
+            best[name] = min(best[name], (clock() - start) / counts[name])
     return best
+
+
+@contextlib.contextmanager
+def integer_kernels_at_every_row_count():
+    """Lift every format's int8-dot row limit for the block: the bench compares the kernels, not the thresholds."""
+    previous = {qtype: torch.ops.carpool.set_int8_dot_max_rows(int(qtype), 1 << 20) for qtype in KERNEL_TYPES}
+    try:
+        yield
+    finally:
+        for qtype, rows in previous.items():
+            torch.ops.carpool.set_int8_dot_max_rows(int(qtype), rows)
 
 
 def linear(mode: str, x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch.Tensor:
@@ -71,33 +88,42 @@ def linear(mode: str, x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torc
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen2.5-coder-1.5b")
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--cpu-time", action="store_true", help="time thread CPU time (1 thread) not wall time")
     args = parser.parse_args()
+    clock = time.thread_time if args.cpu_time else time.perf_counter
     blocks = weights(args.model)
-    print(f"kernel path {kernel_path()}, {args.dtype} activations; GB/s of weight blocks (ms per call)")
-    print("| format | shape | threads | rows | " + " | ".join(MATMUL_MODES) + " | speed-up |")
-    print("| --- | --- | --- | --- | " + " | ".join("---" for _ in MATMUL_MODES) + " | --- |")
+    print(f"kernel path {kernel_path()}, {args.dtype} activations, {'CPU' if args.cpu_time else 'wall'} time; "
+          "GB/s of weight blocks (ms per call)")
+    print("| format | shape | threads | rows | " + " | ".join(MATMUL_MODES) + " | speed-up | default |")
+    print("| --- | --- | --- | --- | " + " | ".join("---" for _ in MATMUL_MODES) + " | --- | --- |")
     for qtype, data in sorted(blocks.items()):
         cols = data.shape[1] // gguf.GGML_QUANT_SIZES[qtype][1] * gguf.GGML_QUANT_SIZES[qtype][0]
         for threads in args.threads:
             torch.set_num_threads(threads)
             for rows in args.rows:
                 x = torch.randn(rows, cols).to(getattr(torch, args.dtype))
-                times = seconds_per_call({mode: functools.partial(linear, mode, x, data, int(qtype))
-                                          for mode in MATMUL_MODES})
+                default = "int8-dot" if rows <= torch.ops.carpool.int8_dot_max_rows(int(qtype)) else "exact"
+                with integer_kernels_at_every_row_count():
+                    times = seconds_per_call({mode: functools.partial(linear, mode, x, data, int(qtype))
+                                              for mode in MATMUL_MODES}, clock=clock)
                 cells = " | ".join(f"{data.numel() / t / 1e9:.1f} ({t * 1e3:.3f})" for t in times.values())
                 print(f"| {qtype.name} | {data.shape[0]}x{cols} | {threads} | {rows} | {cells} | "
-                      f"{times['exact'] / times['int8-dot']:.2f}x |", flush=True)
-    print("\nint8-dot against exact, one fp32 row of N(0, 1) activations: max |error| / max |y|, rms error / rms y")
+                      f"{times['exact'] / times['int8-dot']:.2f}x | {default} |", flush=True)
+    print("\nint8-dot against exact, fp32 rows of N(0, 1) activations (1 row: the GEMV, 32: the batched kernel): "
+          "max |error| / max |y|, rms error / rms y")
+    print("| format | rows | max | rms |\n| --- | --- | --- | --- |")
     for qtype, data in sorted(blocks.items()):
         cols = data.shape[1] // gguf.GGML_QUANT_SIZES[qtype][1] * gguf.GGML_QUANT_SIZES[qtype][0]
-        x = torch.randn(1, cols)
-        exact, fast = (linear(mode, x, data, int(qtype)) for mode in MATMUL_MODES)
-        error = fast - exact
-        print(f"| {qtype.name} | {(error.abs().max() / exact.abs().max()).item():.2e} | "
-              f"{(error.norm() / exact.norm()).item():.2e} |")
+        for rows in (1, 32):
+            x = torch.randn(rows, cols)
+            with integer_kernels_at_every_row_count():
+                exact, fast = (linear(mode, x, data, int(qtype)) for mode in MATMUL_MODES)
+            error = fast - exact
+            print(f"| {qtype.name} | {rows} | {(error.abs().max() / exact.abs().max()).item():.2e} | "
+                  f"{(error.norm() / exact.norm()).item():.2e} |")
     set_matmul_mode("exact")
 
 

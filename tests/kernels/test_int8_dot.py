@@ -1,6 +1,7 @@
 """ggml_linear's int8-dot mode against torch: activations quantized to int8 the way the kernel does (per 32 values
-for the 32-weight formats, per 256 for the K-quants), times gguf-py's dequantized weights, in float64. Runs on
-whatever kernel build is loaded (test_isa_paths.py runs it on every path this CPU can run)."""
+for the 32-weight formats, per 256 for the K-quants), times gguf-py's dequantized weights, in float64. Few rows run
+the GEMV, more the batched kernel (ggml_gemm.cpp, where the build has one for the format). Runs on whatever kernel
+build is loaded (test_isa_paths.py runs it on every path this CPU can run)."""
 
 import pytest
 import torch
@@ -9,7 +10,9 @@ from test_ggml_quants import QTYPES, Q, random_blocks
 import carpool.kernels  # noqa: F401
 
 EXACT, INT8_DOT = 0, 1
-MAX_ROWS = torch.ops.carpool.int8_dot_max_rows()
+GEMV_ROWS = 4  # kInt8GemvMaxRows: more rows take the batched kernel
+# Row counts across the batched kernel's shapes: 8-row and 16-row vectors, one and two vectors a tile, partial ones.
+BATCH_ROWS = (5, 8, 17, 40, 64)
 
 
 @pytest.fixture
@@ -17,6 +20,17 @@ def int8_dot():
     previous = torch.ops.carpool.set_matmul_mode(INT8_DOT)
     yield
     torch.ops.carpool.set_matmul_mode(previous)
+
+
+@pytest.fixture
+def every_row_count_int8():
+    """int8-dot mode, with every format's row limit raised so each row count below takes the integer path."""
+    previous_mode = torch.ops.carpool.set_matmul_mode(INT8_DOT)
+    previous = {qtype: torch.ops.carpool.set_int8_dot_max_rows(int(qtype), 1 << 20) for qtype in QTYPES}
+    yield
+    for qtype, rows in previous.items():
+        torch.ops.carpool.set_int8_dot_max_rows(int(qtype), rows)
+    torch.ops.carpool.set_matmul_mode(previous_mode)
 
 
 def block_of(qtype) -> int:
@@ -35,30 +49,60 @@ def quantized_activations(x: torch.Tensor, block: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("rows", sorted({1, 2, MAX_ROWS, MAX_ROWS + 1}))
-def test_int8_dot_equals_quantized_activations_times_weights(int8_dot, qtype, rows):
+@pytest.mark.parametrize("rows", (1, 2, GEMV_ROWS, *BATCH_ROWS))
+def test_int8_dot_equals_quantized_activations_times_weights(every_row_count_int8, qtype, rows):
     cols = 1024
     blocks, weight = random_blocks(37, cols, qtype, seed=rows)  # 37 outputs: odd, not a multiple of any split
     x = torch.randn(rows, cols)
     x[0, 32:64] = 0  # a block of zeros has scale 0
+    x[-1] *= 100  # rows quantize apart: each row's scales are its own
     out = torch.ops.carpool.ggml_linear(x, blocks, int(qtype))
     assert out.dtype == torch.float32 and out.shape == (rows, 37)
-    magnitude = (x.abs().double() @ weight.abs().double().T).max().item()
-    if rows > MAX_ROWS:  # more rows: the exact path, bit for bit
-        torch.ops.carpool.set_matmul_mode(EXACT)
-        assert torch.equal(out, torch.ops.carpool.ggml_linear(x, blocks, int(qtype)))
-        return
+    magnitude = (x.abs().double() @ weight.abs().double().T).max(-1, keepdim=True).values
     expected = quantized_activations(x, block_of(qtype)) @ weight.double().T
     # fp32 rounding of the block scales and sums; one wrong weight would be off by ~1/cols of the magnitude
-    assert (out.double() - expected).abs().max().item() < 2e-6 * magnitude
+    assert ((out.double() - expected).abs() / magnitude).max().item() < 2e-6
     # and the int8 rounding itself is small but real: this is not the exact product
     exact = x.double() @ weight.double().T
-    assert 0 < (out.double() - exact).abs().max().item() < 2e-2 * magnitude
+    assert 0 < ((out.double() - exact).abs() / magnitude).max().item() < 2e-2
     # bf16 activations: the same int8 values (quantized from the bf16 inputs), the sum rounded to bf16 once.
     fast = torch.ops.carpool.ggml_linear(x.bfloat16(), blocks, int(qtype))
     expected_bf16 = (quantized_activations(x.bfloat16(), block_of(qtype)) @ weight.double().T).bfloat16()
     assert fast.dtype == torch.bfloat16
-    torch.testing.assert_close(fast.float(), expected_bf16.float(), rtol=8e-3, atol=1e-5 * magnitude)
+    error = (fast.double() - expected_bf16.double()).abs()
+    assert (error <= 8e-3 * expected_bf16.double().abs() + 1e-5 * magnitude).all()
+
+
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
+def test_rows_above_the_formats_limit_run_the_exact_path_bit_for_bit(int8_dot, qtype):
+    limit = torch.ops.carpool.int8_dot_max_rows(int(qtype))
+    assert 1 <= limit <= 64  # decode batches only: prompts stay exact
+    blocks, _ = random_blocks(37, 512, qtype)
+    x = torch.randn(limit + 1, 512)
+    out = torch.ops.carpool.ggml_linear(x, blocks, int(qtype))
+    torch.ops.carpool.set_matmul_mode(EXACT)
+    assert torch.equal(out, torch.ops.carpool.ggml_linear(x, blocks, int(qtype)))
+
+
+def test_row_limits_are_checked_and_belong_to_each_format(int8_dot):
+    with pytest.raises(RuntimeError, match="qtype"):
+        torch.ops.carpool.int8_dot_max_rows(7)
+    with pytest.raises(RuntimeError, match="rows"):
+        torch.ops.carpool.set_int8_dot_max_rows(int(Q.Q4_K), -1)
+    blocks, _ = random_blocks(16, 256, Q.Q4_K)
+    x = torch.randn(2, 256)
+    exact_rows = torch.ops.carpool.ggml_linear(x, blocks, int(Q.Q4_K))
+    q6_limit = torch.ops.carpool.int8_dot_max_rows(int(Q.Q6_K))
+    previous = torch.ops.carpool.set_int8_dot_max_rows(int(Q.Q4_K), 1)
+    try:
+        assert torch.ops.carpool.int8_dot_max_rows(int(Q.Q4_K)) == 1
+        assert torch.ops.carpool.int8_dot_max_rows(int(Q.Q6_K)) == q6_limit
+        two_rows = torch.ops.carpool.ggml_linear(x, blocks, int(Q.Q4_K))  # above the limit now: exact
+    finally:
+        torch.ops.carpool.set_int8_dot_max_rows(int(Q.Q4_K), previous)
+    torch.ops.carpool.set_matmul_mode(EXACT)
+    assert torch.equal(two_rows, torch.ops.carpool.ggml_linear(x, blocks, int(Q.Q4_K)))
+    assert not torch.equal(exact_rows, two_rows)  # 2 rows are under Q4_K's own limit: int8-dot
 
 
 def test_exact_mode_is_the_default_and_modes_are_checked():

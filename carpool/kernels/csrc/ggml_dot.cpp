@@ -16,6 +16,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -314,11 +315,11 @@ void int8_dot_rows(const Int8Rows& x, const uint8_t* weight, int64_t M, int64_t 
   const int64_t row_bytes = x.K / Format<QT>::kWeights * Format<QT>::kBytes;
   // Rows split evenly over the threads: at one activation row every core streams its share of the weights.
   at::parallel_for(0, N, 8, [&](int64_t first, int64_t last) {
-    float out[kInt8DotMaxRows];
+    float out[kInt8GemvMaxRows];
     for (int64_t n = first; n < last; ++n) {
       const uint8_t* row = weight + n * row_bytes;
-      for (int64_t m = 0; m < M; m += kInt8DotMaxRows) {
-        const int64_t mr = std::min(kInt8DotMaxRows, M - m);
+      for (int64_t m = 0; m < M; m += kInt8GemvMaxRows) {
+        const int64_t mr = std::min(kInt8GemvMaxRows, M - m);
         switch (mr) {
           case 1: dot_block_rows<QT, 1>(row, x, m, out); break;
           case 2: dot_block_rows<QT, 2>(row, x, m, out); break;
@@ -340,16 +341,52 @@ int64_t set_matmul_mode(int64_t mode) {
 
 int64_t get_matmul_mode() { return static_cast<int64_t>(current_mode); }
 
-int64_t int8_dot_max_rows() { return kInt8DotMaxRows; }
+// Rows up to which int8-dot mode runs the integer kernels, per format, in this build (1 thread, 8960x1536 and
+// 1536x8960, docs/benchmarks.md). AVX-512: the batched kernel against the exact bf16 path is 1.3-2.2x at 8-64 rows
+// for the K-quants, 1.0-1.3x at 8-64 for Q5_0 and Q8_0 and 0.9x at 8 / 1.3x at 16-64 for Q4_1. AVX2 (the exact path
+// runs fp32 FMAs there): 1.5-2.0x at 8-64 rows; Q8_0 has no batched kernel there and keeps the GEMV's 4 rows, as
+// does every format in the portable build.
+constexpr int64_t default_max_rows([[maybe_unused]] int64_t qtype) {
+#if defined(CARPOOL_AVX512)
+  return kInt8GemmMaxRows;
+#elif defined(CARPOOL_AVX2)
+  return qtype == kQ8_0 ? kInt8GemvMaxRows : kInt8GemmMaxRows;
+#else
+  return kInt8GemvMaxRows;
+#endif
+}
+
+struct RowLimits {
+  std::atomic<int64_t> rows[kQ6_K + 1];
+  RowLimits() {
+    for (int64_t qtype = 0; qtype <= kQ6_K; ++qtype) rows[qtype] = default_max_rows(qtype);
+  }
+};
+
+std::atomic<int64_t>& max_rows(int64_t qtype) {
+  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ5_0 || qtype == kQ8_0 || qtype == kQ4_K ||
+                  qtype == kQ5_K || qtype == kQ6_K,
+              "qtype: unsupported GGML type ", qtype);
+  static RowLimits limits;
+  return limits.rows[qtype];
+}
+
+int64_t set_int8_dot_max_rows(int64_t qtype, int64_t rows) {
+  TORCH_CHECK(rows >= 0, "rows: must be >= 0, got ", rows);
+  return max_rows(qtype).exchange(rows);
+}
 
 }  // namespace
 
 MatmulMode matmul_mode() { return current_mode; }
 
+int64_t int8_dot_max_rows(int64_t qtype) { return max_rows(qtype).load(std::memory_order_relaxed); }
+
 at::Tensor int8_dot_linear(const at::Tensor& x, const uint8_t* weight, int64_t qtype, int64_t N) {
   const int64_t M = x.size(0), K = x.size(1);
   const at::Tensor wide = x.to(at::kFloat).contiguous();
   at::Tensor y = at::empty({M, N}, x.options());
+  if (M > kInt8GemvMaxRows && int8_gemm_linear(wide, weight, qtype, N, y)) return y;
   auto run = [&]<int64_t QT>() {
     const Int8Rows q = quantize_rows(wide.data_ptr<float>(), M, K, Format<QT>::kWeights);
     if (x.scalar_type() == at::kFloat)
@@ -375,5 +412,6 @@ at::Tensor int8_dot_linear(const at::Tensor& x, const uint8_t* weight, int64_t q
 TORCH_LIBRARY_FRAGMENT(carpool, m) {
   m.def("set_matmul_mode(int mode) -> int", &carpool::ggml::set_matmul_mode);
   m.def("get_matmul_mode() -> int", &carpool::ggml::get_matmul_mode);
-  m.def("int8_dot_max_rows() -> int", &carpool::ggml::int8_dot_max_rows);
+  m.def("int8_dot_max_rows(int qtype) -> int", &carpool::ggml::int8_dot_max_rows);
+  m.def("set_int8_dot_max_rows(int qtype, int rows) -> int", &carpool::ggml::set_int8_dot_max_rows);
 }

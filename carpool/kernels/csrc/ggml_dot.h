@@ -1,4 +1,5 @@
-// Integer-dot linear layers for few activation rows (decode): each activation row is quantized once per call to
+// Integer-dot linear layers for decode's activation rows (a few: the GEMV in ggml_dot.cpp; decode batches and
+// verify rows up to 64: the batched kernel in ggml_gemm.cpp): each activation row is quantized once per call to
 // int8 (per 32 values for the 32-weight formats, per 256 with sums per 16 for the K-quants, as llama.cpp's Q8_0 and
 // Q8_K), then every weight block is dotted in integers and scaled once. The exact path dequantizes every weight to
 // floats first, which made single-stream decode compute-bound (Q4_K 8.9 GB/s on one Zen 5 core, measured).
@@ -17,11 +18,23 @@ enum class MatmulMode : int64_t { kExact = 0, kInt8Dot = 1 };
 // at the start of every step, so two engines on two threads never see each other's choice.
 MatmulMode matmul_mode();
 
-// Activation rows up to which int8-dot mode takes the integer path; more rows reuse each dequantized weight panel
-// enough that the exact path keeps up (measured, see ggml_dot.cpp).
-constexpr int64_t kInt8DotMaxRows = 4;
+// Activation rows up to which the GEMV below dots each weight block with every row; above it int8-dot mode runs the
+// batched kernel (ggml_gemm.cpp), which unpacks each weight once per call for all rows.
+constexpr int64_t kInt8GemvMaxRows = 4;
+// The most rows any format's int8-dot path takes by default: decode batches and verify rows, not prompts (prefill
+// stays exact); measured up to here.
+constexpr int64_t kInt8GemmMaxRows = 64;
+
+// Activation rows up to which int8-dot mode takes the integer path for `qtype`; more rows run the exact path.
+// Per format and per build, measured against the exact path (ggml_dot.cpp); set_int8_dot_max_rows (an op) moves
+// one, for benchmarks and tests.
+int64_t int8_dot_max_rows(int64_t qtype);
 
 // y[M, N] = x[M, K] W^T with x quantized to int8 as described above; y in x's dtype.
 at::Tensor int8_dot_linear(const at::Tensor& x, const uint8_t* weight, int64_t qtype, int64_t N);
+
+// The batched kernel: y[M, N] (float or bf16, allocated) from x (float, contiguous [M, K]). False, with y untouched,
+// where this build has none for `qtype` (the portable build; Q8_0 on AVX2).
+bool int8_gemm_linear(const at::Tensor& x, const uint8_t* weight, int64_t qtype, int64_t N, at::Tensor& y);
 
 }  // namespace carpool::ggml

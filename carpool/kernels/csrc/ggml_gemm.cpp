@@ -1,0 +1,438 @@
+// The int8-dot path of ggml_linear for batches (ggml_dot.h: decode batches, speculative verify rows). The GEMV in
+// ggml_dot.cpp dots each weight block with a few activation rows laid along the vector lanes of K; here the lanes
+// are activation ROWS: x is quantized once per call and stored as x + 128 (u8) interleaved [K / 4][rows][4], so one
+// vpdpbusd multiplies 4 weights of one output column (broadcast from an unpacked panel) with 16 rows at once.
+// A sub-block's integer scale is then the same for every lane: one vpmulld per 32 (Q6_K: 16) weights instead of
+// one vpdpwssd per 64, and each weight byte is unpacked once per call, not once per 4 rows. With weights w and
+// row scales x_d, for each block of a column:
+//   y += x_d d (sum_s sc_s sum_s((x_q + 128) w) - 128 sum_s sc_s sum_s(w))      (sc = 1 outside the K-quants)
+//      + sum_g negdm_g (x_d sum_g(x_q))                                         (Q4_1: m; Q4_K/Q5_K: -dmin m_g)
+// where the weights are the block's signed integers (Q4_0: q - 8, Q6_K: q - 32, ...), so the 128 bias is one integer
+// per block and column, subtracted once for all rows. Register tile: NR columns x RV vectors of rows; each thread
+// unpacks NR columns over all of K, prefetches the next NR while it computes, and runs every row vector on them.
+//
+// AVX-512: vpdpbusd on 16 rows (zmm) or 8 (ymm, batches of up to 8). AVX2: vpmaddubsw + vpmaddwd on 8 rows; its
+// int16 pairs saturate above 2 * 255 * 64, so Q8_0's full-range bytes stay on the GEMV there (ggml_dot.cpp's
+// thresholds). The portable build has no GEMM: its GEMV runs every batch size the thresholds allow.
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "ggml_blocks.h"
+#include "ggml_dot.h"
+#include "vec.h"
+
+namespace carpool::ggml {
+
+#ifdef CARPOOL_SIMD
+namespace {
+
+// How a format's blocks split for the GEMM: integer-scaled sub-blocks of kSub weights (one per block, scale 1,
+// unless kScaled) and kMinGroups 32-weight groups per block with a float term on x's sums (0 without one).
+template <int64_t QT> struct GemmLayout;
+template <> struct GemmLayout<kQ8_0> { static constexpr int kSub = 32, kMinGroups = 0; static constexpr bool kScaled = false; };
+template <> struct GemmLayout<kQ4_0> : GemmLayout<kQ8_0> {};
+template <> struct GemmLayout<kQ5_0> : GemmLayout<kQ8_0> {};
+template <> struct GemmLayout<kQ4_1> { static constexpr int kSub = 32, kMinGroups = 1; static constexpr bool kScaled = false; };
+template <> struct GemmLayout<kQ4_K> { static constexpr int kSub = 32, kMinGroups = 8; static constexpr bool kScaled = true; };
+template <> struct GemmLayout<kQ5_K> : GemmLayout<kQ4_K> {};
+template <> struct GemmLayout<kQ6_K> { static constexpr int kSub = 16, kMinGroups = 0; static constexpr bool kScaled = true; };
+
+// 256-bit helpers (both SIMD builds) for unpacking: bytes of nibbles, sums of unsigned bytes.
+inline __m256i load256(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline void store256(int8_t* p, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
+inline __m256i bytes(int8_t v) { return _mm256_set1_epi8(v); }
+// 16 bytes of nibbles -> 32 values: low nibbles (weights 0-15), then high nibbles (16-31).
+inline __m256i nibbles32(const uint8_t* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), bytes(0x0F));
+}
+// Sums of the unsigned bytes 0-15 and 16-31.
+inline void byte_sums16(__m256i v, int32_t& first, int32_t& second) {
+  const __m256i eights = _mm256_sad_epu8(v, _mm256_setzero_si256());  // four sums of 8 bytes, in 64-bit lanes
+  first = static_cast<int32_t>(_mm256_extract_epi64(eights, 0) + _mm256_extract_epi64(eights, 1));
+  second = static_cast<int32_t>(_mm256_extract_epi64(eights, 2) + _mm256_extract_epi64(eights, 3));
+}
+inline int32_t int_sum(__m256i v) {
+  __m128i quad = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  quad = _mm_add_epi32(quad, _mm_unpackhi_epi64(quad, quad));
+  return _mm_cvtsi128_si32(quad) + _mm_extract_epi32(quad, 1);
+}
+// Q4_K / Q5_K sub-block scales and minimums, 6 bits each in 12 bytes, as 8 scale bytes and 8 minimum bytes
+// (llama.cpp's get_scale_min_k4 for every j at once, as ggml_dot.cpp's GEMV unpacks them).
+inline void k_scales_mins(const uint8_t* packed, uint64_t& scales, uint64_t& mins) {
+  uint32_t u[3];
+  std::memcpy(u, packed, 12);
+  constexpr uint32_t kLow6 = 0x3F3F3F3F, kLow4 = 0x0F0F0F0F, kLow2 = 0x03030303;
+  const uint32_t scales_lo = u[0] & kLow6, scales_hi = (u[2] & kLow4) | (((u[0] >> 6) & kLow2) << 4);
+  const uint32_t mins_lo = u[1] & kLow6, mins_hi = ((u[2] >> 4) & kLow4) | (((u[1] >> 6) & kLow2) << 4);
+  scales = scales_lo | static_cast<uint64_t>(scales_hi) << 32;
+  mins = mins_lo | static_cast<uint64_t>(mins_hi) << 32;
+}
+inline int32_t byte_sum32(__m256i v) {
+  int32_t first, second;
+  byte_sums16(v, first, second);
+  return first + second;
+}
+
+// One block of one column as integers: w[kWeights] signed, sc per sub-block, d, negdm per min group; returns
+// sum_s sc_s sum_s(w) (the 128 bias of x's u8 form times this is what the dot products overcount). Sums are
+// taken on the unsigned values before each format's offset (vpsadbw).
+template <int64_t QT>
+int32_t unpack_block(const uint8_t* p, int8_t* w, int32_t* sc, float& d, float* negdm) {
+  if constexpr (QT == kQ8_0 || QT == kQ4_0 || QT == kQ5_0 || QT == kQ4_1) {
+    d = half_to_float(p);
+    sc[0] = 1;
+    if constexpr (QT == kQ4_1) negdm[0] = half_to_float(p + 2);
+    __m256i q;
+    int offset;
+    if constexpr (QT == kQ8_0) {
+      q = _mm256_xor_si256(load256(p + 2), bytes(static_cast<int8_t>(0x80)));  // + 128 as unsigned
+      offset = 128;
+    } else if constexpr (QT == kQ5_0) {
+      uint32_t high;
+      std::memcpy(&high, p + 2, 4);
+      const __m256i spread = _mm256_shuffle_epi8(
+          _mm256_set1_epi32(static_cast<int>(high)),
+          _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+      const __m256i mask = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+      q = _mm256_or_si256(nibbles32(p + 6), _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, mask), mask), bytes(0x10)));
+      offset = 16;
+    } else {
+      q = nibbles32(p + (QT == kQ4_1 ? 4 : 2));
+      offset = QT == kQ4_0 ? 8 : 0;
+    }
+    store256(w, _mm256_sub_epi8(q, bytes(static_cast<int8_t>(offset))));
+    return byte_sum32(q) - 32 * offset;
+  } else if constexpr (QT == kQ4_K || QT == kQ5_K) {
+    d = half_to_float(p);
+    const float dmin = half_to_float(p + 2);
+    uint64_t scales, mins;
+    k_scales_mins(p + 4, scales, mins);
+    const __m128i scale8 = _mm_cvtsi64_si128(static_cast<int64_t>(scales));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(sc), _mm256_cvtepu8_epi32(scale8));
+    _mm256_storeu_ps(negdm, _mm256_mul_ps(_mm256_set1_ps(-dmin),
+                                          _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(mins))))));
+    const __m256i scale_bytes = _mm256_broadcastsi128_si256(scale8);
+    const uint8_t* qs = p + (QT == kQ5_K ? 48 : 16);
+    __m256i high;
+    if constexpr (QT == kQ5_K) high = load256(p + 16);
+    // sum_j sc_j sum_j(q): u8 q <= 31 times scales <= 63 in int16 pairs (<= 2 * 2 * 31 * 63), widened per group
+    __m256i bias32 = _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) {  // byte i of group c: weight i of sub-block 2c (low nibble) and 2c + 1 (high)
+      const __m256i raw = load256(qs + 32 * c);
+      __m256i lo = _mm256_and_si256(raw, bytes(0x0F)), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), bytes(0x0F));
+      if constexpr (QT == kQ5_K) {  // bit 2c of high byte i is bit 4 of weight i of sub-block 2c, bit 2c+1 of 2c+1
+        lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(high, 4), bytes(0x10)));
+        hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(high, 3), bytes(0x10)));
+        high = _mm256_srli_epi16(high, 2);
+      }
+      store256(w + 64 * c, lo);
+      store256(w + 64 * c + 32, hi);
+      const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_shuffle_epi8(scale_bytes, bytes(2 * c))),
+                                             _mm256_maddubs_epi16(hi, _mm256_shuffle_epi8(scale_bytes, bytes(2 * c + 1))));
+      bias32 = _mm256_add_epi32(bias32, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+    }
+    return int_sum(bias32);
+  } else if constexpr (QT == kQ6_K) {
+    const int8_t* scales = reinterpret_cast<const int8_t*>(p + 192);
+    d = half_to_float(p + 208);
+    const __m128i scale8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(scales));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(sc), _mm256_cvtepi8_epi32(scale8));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(sc + 8), _mm256_cvtepi8_epi32(_mm_srli_si128(scale8, 8)));
+    __m256i bias32 = _mm256_setzero_si256();
+    for (int h = 0; h < 2; ++h) {
+      const __m256i low0 = load256(p + 64 * h), low1 = load256(p + 64 * h + 32), high = load256(p + 128 + 32 * h);
+      const __m256i q[4] = {
+          _mm256_or_si256(_mm256_and_si256(low0, bytes(0x0F)), _mm256_and_si256(_mm256_slli_epi16(high, 4), bytes(0x30))),
+          _mm256_or_si256(_mm256_and_si256(low1, bytes(0x0F)), _mm256_and_si256(_mm256_slli_epi16(high, 2), bytes(0x30))),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(low0, 4), bytes(0x0F)), _mm256_and_si256(high, bytes(0x30))),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(low1, 4), bytes(0x0F)),
+                          _mm256_and_si256(_mm256_srli_epi16(high, 2), bytes(0x30))),
+      };
+      // Sub-blocks 8h + 2k and 8h + 2k + 1 are bytes 0-15 and 16-31 of q[k]: their scales, byte for byte.
+      const __m256i scale_bytes = _mm256_broadcastsi128_si256(scale8);
+      for (int k = 0; k < 4; ++k) {
+        const int s = 8 * h + 2 * k;
+        const __m256i pick = _mm256_set_m128i(_mm_set1_epi8(static_cast<char>(s + 1)), _mm_set1_epi8(static_cast<char>(s)));
+        store256(w + 128 * h + 32 * k, _mm256_sub_epi8(q[k], bytes(32)));
+        // u8 q <= 63 times s8 scales: pairs within int16
+        bias32 = _mm256_add_epi32(bias32, _mm256_madd_epi16(_mm256_maddubs_epi16(q[k], _mm256_shuffle_epi8(scale_bytes, pick)),
+                                                            _mm256_set1_epi16(1)));
+      }
+    }
+    // q - 32: minus 32 * 16 * sum_s sc_s
+    const __m256i scale32 = _mm256_add_epi32(_mm256_cvtepi8_epi32(scale8), _mm256_cvtepi8_epi32(_mm_srli_si128(scale8, 8)));
+    return int_sum(bias32) - 512 * int_sum(scale32);
+  } else {
+    static_assert(QT != QT, "not a GGML kernel type");
+  }
+}
+
+// ---- vector lanes over activation rows ----------------------------------------------------------------------
+
+#ifdef CARPOOL_AVX512
+struct Rows16 {
+  static constexpr int kLanes = 16;
+  using I = __m512i;
+  using F = __m512;
+  static I izero() { return _mm512_setzero_si512(); }
+  static F fzero() { return _mm512_setzero_ps(); }
+  static I iload(const uint8_t* p) { return _mm512_loadu_si512(p); }
+  static F fload(const float* p) { return _mm512_loadu_ps(p); }
+  static I dot(I acc, I x, int32_t w4) { return _mm512_dpbusd_epi32(acc, x, _mm512_set1_epi32(w4)); }
+  static I mul(I a, int32_t s) { return _mm512_mullo_epi32(a, _mm512_set1_epi32(s)); }
+  static I add(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I sub(I a, int32_t s) { return _mm512_sub_epi32(a, _mm512_set1_epi32(s)); }
+  static F scaled(F acc, I tot, F xd, float d) {
+    return _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(tot), xd), _mm512_set1_ps(d), acc);
+  }
+  static F fma(F acc, F a, float s) { return _mm512_fmadd_ps(a, _mm512_set1_ps(s), acc); }
+  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+};
+#endif
+
+struct Rows8 {
+  static constexpr int kLanes = 8;
+  using I = __m256i;
+  using F = __m256;
+  static I izero() { return _mm256_setzero_si256(); }
+  static F fzero() { return _mm256_setzero_ps(); }
+  static I iload(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static F fload(const float* p) { return _mm256_loadu_ps(p); }
+  static I dot(I acc, I x, int32_t w4) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, x, _mm256_set1_epi32(w4));
+#else  // pairs of u8 x s8 in int16: exact while 2 * 255 * |w| < 2^15 (every format but Q8_0, see the top)
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(x, _mm256_set1_epi32(w4)), _mm256_set1_epi16(1)));
+#endif
+  }
+  static I mul(I a, int32_t s) { return _mm256_mullo_epi32(a, _mm256_set1_epi32(s)); }
+  static I add(I a, I b) { return _mm256_add_epi32(a, b); }
+  static I sub(I a, int32_t s) { return _mm256_sub_epi32(a, _mm256_set1_epi32(s)); }
+  static F scaled(F acc, I tot, F xd, float d) {
+    return _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(tot), xd), _mm256_set1_ps(d), acc);
+  }
+  static F fma(F acc, F a, float s) { return _mm256_fmadd_ps(a, _mm256_set1_ps(s), acc); }
+  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+};
+
+// x quantized once per call as the tile reads it (see the top); rows padded to whole vectors with x = 0.
+struct InterleavedRows {
+  int64_t rows = 0;            // padded
+  std::vector<uint8_t> u;      // [K / 4][rows][4]: x_q + 128
+  std::vector<float> d;        // [K / block][rows]
+  std::vector<float> sums;     // [K / 32][rows]: d * sum of x_q over each 32 values (formats with min terms)
+};
+
+// Symmetric int8 per `block` values, as ggml_dot.cpp's GEMV quantizes: d = max|x| / 127, q = round-half-even(x / d).
+InterleavedRows quantize_interleaved(const float* x, int64_t M, int64_t K, int64_t block, int lanes, bool with_sums) {
+  InterleavedRows out;
+  out.rows = (M + lanes - 1) / lanes * lanes;
+  out.u.assign(K * out.rows, 128);
+  out.d.assign(K / block * out.rows, 0.0f);
+  if (with_sums) out.sums.assign(K / 32 * out.rows, 0.0f);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < K / block; ++b) {
+      const float* xb = x + m * K + b * block;
+      float amax = 0.0f;
+      for (int64_t i = 0; i < block; ++i) amax = std::max(amax, std::fabs(xb[i]));
+      const float d = amax / 127.0f, inverse = d != 0.0f ? 1.0f / d : 0.0f;
+      out.d[b * out.rows + m] = d;
+      for (int64_t g = 0; g < block; g += 32) {
+        int32_t sum = 0;
+        for (int64_t i = g; i < g + 32; ++i) {
+          const int q = static_cast<int>(std::nearbyint(xb[i] * inverse));
+          const int64_t k = b * block + i;
+          out.u[(k / 4 * out.rows + m) * 4 + k % 4] = static_cast<uint8_t>(q + 128);
+          sum += q;
+        }
+        if (with_sums) out.sums[(b * block + g) / 32 * out.rows + m] = d * static_cast<float>(sum);
+      }
+    }
+  }
+  return out;
+}
+
+// NR columns unpacked over all of K: what the tile's broadcasts read, once per call.
+template <int64_t QT, int NR>
+struct Panel {
+  using L = GemmLayout<QT>;
+  static constexpr int64_t kW = Format<QT>::kWeights;
+  int64_t K;
+  std::vector<int8_t> w;       // [NR][K]
+  std::vector<int32_t> sc;     // [NR][K / kSub]
+  std::vector<int32_t> bias;   // [NR][K / kW]
+  std::vector<float> d;        // [NR][K / kW]
+  std::vector<float> negdm;    // [NR][K / 32] (formats with min terms)
+
+  explicit Panel(int64_t K)
+      : K(K), w(NR * K), sc(NR * K / L::kSub), bias(NR * K / kW), d(NR * K / kW), negdm(L::kMinGroups ? NR * K / 32 : 0) {}
+
+  void unpack(const uint8_t* weight, int64_t row_bytes, int64_t n0, int64_t columns) {
+    const int64_t blocks = K / kW;
+    for (int n = 0; n < NR; ++n) {
+      if (n >= columns) {  // past the last column: zeros, whose outputs are dropped
+        std::fill_n(w.begin() + n * K, K, 0);
+        std::fill_n(sc.begin() + n * K / L::kSub, K / L::kSub, 0);
+        std::fill_n(bias.begin() + n * blocks, blocks, 0);
+        std::fill_n(d.begin() + n * blocks, blocks, 0.0f);
+        if constexpr (L::kMinGroups > 0) std::fill_n(negdm.begin() + n * K / 32, K / 32, 0.0f);
+        continue;
+      }
+      const uint8_t* row = weight + (n0 + n) * row_bytes;
+      for (int64_t b = 0; b < blocks; ++b)
+        bias[n * blocks + b] = unpack_block<QT>(row + b * Format<QT>::kBytes, w.data() + n * K + b * kW,
+                                                sc.data() + (n * K + b * kW) / L::kSub, d[n * blocks + b],
+                                                L::kMinGroups ? negdm.data() + (n * K + b * kW) / 32 : nullptr);
+    }
+  }
+};
+
+inline int32_t load4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// out[n][r * lanes + l] = y of row (first_vector + r) * lanes + l, column n of the panel.
+template <int64_t QT, typename V, int NR, int RV>
+void gemm_tile(const Panel<QT, NR>& panel, const InterleavedRows& x, int64_t first_vector, float* out) {
+  using L = GemmLayout<QT>;
+  constexpr int64_t kW = Format<QT>::kWeights;
+  constexpr int kSubs = kW / L::kSub;
+  const int64_t K = panel.K, blocks = K / kW, stride = x.rows * 4;
+  const uint8_t* xu = x.u.data() + first_vector * V::kLanes * 4;
+  typename V::F acc[NR][RV];
+  for (int n = 0; n < NR; ++n)
+    for (int r = 0; r < RV; ++r) acc[n][r] = V::fzero();
+  for (int64_t b = 0; b < blocks; ++b) {
+    typename V::I total[NR][RV];
+    for (int s = 0; s < kSubs; ++s) {
+      typename V::I part[NR][RV];
+      for (int n = 0; n < NR; ++n)
+        for (int r = 0; r < RV; ++r) part[n][r] = V::izero();
+      const int64_t k0 = b * kW + s * L::kSub;
+      const uint8_t* xp = xu + k0 / 4 * stride;
+      const int8_t* wp = panel.w.data() + k0;
+#pragma GCC unroll 8
+      for (int g = 0; g < L::kSub / 4; ++g, xp += stride, wp += 4) {
+        typename V::I xv[RV];
+        for (int r = 0; r < RV; ++r) xv[r] = V::iload(xp + r * V::kLanes * 4);
+        for (int n = 0; n < NR; ++n) {
+          const int32_t w4 = load4(wp + n * K);
+          for (int r = 0; r < RV; ++r) part[n][r] = V::dot(part[n][r], xv[r], w4);
+        }
+      }
+      for (int n = 0; n < NR; ++n)
+        for (int r = 0; r < RV; ++r) {
+          if constexpr (!L::kScaled) {
+            total[n][r] = part[n][r];
+          } else {
+            const typename V::I scaled = V::mul(part[n][r], panel.sc[(n * K + k0) / L::kSub]);
+            total[n][r] = s == 0 ? scaled : V::add(total[n][r], scaled);
+          }
+        }
+    }
+    for (int r = 0; r < RV; ++r) {
+      const typename V::F xd = V::fload(x.d.data() + b * x.rows + (first_vector + r) * V::kLanes);
+      for (int n = 0; n < NR; ++n)
+        acc[n][r] = V::scaled(acc[n][r], V::sub(total[n][r], 128 * panel.bias[n * blocks + b]), xd, panel.d[n * blocks + b]);
+    }
+    for (int g = 0; g < L::kMinGroups; ++g) {
+      const int64_t group = b * kW / 32 + g;
+      for (int r = 0; r < RV; ++r) {
+        const typename V::F sums = V::fload(x.sums.data() + group * x.rows + (first_vector + r) * V::kLanes);
+        for (int n = 0; n < NR; ++n) acc[n][r] = V::fma(acc[n][r], sums, panel.negdm[n * K / 32 + group]);
+      }
+    }
+  }
+  for (int n = 0; n < NR; ++n)
+    for (int r = 0; r < RV; ++r) V::store(out + (n * RV + r) * V::kLanes, acc[n][r]);
+}
+
+// Columns per tile and row vectors per tile: NR * RV accumulators three times over (partial, total, float) plus RV
+// x vectors within the register file (AVX-512: 32 registers, AVX2: 16).
+#ifdef CARPOOL_AVX512
+constexpr int kTileColumns = 4, kTileVectors = 2;
+#else
+constexpr int kTileColumns = 2, kTileVectors = 2;
+#endif
+
+template <int64_t QT, typename V, typename Y>
+void int8_gemm(const float* x, const uint8_t* weight, int64_t M, int64_t N, int64_t K, Y* y) {
+  constexpr int NR = kTileColumns, RV = kTileVectors;
+  const InterleavedRows q = quantize_interleaved(x, M, K, Format<QT>::kWeights, V::kLanes, GemmLayout<QT>::kMinGroups > 0);
+  const int64_t row_bytes = K / Format<QT>::kWeights * Format<QT>::kBytes, vectors = q.rows / V::kLanes;
+  const int64_t tiles = (N + NR - 1) / NR;
+  at::parallel_for(0, tiles, 4, [&](int64_t first, int64_t last) {
+    Panel<QT, NR> panel(K);
+    alignas(64) float out[NR * RV * V::kLanes];
+    for (int64_t t = first; t < last; ++t) {
+      const int64_t n0 = t * NR, columns = std::min<int64_t>(NR, N - n0);
+      panel.unpack(weight, row_bytes, n0, columns);
+      // The next tile's blocks (contiguous rows) on their way from memory while this one computes: unpacking is
+      // where the weights first arrive, and it waited on them (40% of a 32-row Q4_K call, measured).
+      if (t + 1 < last)
+        for (int64_t offset = 0; offset < std::min<int64_t>(NR, N - n0 - NR) * row_bytes; offset += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(weight + (n0 + NR) * row_bytes + offset), _MM_HINT_T0);
+      for (int64_t v = 0; v < vectors; v += RV) {
+        const int rv = static_cast<int>(std::min<int64_t>(RV, vectors - v));
+        if (rv == RV)
+          gemm_tile<QT, V, NR, RV>(panel, q, v, out);
+        else
+          gemm_tile<QT, V, NR, 1>(panel, q, v, out);
+        for (int r = 0; r < rv; ++r)
+          for (int l = 0; l < V::kLanes && (v + r) * V::kLanes + l < M; ++l) {
+            Y* row = y + ((v + r) * V::kLanes + l) * N + n0;
+            for (int n = 0; n < columns; ++n) row[n] = Y(out[(n * rv + r) * V::kLanes + l]);
+          }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+bool int8_gemm_linear(const at::Tensor& x, const uint8_t* weight, int64_t qtype, int64_t N, at::Tensor& y) {
+  const int64_t M = x.size(0), K = x.size(1);
+  bool ran = false;
+  auto run = [&]<int64_t QT, typename V>() {
+    const float* xs = x.data_ptr<float>();
+    if (y.scalar_type() == at::kFloat)
+      int8_gemm<QT, V>(xs, weight, M, N, K, y.data_ptr<float>());
+    else
+      int8_gemm<QT, V>(xs, weight, M, N, K, y.data_ptr<c10::BFloat16>());
+    ran = true;
+  };
+  auto lanes = [&]<int64_t QT>() {
+#ifdef CARPOOL_AVX512
+    if (M > Rows8::kLanes) return run.template operator()<QT, Rows16>();
+#else
+    if constexpr (QT == kQ8_0) return;  // int16 pairs would saturate (see the top)
+#endif
+    run.template operator()<QT, Rows8>();
+  };
+  switch (qtype) {
+    case kQ4_0: lanes.template operator()<kQ4_0>(); break;
+    case kQ4_1: lanes.template operator()<kQ4_1>(); break;
+    case kQ5_0: lanes.template operator()<kQ5_0>(); break;
+    case kQ8_0: lanes.template operator()<kQ8_0>(); break;
+    case kQ4_K: lanes.template operator()<kQ4_K>(); break;
+    case kQ5_K: lanes.template operator()<kQ5_K>(); break;
+    case kQ6_K: lanes.template operator()<kQ6_K>(); break;
+  }
+  return ran;
+}
+
+#else
+
+bool int8_gemm_linear(const at::Tensor&, const uint8_t*, int64_t, int64_t, at::Tensor&) { return false; }
+
+#endif
+
+}  // namespace carpool::ggml
