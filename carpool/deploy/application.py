@@ -62,15 +62,15 @@ class Ingress:
             limits = await handles[0].limits.remote()
             routers[name] = ReplicaRouter(name, handles, RequestDoor(config.model, limits), config,
                                           make_routing(args.routing, limits["block_size"]), limits["max_num_seqs"])
-        self.app = create_app(routers, ledger or OpenGate(args.api_key), max_queued_per_tier=args.max_queued_per_tier,
-                              max_body_bytes=args.max_body_bytes, batch_dir=str(batch_dir),
-                              batch_db=shared_batch_db(args, ledger),
-                              ledger_panels=ledger_panels(ledger) if ledger else None)
-        wire_metrics(self.app, routers)
-        attach_ledger(self.app, ledger, args)
+        self._asgi = create_app(routers, ledger or OpenGate(args.api_key),
+                                max_queued_per_tier=args.max_queued_per_tier, max_body_bytes=args.max_body_bytes,
+                                batch_dir=str(batch_dir), batch_db=shared_batch_db(args, ledger),
+                                ledger_panels=ledger_panels(ledger) if ledger else None)
+        wire_metrics(self._asgi, routers)
+        attach_ledger(self._asgi, ledger, args)
 
     def __serve_build_asgi_app__(self):
-        return self.app
+        return self._asgi  # not `self.app`: Serve's ASGI wrapper owns that name
 
 
 def build_app(args: dict):
