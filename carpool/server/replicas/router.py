@@ -14,7 +14,7 @@ import dataclasses
 import threading
 from collections.abc import AsyncIterator, Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import Counter, Gauge
 from ray.exceptions import RayActorError, RayTaskError
 
 from carpool.engine.async_engine import EngineSnapshot
@@ -181,7 +181,7 @@ class ReplicaRouter:
 
     # Metrics ------------------------------------------------------------------------------------------
 
-    def register_metrics(self, registry: CollectorRegistry, routed: Counter, up: Gauge) -> None:
+    def register_metrics(self, routed: Counter, up: Gauge) -> None:
         self._routed, self._up = routed, up
         for index in range(len(self.replicas)):
             routed.labels(self.model_name, str(index))

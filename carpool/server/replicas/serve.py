@@ -66,7 +66,7 @@ def wire_metrics(app, routers: dict) -> None:
     metrics = app.state.metrics
     routed, up = register_router_metrics(metrics.registry)
     for router in routers.values():
-        router.register_metrics(metrics.registry, routed, up)
+        router.register_metrics(routed, up)
 
     def render(registry):
         texts = {}
