@@ -68,6 +68,20 @@ def test_metrics_carry_a_replica_label(server):
     assert ("carpool:time_to_first_token_seconds_count", None) in families  # the ingress's own, unlabelled
 
 
+def test_a_client_that_leaves_aborts_its_request_on_the_replica(server):
+    running = "carpool:num_requests_running"
+    # 2,000 tokens take 15 s or more at one thread: well past the 5 s an abort is given to show.
+    body = {"prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            assert next(line for line in response.iter_lines() if line.startswith("data:"))
+            assert sum(v for (name, _), v in server.metrics().items() if name == running) == 1
+    deadline = time.monotonic() + 5
+    while sum(v for (name, _), v in server.metrics().items() if name == running) > 0:
+        assert time.monotonic() < deadline, "the replica kept generating for a client that left"
+        time.sleep(0.1)
+
+
 def replica_pids(server) -> dict[str, int]:
     pids = {}
     for process in psutil.Process(server.process.pid).children(recursive=True):
