@@ -39,12 +39,13 @@ def add_parser(modes) -> None:
     parser = modes.add_parser("replicas", help="replicas on Ray Serve: prefix vs round-robin routing, N x 1 "
                                                "thread vs 1 x N threads, and the simulator against both")
     parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
-    parser.add_argument("--replicas", type=int, default=2)
-    parser.add_argument("--routing", nargs="+", default=["prefix", "round-robin"])
+    parser.add_argument("--replicas", type=int, default=2, help="engine replicas (each one thread)")
+    parser.add_argument("--routing", nargs="+", default=["prefix", "round-robin"],
+                        help="routing policies to replay, in turn: prefix, least-loaded, round-robin")
     parser.add_argument("--meetings", type=int, default=6, help="transcripts in the document QA workload")
     parser.add_argument("--max-doc-words", type=int, default=900, help="skip longer transcripts")
     parser.add_argument("--chats", type=int, default=6, help="multi-turn conversations in the chat workload")
-    parser.add_argument("--tenants", type=int, default=3)
+    parser.add_argument("--tenants", type=int, default=3, help="API keys the sessions are spread over")
     parser.add_argument("--rate", type=float, default=1.0, help="sessions started a second")
     parser.add_argument("--max-tokens", type=int, default=16, help="output tokens a request")
     parser.add_argument("--num-kv-blocks", type=int, default=None,
@@ -53,7 +54,7 @@ def add_parser(modes) -> None:
     parser.add_argument("--skip-throughput", action="store_true", help="no 1 replica x N threads run")
     parser.add_argument("--hourly-price", type=float, default=0.10,
                         help="dollars an hour one replica's share of the machine costs, for the simulator's cost")
-    parser.add_argument("--out", default="bench-results/replicas.json")
+    parser.add_argument("--out", default="bench-results/replicas.json", help="where the JSON results go")
     parser.set_defaults(func=main)
 
 

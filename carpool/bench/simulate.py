@@ -283,21 +283,22 @@ def add_parser(modes) -> None:
     parser = modes.add_parser("simulate", help="predict TTFT/ITL, hit rate and cost per 1M tokens for 1-64 "
                                                "replicas from this machine's measured step times")
     parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
-    parser.add_argument("--replicas", type=lambda text: [int(v) for v in text.split(",")], default=[1, 2, 4, 8, 16,
-                                                                                                    32, 64])
-    parser.add_argument("--routing", nargs="+", default=["prefix", "round-robin"])
+    parser.add_argument("--replicas", type=lambda text: [int(v) for v in text.split(",")],
+                        default=[1, 2, 4, 8, 16, 32, 64], help="replica counts to simulate, comma-separated")
+    parser.add_argument("--routing", nargs="+", default=["prefix", "round-robin"],
+                        help="routing policies to simulate: prefix, least-loaded, round-robin")
     parser.add_argument("--rate", type=float, default=0.15, help="sessions started a second, per replica")
     parser.add_argument("--meetings", type=int, default=4, help="a replica's worth of traffic: as bench replicas")
-    parser.add_argument("--max-doc-words", type=int, default=700)
-    parser.add_argument("--chats", type=int, default=4)
-    parser.add_argument("--tenants", type=int, default=3)
+    parser.add_argument("--max-doc-words", type=int, default=700, help="skip longer transcripts")
+    parser.add_argument("--chats", type=int, default=4, help="multi-turn conversations a replica")
+    parser.add_argument("--tenants", type=int, default=3, help="tenants a replica's traffic comes from")
     parser.add_argument("--threads", type=int, default=1, help="torch threads a replica (the fitted step model's)")
     parser.add_argument("--step", default=None, metavar="BASE,PER_PREFILL_TOKEN,PER_DECODE_SEQ",
                         help="a step model in seconds instead of fitting one to this machine")
     parser.add_argument("--hourly-price", type=float, default=0.10, help="dollars an hour a replica costs")
-    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=16, help="output tokens a request")
     parser.add_argument("--num-kv-blocks", type=int, default=ReplicaSpec.num_blocks, help="each replica's KV pool")
-    parser.add_argument("--out", default="bench-results/simulate.json")
+    parser.add_argument("--out", default="bench-results/simulate.json", help="where the JSON results go")
     parser.set_defaults(func=main)
 
 

@@ -45,9 +45,8 @@ class Ingress:
     """The carpool app (carpool.server.app) over ReplicaRouters to this application's engine replicas."""
 
     async def __init__(self, flags: list[str], replicas: dict[str, list]):
-        from carpool.economics.dashboard import ledger_panels
         from carpool.server.app import create_app
-        from carpool.server.cli import attach_ledger, open_gate, shared_batch_db
+        from carpool.server.cli import attach_ledger, dashboard_ledger_panels, open_gate, shared_batch_db
         from carpool.server.gate import OpenGate
         from carpool.server.replicas.door import RequestDoor
         from carpool.server.replicas.router import ReplicaRouter
@@ -65,7 +64,7 @@ class Ingress:
         self._asgi = create_app(routers, ledger or OpenGate(args.api_key),
                                 max_queued_per_tier=args.max_queued_per_tier, max_body_bytes=args.max_body_bytes,
                                 batch_dir=str(batch_dir), batch_db=shared_batch_db(args, ledger),
-                                ledger_panels=ledger_panels(ledger) if ledger else None)
+                                ledger_panels=dashboard_ledger_panels(ledger))
         wire_metrics(self._asgi, routers)
         attach_ledger(self._asgi, ledger, args)
 

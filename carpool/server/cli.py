@@ -171,6 +171,13 @@ def shared_batch_db(args: argparse.Namespace, ledger) -> str | None:
     return db if ledger and is_postgres_url(db) else None
 
 
+def dashboard_ledger_panels(ledger):
+    """The ledger's part of /dashboard (spend and budgets per key), or None on a server without a ledger."""
+    from carpool.economics.dashboard import ledger_panels
+
+    return ledger_panels(ledger) if ledger else None
+
+
 def attach_ledger(app, ledger, args: argparse.Namespace) -> None:
     """The ledger's /metrics series and usage routes, when there is a ledger."""
     from carpool.economics.routes import usage_router
@@ -197,7 +204,6 @@ def serve(args: argparse.Namespace, configs: dict) -> int:
         return serve_replicas(args, configs)
     import uvicorn
 
-    from carpool.economics.dashboard import ledger_panels
     from carpool.economics.phase_meter import PhaseMeter, register_phase_metrics
     from carpool.engine.async_engine import AsyncEngine, EngineLoop
     from carpool.server.app import create_app
@@ -216,7 +222,7 @@ def serve(args: argparse.Namespace, configs: dict) -> int:
         max_body_bytes=args.max_body_bytes,
         batch_dir=str(batch_dir),
         batch_db=shared_batch_db(args, ledger),
-        ledger_panels=ledger_panels(ledger) if ledger else None,
+        ledger_panels=dashboard_ledger_panels(ledger),
         cascades=cascades,
         compression_model=args.compression_model,
     )

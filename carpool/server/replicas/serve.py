@@ -84,9 +84,8 @@ def serve_replicas(args: argparse.Namespace, configs: dict[str, EngineConfig]) -
     import ray
     from ray import serve
 
-    from carpool.economics.dashboard import ledger_panels
     from carpool.server.app import create_app
-    from carpool.server.cli import attach_ledger, open_gate, shared_batch_db
+    from carpool.server.cli import attach_ledger, dashboard_ledger_panels, open_gate, shared_batch_db
     from carpool.server.gate import OpenGate
 
     ledger, batch_dir, batch_dir_lock = open_gate(args, configs)
@@ -97,7 +96,7 @@ def serve_replicas(args: argparse.Namespace, configs: dict[str, EngineConfig]) -
         app = create_app(routers, ledger or OpenGate(args.api_key), max_queued_per_tier=args.max_queued_per_tier,
                          max_body_bytes=args.max_body_bytes, batch_dir=str(batch_dir),
                          batch_db=shared_batch_db(args, ledger),
-                         ledger_panels=ledger_panels(ledger) if ledger else None)
+                         ledger_panels=dashboard_ledger_panels(ledger))
         wire_metrics(app, routers)
         attach_ledger(app, ledger, args)
         sys.setswitchinterval(0.001)  # as in `carpool serve`: the event loop is this process's hot thread
