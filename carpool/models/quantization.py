@@ -32,7 +32,7 @@ QUANTIZATION_MODES = ("auto", "none", *GGML_TYPES)
 # row to int8 (per 32 values, or per 256 for K-quants) and runs integer dot products when a call has at most
 # int8_dot_max_rows(qtype) rows (decode batches: up to 64 for the K-quants, fewer where the exact path is as fast;
 # per format and kernel build), what llama.cpp does: 2-3x faster at batch 1, 1.2-2x at 16-64 rows, ~1% error per
-# linear. Prompts (more rows) stay exact.
+# linear. The limit counts a step's rows, prompt chunks included: only calls with more rows stay exact.
 MATMUL_MODES = ("exact", "int8-dot")
 # Every format torch.ops.carpool.ggml_linear / ggml_dequantize run from a GGUF file's own blocks.
 KERNEL_TYPES = frozenset(
