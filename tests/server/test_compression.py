@@ -149,3 +149,44 @@ def test_a_start_that_did_not_compress_refuses_the_extension(engine):
     with pytest.raises(APIError, match="prompt_compression") as refused:
         serving.start_chat(body, Principal())
     assert refused.value.param == "prompt_compression"
+
+
+def test_the_admitted_estimate_bounds_what_the_scorer_reads(engine):
+    """The iterative pass reads each window after the protected text and kept tokens before it: a long system
+    prompt is read once per window, far more than twice the compressible tokens."""
+    from carpool.server.compression.compressor import scoring_bound
+
+    scorer = EngineScorer(engine, "m", "default")
+    demos = "\n\n".join(f"Question: {p['question']}\nAnswer: {p['answer']}"
+                        for p in itertools.islice(gsm8k(), 6))
+    pieces = [Piece(SYSTEM * 20, True, 0), Piece(demos + "\n\n", False, 1), Piece(QUESTION, True, 1)]
+    bound = scoring_bound(pieces, scorer)
+    asyncio.run(compress(pieces, Budget(rate=0.9), scorer))
+    assert scorer.prompt_tokens + scorer.output_tokens <= bound
+
+
+def test_a_compression_that_scores_nothing_still_settles_its_admission(engine):
+    """A gate that reserves at admission holds the budget until the record: the record comes with zero tokens."""
+    gate = RecordingGate()
+    app = create_app({"m": engine}, gate)
+    body = {"model": "m", "messages": [{"role": "user", "content": DEMOS + "\n\n" + QUESTION}], "max_tokens": 1,
+            "prompt_compression": {"target_tokens": 100000}}
+    assert post(app, "/v1/chat/completions", body).status_code == 200
+    scored = next(r for r in gate.records if r.purpose == "compression")
+    assert scored.request_id in gate.admitted and scored.prompt_tokens == 0
+
+
+def test_a_scorer_that_fails_is_still_billed_for_what_it_read(engine, monkeypatch):
+    gate = RecordingGate()
+    app = create_app({"m": engine}, gate)
+
+    async def failing(self, request):
+        raise RuntimeError("scorer broke")
+
+    monkeypatch.setattr(EngineScorer, "_last", failing)
+    body = {"model": "m", "messages": [{"role": "user", "content": DEMOS + "\n\n" + QUESTION}], "max_tokens": 1,
+            "prompt_compression": {"rate": 0.5}}
+    with pytest.raises(RuntimeError):
+        post(app, "/v1/chat/completions", body)
+    scored, = gate.records
+    assert scored.purpose == "compression" and scored.request_id in gate.admitted and scored.prompt_tokens > 0

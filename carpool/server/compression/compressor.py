@@ -113,6 +113,24 @@ async def compress(pieces: list[Piece], budget: Budget, scorer: Scorer,
     return Compressed(texts, original, count(texts), target)
 
 
+def scoring_bound(pieces: list[Piece], scorer: Scorer) -> int:
+    """An upper bound of the tokens compress() has `scorer` read (prompts plus their one output token each), for
+    the gate to reserve before the work starts. The coarse pass reads each compressible paragraph once; the
+    iterative pass reads each window after everything before it (protected text and kept tokens), so its j-th
+    window is at most all protected tokens plus the first min(C, WINDOW_TOKENS * j) compressible ones. A protected
+    piece cuts a window short, so there are at most ceil(C / WINDOW_TOKENS) windows plus one per protected piece."""
+    sizes = [(p.protected, len(scorer.tokenizer.encode(text, add_special_tokens=False)))
+             for piece in pieces for p, text in _paragraphs(piece) if text]
+    protected = sum(size for is_protected, size in sizes if is_protected)
+    compressible = [size for is_protected, size in sizes if not is_protected]
+    total = sum(compressible)
+    if not total:
+        return 0
+    windows = -(-total // WINDOW_TOKENS) + sum(1 for is_protected, _ in sizes if is_protected)
+    fine = sum(min(scorer.max_tokens, protected + min(total, WINDOW_TOKENS * j)) for j in range(1, windows + 1))
+    return total + len(compressible) + fine + windows
+
+
 def _paragraphs(piece: Piece):
     """A compressible piece's paragraphs, each with the blank line after it (a few-shot prompt's demonstrations
     are paragraphs), or its lines when it has no blank line (a transcript's turns); a protected piece whole."""

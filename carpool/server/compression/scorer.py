@@ -29,9 +29,11 @@ class EngineScorer(Scorer):
         start = time.monotonic()
         batch = uuid.uuid4().hex[:8]
         requests = [self.engine.request(f"{self.request_id}-{batch}-{i}", ids, _SCORE, self.tier) for i, ids in enumerate(prompts)]
-        outputs = await asyncio.gather(*(self._last(request) for request in requests))
-        self.seconds += time.monotonic() - start
-        self.prompt_tokens += sum(len(ids) for ids in prompts)
+        try:
+            outputs = await asyncio.gather(*(self._last(request) for request in requests))
+        finally:  # prompts handed to the engine are billed, also when scoring them failed
+            self.seconds += time.monotonic() - start
+            self.prompt_tokens += sum(len(ids) for ids in prompts)
         self.output_tokens += sum(len(output.token_ids) for output in outputs)
         return [[math.inf if entry is None else -entry.logprob for entry in output.prompt_logprobs]
                 for output in outputs]

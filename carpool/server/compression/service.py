@@ -11,7 +11,7 @@ import asyncio
 from dataclasses import dataclass
 
 from carpool.economics.contract import Gate, Principal
-from carpool.server.compression.compressor import Budget, Compressed, Piece, compress
+from carpool.server.compression.compressor import Budget, Compressed, Piece, compress, scoring_bound
 from carpool.server.compression.scorer import EngineScorer
 from carpool.server.errors import APIError
 from carpool.server.generation import Generation
@@ -24,11 +24,6 @@ from carpool.server.protocol import (
 )
 from carpool.engine.tiers import DEFAULT_TIER
 from carpool.server.serving import ModelServing, Serving, requested_tier
-
-# The scorer reads each compressible token about twice (paragraph scores, then the iterative pass): what the gate
-# is asked to admit before the work starts.
-SCORED_PER_TOKEN = 2
-
 
 @dataclass
 class Applied:
@@ -112,18 +107,16 @@ class CompressionService:
         pieces = _protect(pieces, asked.protected or [])
         scorer_serving = self.serving.models[self.model_name]
         scorer = EngineScorer(scorer_serving.engine, self.model_name, tier)
-        estimate = SCORED_PER_TOKEN * sum(len(scorer.tokenizer.encode(p.text, add_special_tokens=False))
-                                          for p in pieces if not p.protected)
-        self.gate.admit(principal, tier, estimate, request_id=scorer.request_id)
+        self.gate.admit(principal, tier, scoring_bound(pieces, scorer), request_id=scorer.request_id)
         tokenizer = target.tokenizer
         try:
             result = await compress(pieces, budget, scorer, lambda texts: sum(
                 len(tokenizer.encode(text, add_special_tokens=False)) for text in texts))
-        finally:  # the scorer's work is billed even when the request fails after it
-            if scorer.prompt_tokens:
-                durable = self.gate.record(principal, scorer.usage_record(principal, client_request_id))
-                if durable is not None:
-                    await asyncio.wrap_future(durable)
+        finally:  # always recorded, zero tokens included: the record settles the admission's reservation, and
+            # the scorer's work is billed even when the request fails during or after it
+            durable = self.gate.record(principal, scorer.usage_record(principal, client_request_id))
+            if durable is not None:
+                await asyncio.wrap_future(durable)
         return result
 
 
