@@ -13,6 +13,7 @@ import torch
 from carpool import LLM
 from carpool.engine.block_manager import cdiv
 from carpool.engine.sampling_params import SamplingParams
+from carpool.engine.sequence import Sequence
 from carpool.engine.spec_decode import rejection_sampler
 from carpool.engine.spec_decode.ngram import propose_ngram
 from carpool.engine.spec_decode.policy import MIN_SAMPLES, REFRESH, SpeculationPolicy
@@ -275,3 +276,23 @@ def test_rejection_sampling_keeps_the_target_distribution(monkeypatch):
     assert chi_square_p_value(sample_tokens(p, q, 4000), p[0]) > SIGNIFICANCE
     monkeypatch.setattr(rejection_sampler, "residual", lambda p_row, q_row: p_row)
     assert chi_square_p_value(sample_tokens(p, q, 4000), p[0]) < SIGNIFICANCE
+
+
+def test_a_draft_shadow_computes_no_prompt_logprobs_and_reuses_the_draft_prefix_cache(draft_llm):
+    """A request that wants prompt logprobs has them from the target; its draft shadow must not compute every
+    prompt logit nor skip the draft pool's prefix cache."""
+    drafter = draft_llm.engine.speculator.drafter
+    prompt = list(range(1000, 1040))  # two full blocks and a partial one
+    params = SamplingParams(max_tokens=4, prompt_logprobs=1, temperature=0.8, seed=3)
+    first, twin = (Sequence(name, prompt, params) for name in ("first", "twin"))
+    try:
+        first.num_lookahead_tokens = twin.num_lookahead_tokens = 2
+        drafter.propose([first])
+        first.token_ids += [first.spec_token_ids[0], 7]  # the target accepted a draft and sampled one more
+        drafter.propose([first])  # and that sync registers the first shadow's full blocks in the cache
+        shadow = drafter.shadows[first.seq_id]
+        assert shadow.params.prompt_logprobs is None and (shadow.params.seed, shadow.params.temperature) == (3, 0.8)
+        assert drafter._sync(twin)  # the twin's shadow starts from the first's cached blocks, not from token 0
+        assert drafter.shadows[twin.seq_id].num_computed_tokens == 2 * drafter.block_manager.block_size
+    finally:
+        drafter.retain(set())

@@ -8,6 +8,8 @@ are computed in the first pass along with the first draft. A sequence that leave
 (finished, aborted, preempted) gives its shadow's blocks back.
 """
 
+from dataclasses import replace
+
 import torch
 
 from carpool.engine.block_manager import BlockManager
@@ -99,7 +101,9 @@ class DraftModelDrafter:
         """Bring seq's shadow up to seq's tokens; False when the draft pool has no room for it."""
         shadow = self.shadows.get(seq.seq_id)
         if shadow is None:
-            shadow = Sequence(seq.request_id, seq.token_ids, seq.params)
+            # The draft needs no prompt logprobs: computing them would cost every prompt logit and bar the
+            # draft pool's prefix cache (match_prefix serves nothing to a request that wants them).
+            shadow = Sequence(seq.request_id, seq.token_ids, replace(seq.params, prompt_logprobs=None))
             hits = self.block_manager.match_prefix(shadow)
             if not self.block_manager.can_admit(shadow, hits, shadow.num_tokens - len(hits) * self.block_manager.block_size):
                 return False
