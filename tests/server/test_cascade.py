@@ -138,3 +138,36 @@ def test_a_cascade_answers_one_choice(engine, strong_engine):
     response = post(app, "/v1/chat/completions", BODY | {"model": "casc", "n": 2})
     assert response.status_code == 400 and response.json()["error"]["param"] == "n"
     assert gate.records == []
+
+
+def test_a_logistic_score_far_past_the_exponent_range_is_zero_or_one():
+    far = Scorer("logistic", weights=(100.0, 0.0, 0.0, 0.0, 0.0))
+    assert far.score([-20.0]) == 0.0 and far.score([], False) == 0.0
+    assert Scorer("logistic", weights=(-100.0, 0.0, 0.0, 0.0, 0.0)).score([-20.0]) == 1.0
+
+
+class FailingScorer:
+    def score(self, logprobs, hit_length=False):
+        raise OverflowError("math range error")
+
+
+def test_a_scorer_that_raises_escalates_and_its_row_is_still_written(engine, strong_engine):
+    gate = RecordingGate()
+    cascade = Cascade("casc", (Step("cheap", FailingScorer(), 0.0), Step("strong")))
+    app = create_app({"cheap": engine, "strong": strong_engine}, gate, cascades={"casc": cascade})
+    response = post(app, "/v1/chat/completions", BODY | {"model": "casc"})
+    assert response.status_code == 200 and response.headers[ANSWERED_BY_HEADER] == "strong"
+    assert [(r.model, r.cascade_accepted) for r in gate.records] == [("cheap", False), ("strong", True)]
+
+
+def test_a_last_step_that_failed_is_not_accepted(engine, strong_engine, monkeypatch):
+    app, gate = cascade_app(engine, strong_engine, 1.0)  # always escalates to the last step
+
+    async def broken(request):
+        raise RuntimeError("engine stopped")
+        yield
+
+    monkeypatch.setattr(strong_engine, "generate", broken)
+    response = post(app, "/v1/chat/completions", BODY | {"model": "casc"})
+    assert response.status_code == 500
+    assert [(r.model, r.cascade_accepted) for r in gate.records] == [("cheap", False), ("strong", False)]

@@ -44,8 +44,8 @@ class CascadeServing:
             last = index == len(cascade.steps) - 1
             attempt = body.model_copy(update={"model": step.model} | ({} if last else _with_logprobs(body)))
             gen, fmt = self._start(attempt, principal)
-            verdict = Verdict(accepted=True) if last else Verdict()
-            gen.ledger_fields = _ledger_fields(cascade, index, step, verdict, client_request_id)
+            verdict = Verdict()
+            gen.ledger_fields = _ledger_fields(cascade, index, step, verdict, client_request_id, last)
             if not last:
                 try:
                     await gen.wait()
@@ -87,9 +87,10 @@ def _client_wants_logprobs(body) -> bool:
     return bool(body.logprobs) if isinstance(body, ChatCompletionRequest) else body.logprobs is not None
 
 
-def _ledger_fields(cascade: Cascade, index: int, step: Step, verdict: Verdict, parent: str):
+def _ledger_fields(cascade: Cascade, index: int, step: Step, verdict: Verdict, parent: str, last: bool):
     """The attempt's ledger columns; the verdict is taken here, as the row is written, from the finished output.
-    An attempt that ended without a whole answer (aborted, failed) is never accepted."""
+    An attempt that ended without a whole answer (aborted, failed) is never accepted; the last step accepts any
+    whole answer unscored."""
 
     def fields(gen: Generation) -> dict:
         if verdict.accepted is None:
@@ -97,10 +98,16 @@ def _ledger_fields(cascade: Cascade, index: int, step: Step, verdict: Verdict, p
             output = choice.last
             if output is None or choice.finish_reason not in ("stop", "length"):
                 verdict.accepted = False
+            elif last:
+                verdict.accepted = True
             else:
                 logprobs = [lp.logprob for lp in output.logprobs or []]
-                verdict.score = step.scorer.score(logprobs, choice.finish_reason == "length")
-                verdict.accepted = verdict.score >= step.threshold
+                try:
+                    verdict.score = step.scorer.score(logprobs, choice.finish_reason == "length")
+                except (ArithmeticError, ValueError):  # the row must still be written: escalate unscored
+                    verdict.accepted = False
+                else:
+                    verdict.accepted = verdict.score >= step.threshold
         return {"purpose": "cascade_attempt", "parent_request_id": parent, "cascade": cascade.name,
                 "cascade_step": index, "cascade_accepted": verdict.accepted}
 

@@ -38,8 +38,16 @@ class Scorer:
     def score(self, logprobs: list[float], hit_length: bool = False) -> float:
         if self.kind == "logistic":
             x = features(logprobs, hit_length, self.tail_tokens)
-            return 1.0 / (1.0 + math.exp(-(sum(w * f for w, f in zip(self.weights, x)) + self.bias)))
+            return _sigmoid(sum(w * f for w, f in zip(self.weights, x)) + self.bias)
         return features(logprobs, hit_length, self.tail_tokens)[FEATURES.index(self.kind)]
+
+
+def _sigmoid(z: float) -> float:
+    """1 / (1 + e^-z) without overflow: a calibrated weight times a -20-nat empty answer can put |z| past 709."""
+    if z >= 0:
+        return 1.0 / (1.0 + math.exp(-z))
+    e = math.exp(z)
+    return e / (1.0 + e)
 
 
 def features(logprobs: list[float], hit_length: bool, tail_tokens: int = DEFAULT_TAIL_TOKENS) -> list[float]:
