@@ -57,6 +57,16 @@ class Serving:
     def start_chat(self, request: ChatCompletionRequest, principal: Principal) -> tuple[Generation, ChatFormat]:
         return self.model(request.model).start_chat(request, principal)
 
+    def check(self, request: ChatCompletionRequest | CompletionRequest, principal: Principal) -> None:
+        """The start's every check of `request` (the 400 it would answer), without starting or admitting it: for
+        work billed before the start (a compression, a cascade's earlier steps) not to run for a request that
+        fails. A prompt still to be compressed is not held to the context length."""
+        serving = self.model(request.model)
+        if isinstance(request, ChatCompletionRequest):
+            serving.start_chat(request, principal, check_only=True)
+        else:
+            serving.start_completion(request, principal, check_only=True)
+
     def start_completion(self, request: CompletionRequest, principal: Principal) -> tuple[Generation, CompletionFormat]:
         return self.model(request.model).start_completion(request, principal)
 
@@ -91,7 +101,8 @@ class ModelServing:
 
     # Generation -----------------------------------------------------------------------------------------
 
-    def start_chat(self, request: ChatCompletionRequest, principal: Principal) -> tuple[Generation, ChatFormat]:
+    def start_chat(self, request: ChatCompletionRequest, principal: Principal,
+                   check_only: bool = False) -> tuple[Generation, ChatFormat] | None:
         renamed = {"prompt": "messages"}
         if request.max_completion_tokens is not None:
             renamed["max_tokens"] = "max_completion_tokens"
@@ -102,7 +113,9 @@ class ModelServing:
         max_tokens = request.max_completion_tokens or request.max_tokens
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         gen = self._start(request, principal, [prompt_ids], max_tokens, logprobs, renamed,
-                          structured=structured or self._structured(request))
+                          structured=structured or self._structured(request), check_only=check_only)
+        if check_only:
+            return None
         names = None if tools is None else frozenset(tool["function"]["name"] for tool in tools)
         return gen, ChatFormat(self.tokenizer, logprobs is not None, tool_names=names)
 
@@ -158,7 +171,8 @@ class ModelServing:
         except ValueError as error:
             raise APIError.from_value_error(error, type(request).model_fields) from error
 
-    def start_completion(self, request: CompletionRequest, principal: Principal) -> tuple[Generation, CompletionFormat]:
+    def start_completion(self, request: CompletionRequest, principal: Principal,
+                         check_only: bool = False) -> tuple[Generation, CompletionFormat] | None:
         prompt = request.prompt
         prompts = prompt if isinstance(prompt, list) and not isinstance(prompt[0], int) else [prompt]
         if request.echo and request.logprobs is not None:
@@ -177,7 +191,9 @@ class ModelServing:
         echoes = prompts if request.echo else None
         max_tokens = request.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
         gen = self._start(request, principal, prompt_ids, max_tokens, request.logprobs, {}, best_of, echoes,
-                          self._structured(request))
+                          self._structured(request), check_only)
+        if check_only:
+            return None
         return gen, CompletionFormat(self.tokenizer, request.logprobs is not None)
 
     def _tokenize(self, prompt: str | list[int], request: GenerationRequest, renamed=None) -> list[int]:
@@ -188,9 +204,12 @@ class ModelServing:
 
     def _start(self, request: GenerationRequest, principal: Principal, prompts: list[list[int]],
                max_tokens: int | None, logprobs: int | None, renamed: dict, best_of: int | None = None,
-               echoes: list[str | list[int]] | None = None, structured: StructuredOutput | None = None) -> Generation:
-        """Each prompt runs best_of (default n) candidates; with best_of > n the n best of each are returned."""
-        if request.prompt_compression is not None:  # the HTTP routes compress first and clear it; a batch line cannot
+               echoes: list[str | list[int]] | None = None, structured: StructuredOutput | None = None,
+               check_only: bool = False) -> Generation | None:
+        """Each prompt runs best_of (default n) candidates; with best_of > n the n best of each are returned.
+        check_only: every check, then None (nothing reserved or admitted)."""
+        # The HTTP routes compress first and clear it; a batch line cannot.
+        if request.prompt_compression is not None and not check_only:
             raise APIError(400, "prompt_compression: not supported here (only on the live /v1 routes)",
                            param="prompt_compression")
         tier = requested_tier(request)
@@ -209,11 +228,19 @@ class ModelServing:
             for j in range(candidates):
                 params = self._params(request, prompt_ids, max_tokens, logprobs, j, renamed,
                                       best_of=candidates if candidates > n else 1, structured=structured)
-                engine_request = self._engine_request(request, f"{request_id}-{len(choices)}", prompt_ids, params,
-                                                      tier, cache_salt, renamed)
+                try:
+                    engine_request = self._engine_request(request, f"{request_id}-{len(choices)}", prompt_ids,
+                                                          params, tier, cache_salt, renamed)
+                except APIError as error:  # a prompt still to be compressed may be longer than the context
+                    if check_only and request.prompt_compression is not None \
+                            and error.code == "context_length_exceeded":
+                        continue
+                    raise
                 if echoes and j == 0:  # token ids are decoded only once the door has found them in the vocabulary
                     echo = echoes[i] if isinstance(echoes[i], str) else self.tokenizer.decode(prompt_ids)
                 choices.append(Choice(len(choices), engine_request, bills_prompt=j == 0, prompt_index=i, echo=echo))
+        if check_only:
+            return None
         self.queues.reserve(tier, len(choices))
         try:
             self.gate.admit(principal, tier, sum(len(c.request.prompt_token_ids) + c.request.params.max_tokens

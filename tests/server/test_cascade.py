@@ -171,3 +171,11 @@ def test_a_last_step_that_failed_is_not_accepted(engine, strong_engine, monkeypa
     response = post(app, "/v1/chat/completions", BODY | {"model": "casc"})
     assert response.status_code == 500
     assert [(r.model, r.cascade_accepted) for r in gate.records] == [("cheap", False), ("strong", False)]
+
+
+def test_a_body_the_last_step_refuses_runs_no_step(engine, strong_engine):
+    """Steps before the last get logprobs turned on, so top_logprobs alone passes them and fails the last."""
+    app, gate = cascade_app(engine, strong_engine, 1.0)
+    response = post(app, "/v1/chat/completions", BODY | {"model": "casc", "top_logprobs": 2})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "top_logprobs"
+    assert gate.records == []

@@ -190,3 +190,18 @@ def test_a_scorer_that_fails_is_still_billed_for_what_it_read(engine, monkeypatc
         post(app, "/v1/chat/completions", body)
     scored, = gate.records
     assert scored.purpose == "compression" and scored.request_id in gate.admitted and scored.prompt_tokens > 0
+
+
+@pytest.mark.parametrize(("path", "extra", "param"), [
+    ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+    ("/v1/completions", {"n": 2, "best_of": 1}, "best_of"),
+    ("/v1/completions", {"echo": True, "logprobs": 0}, "echo"),
+])
+def test_a_body_the_start_refuses_is_not_compressed_or_billed(engine, path, extra, param):
+    gate = RecordingGate()
+    app = create_app({"m": engine}, gate)
+    text = DEMOS + "\n\n" + QUESTION
+    body = {"messages": [{"role": "user", "content": text}]} if path.endswith("chat/completions") else {"prompt": text}
+    response = post(app, path, body | {"max_tokens": 2, "prompt_compression": {"rate": 0.5}} | extra)
+    assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+    assert gate.records == [] and gate.admitted == []

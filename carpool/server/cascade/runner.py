@@ -40,9 +40,13 @@ class CascadeServing:
         """(generation, format, headers) of the accepted step; the generation of the last step may still run."""
         cascade = self.cascades[body.model]
         _check_single_choice(body)
-        for index, step in enumerate(cascade.steps):
-            last = index == len(cascade.steps) - 1
-            attempt = body.model_copy(update={"model": step.model} | ({} if last else _with_logprobs(body)))
+        final = len(cascade.steps) - 1
+        attempts = [body.model_copy(update={"model": step.model} | ({} if i == final else _with_logprobs(body)))
+                    for i, step in enumerate(cascade.steps)]
+        for attempt in attempts:  # a body a later step refuses must not run (and bill) the earlier ones
+            self.serving.check(attempt, principal)
+        for index, (step, attempt) in enumerate(zip(cascade.steps, attempts)):
+            last = index == final
             gen, fmt = self._start(attempt, principal)
             verdict = Verdict()
             gen.ledger_fields = _ledger_fields(cascade, index, step, verdict, client_request_id, last)

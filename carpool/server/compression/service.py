@@ -67,6 +67,9 @@ class CompressionService:
         if body.model is not None and body.model not in self.serving.models:
             raise APIError(400, f"prompt_compression: not available for {body.model!r}, which is not a served model",
                            param="prompt_compression")
+        # The start's checks first, in a thread (tokenizing, compiling a grammar): a request it would refuse
+        # must not run and bill the scorer.
+        await asyncio.to_thread(self.serving.check, body, principal)
         target = self.serving.model(body.model)
         tier = requested_tier(body)
         if isinstance(body, ChatCompletionRequest):
