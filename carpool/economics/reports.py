@@ -188,8 +188,9 @@ def cascade_summary(conn: sqlite3.Connection, prices, start: float | None = None
     request reached the real last step, savings are against the strongest step that ran."""
     rows = conn.execute(
         "SELECT cascade, parent_request_id, cascade_step, cascade_accepted, model, tier, uncached_prompt_tokens,"
-        " cache_read_tokens, cache_write_tokens, output_tokens, cost FROM ledger WHERE purpose = 'cascade_attempt'"
-        " AND time >= ? AND time < ? ORDER BY cascade, parent_request_id, cascade_step",
+        " cache_read_tokens, cache_write_tokens, output_tokens, cost, key_id FROM ledger"
+        " WHERE purpose = 'cascade_attempt' AND time >= ? AND time < ? ORDER BY cascade, key_id, parent_request_id,"
+        " cascade_step",
         (start if start is not None else float("-inf"), end if end is not None else float("inf")),
     ).fetchall()
     by_cascade: dict[str, list] = {}
@@ -199,13 +200,13 @@ def cascade_summary(conn: sqlite3.Connection, prices, start: float | None = None
     for name, attempts in sorted(by_cascade.items()):
         models = {step: model for _, _, step, _, model, *_ in attempts}
         last_step = max(models)
-        requests: dict[str, list] = {}
-        for attempt in attempts:
-            requests.setdefault(attempt[1], []).append(attempt)
+        requests: dict[tuple, list] = {}
+        for attempt in attempts:  # parent_request_id is the client's own x-request-id: two keys may send the same
+            requests.setdefault((attempt[11], attempt[1]), []).append(attempt)
         answered, cost_all_last = {step: 0 for step in sorted(models)}, 0.0
         for parts in requests.values():
             accepted = next((a for a in parts if a[3]), parts[-1])  # an aborted request: its latest attempt
-            _, _, step, _, _, tier, uncached, cache_read, cache_write, output, cost = accepted
+            _, _, step, _, _, tier, uncached, cache_read, cache_write, output, cost, _ = accepted
             answered[step] += 1 if accepted[3] else 0
             if step == last_step:
                 cost_all_last += cost

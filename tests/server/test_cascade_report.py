@@ -51,3 +51,16 @@ def test_shares_cost_and_saving_per_cascade(tmp_path, capsys):
     assert main(["cost", "cascades", "--db", str(db), "--format", "json"]) == 0
     (document,) = json.loads(capsys.readouterr().out)["data"]
     assert document["answered_share"] == {"0": pytest.approx(2 / 3), "1": pytest.approx(1 / 3)}
+
+
+def test_two_keys_sending_the_same_request_id_are_two_requests(tmp_path):
+    gate = open_ledger_gate(tmp_path / "ledger.db")
+    for key in ("k1", "k2"):
+        for row in (attempt("same", 0, "qwen2.5-coder-0.5b", False, 60),
+                    attempt("same", 1, "qwen2.5-coder-1.5b", True, 80)):
+            gate.record(Principal(key_id=key), replace(row, request_id=f"{key}-{row.request_id}", key_id=key))
+    gate.flush()
+    with closing(connect(tmp_path / "ledger.db")) as conn:
+        (summary,) = cascade_summary(conn, gate.prices)
+    assert summary.requests == 2 and summary.answered == {0: 0, 1: 2}
+    gate.close()
