@@ -64,7 +64,8 @@ class Ingress:
         self._asgi = create_app(routers, ledger or OpenGate(args.api_key),
                                 max_queued_per_tier=args.max_queued_per_tier, max_body_bytes=args.max_body_bytes,
                                 batch_dir=str(batch_dir), batch_db=shared_batch_db(args, ledger),
-                                ledger_panels=dashboard_ledger_panels(ledger))
+                                ledger_panels=dashboard_ledger_panels(ledger),
+                                compression_model=args.compression_model)
         wire_metrics(self._asgi, routers)
         attach_ledger(self._asgi, ledger, args)
 
@@ -74,10 +75,13 @@ class Ingress:
 
 def build_app(args: dict):
     """The application for `serve run` (an application builder: Serve passes the config file's `args`)."""
+    from carpool.server.cli import checked_extensions
+
     flags = serve_flags(args)
     parsed, configs = parse_serve_flags(flags)
     if parsed.replicas < 1:
         raise ValueError(f"replicas: must be at least 1, got {parsed.replicas}")
+    checked_extensions(parsed, configs)  # cascades are refused here as by `carpool serve --replicas`
     replicas = {name: [replica_deployment(config, name, i, warmup=not parsed.no_warmup)
                        for i in range(parsed.replicas)] for name, config in configs.items()}
     return Ingress.bind(flags, replicas)

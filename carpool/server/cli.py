@@ -188,16 +188,23 @@ def attach_ledger(app, ledger, args: argparse.Namespace) -> None:
         app.include_router(usage_router(ledger, caller=request_principal))
 
 
-def serve(args: argparse.Namespace, configs: dict) -> int:
+def checked_extensions(args: argparse.Namespace, configs: dict) -> dict | None:
+    """The cascades of --cascades, with --cascades and --compression-model checked against the served models (and
+    the replica modes: `carpool serve --replicas` and the Ray Serve deployment); ValueError naming the flag."""
     from carpool.server.cascade.config import load_cascades
 
-    # Checked before any model loads: a bad file or a step naming an unserved model fails at once.
     cascades = load_cascades(args.cascades, list(configs)) if args.cascades else None
     if args.compression_model is not None and args.compression_model not in configs:
         raise ValueError(f"--compression-model: {args.compression_model!r} is not served (served: "
                          f"{', '.join(configs)})")
     if cascades and args.replicas:
         raise ValueError("--cascades: not supported with --replicas yet; serve the cascade from one process")
+    return cascades
+
+
+def serve(args: argparse.Namespace, configs: dict) -> int:
+    # Checked before any model loads: a bad file or a step naming an unserved model fails at once.
+    cascades = checked_extensions(args, configs)
     if args.replicas:
         from carpool.server.replicas.serve import serve_replicas
 

@@ -96,7 +96,7 @@ def serve_replicas(args: argparse.Namespace, configs: dict[str, EngineConfig]) -
         app = create_app(routers, ledger or OpenGate(args.api_key), max_queued_per_tier=args.max_queued_per_tier,
                          max_body_bytes=args.max_body_bytes, batch_dir=str(batch_dir),
                          batch_db=shared_batch_db(args, ledger),
-                         ledger_panels=dashboard_ledger_panels(ledger))
+                         ledger_panels=dashboard_ledger_panels(ledger), compression_model=args.compression_model)
         wire_metrics(app, routers)
         attach_ledger(app, ledger, args)
         sys.setswitchinterval(0.001)  # as in `carpool serve`: the event loop is this process's hot thread
