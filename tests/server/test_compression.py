@@ -205,3 +205,22 @@ def test_a_body_the_start_refuses_is_not_compressed_or_billed(engine, path, extr
     response = post(app, path, body | {"max_tokens": 2, "prompt_compression": {"rate": 0.5}} | extra)
     assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
     assert gate.records == [] and gate.admitted == []
+
+
+def test_a_prompt_longer_than_the_context_is_checked_after_compression():
+    """The start's checks run before compressing, but the context length is the compressed prompt's to meet."""
+    from carpool import LLM
+    from carpool.engine.async_engine import AsyncEngine
+
+    short = AsyncEngine(engine=LLM(max_num_seqs=2, max_model_len=256, dtype="float32", matmul="exact").engine)
+    short.start()
+    try:
+        gate = RecordingGate()
+        app = create_app({"m": short}, gate)
+        body = {"model": "m", "messages": [{"role": "user", "content": DEMOS + "\n\n" + QUESTION}], "max_tokens": 2}
+        assert post(app, "/v1/chat/completions", body).json()["error"]["code"] == "context_length_exceeded"
+        response = post(app, "/v1/chat/completions", body | {"prompt_compression": {"target_tokens": 150}})
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["prompt_tokens_details"]["original_prompt_tokens"] > 256
+    finally:
+        short.stop()
