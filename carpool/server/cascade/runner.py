@@ -108,7 +108,7 @@ def _ledger_fields(cascade: Cascade, index: int, step: Step, verdict: Verdict, p
                 logprobs = [lp.logprob for lp in output.logprobs or []]
                 try:
                     verdict.score = step.scorer.score(logprobs, choice.finish_reason == "length")
-                except (ArithmeticError, ValueError):  # the row must still be written: escalate unscored
+                except Exception:  # whatever the scorer raises, the row must still be written: escalate unscored
                     verdict.accepted = False
                 else:
                     verdict.accepted = verdict.score >= step.threshold
