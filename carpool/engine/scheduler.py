@@ -41,6 +41,8 @@ class Scheduler:
         self.limits = StepLimits(config.max_num_batched_tokens, config.max_num_seqs, "fixed")  # the last step's
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
+        self._held = 0  # this step's tokens held for lower tiers' prompts (limits.reserved, when one can use them)
+        self._draft_tokens = 0  # this step's tokens left for speculative lookahead
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -76,13 +78,18 @@ class Scheduler:
         # A background tier's decodes sit out any step that computes a foreground tier's prompt.
         foreground_prompt = any(s.priority < BACKGROUND_PRIORITY and s.num_tokens - s.num_computed_tokens > 1
                                 for s in self.running + self.waiting)
-        for seq in [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]:
-            if not (foreground_prompt and seq.priority >= BACKGROUND_PRIORITY):
-                self._schedule_running(seq, batch, rank)
-        # Prompt work, running chunks and new admissions alike, in rank order: a priority request's prompt is
-        # never queued behind the chunks of a batch-tier prompt that happened to start first.
+        decodes = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1
+                   and not (foreground_prompt and s.priority >= BACKGROUND_PRIORITY)]
         prompts = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1] + self.waiting
         pending = {h for s in self.running for h in self.block_manager.uncomputed_prompt_hashes(s)}
+        self._held = self.limits.reserved if any(self._may_use_held(s, pending, rank) for s in prompts) else 0
+        # Drafts get what is left after every decode's token and the held block: drawn from the whole step,
+        # the first decodes' lookahead took the later (priority) decodes' tokens and they sat out the step.
+        self._draft_tokens = max(0, self.limits.max_tokens - len(decodes) - self._held)
+        for seq in decodes:
+            self._schedule_running(seq, batch, rank)
+        # Prompt work, running chunks and new admissions alike, in rank order: a priority request's prompt is
+        # never queued behind the chunks of a batch-tier prompt that happened to start first.
         admitting = not batch.preempted
         for seq in sorted(prompts, key=rank.__getitem__):
             if self._budget(batch) <= 0:
@@ -93,8 +100,7 @@ class Scheduler:
                 continue
             if not admitting or seq in batch.preempted:
                 continue
-            if self.limits.max_seqs <= len(self.running) < self.config.max_num_seqs \
-                    and seq.priority > self.limits.exempt_priority:
+            if self._capped(seq, rank):
                 continue  # the SLO cap: the batch grows only for the tier it protects until lower ones finish
             if self._budget(batch, seq) <= 0:
                 continue  # what is left of the step is held for a lower tier's prompt
@@ -110,13 +116,33 @@ class Scheduler:
                 pending.update(self.block_manager.uncomputed_prompt_hashes(seq))
         return batch
 
+    def _capped(self, seq: Sequence, rank: dict) -> bool:
+        """Whether the SLO cap keeps waiting seq out. Never behind a running sequence of a lower (aged) tier:
+        the cap's floor leaves one slot for all lower tiers together, and a flex request holding it kept a
+        default one waiting; seq goes past the cap instead (no one is recomputed), the batch shrinks as they finish."""
+        if not self.limits.max_seqs <= len(self.running) < self.config.max_num_seqs:
+            return False
+        if seq.priority <= self.limits.exempt_priority:
+            return False
+        return not any(rank[r][0] > rank[seq][0] for r in self.running)
+
+    def _may_use_held(self, seq: Sequence, pending: set, rank: dict) -> bool:
+        """Whether seq is a lower tier's prompt that this step could compute with the held block: running, or
+        waiting without the cap keeping it out nor its next block being computed by a running prefill."""
+        if seq.priority <= self.limits.exempt_priority:
+            return False
+        if seq.status is SequenceStatus.RUNNING:
+            return True
+        return not self._capped(seq, rank) and \
+            self.block_manager.prompt_block_hash(seq, len(self.block_manager.match_prefix(seq))) not in pending
+
     def _budget(self, batch: ScheduledBatch, seq: Sequence | None = None) -> int:
         """Tokens left this step; for seq's prompt, less the block the SLO controller holds for lower tiers."""
         left = self.limits.max_tokens - batch.num_tokens
         if seq is not None and seq.priority <= self.limits.exempt_priority:
             used = sum(n for s, n in zip(batch.seqs, batch.num_new_tokens)
                        if n > 1 and s.priority > self.limits.exempt_priority)
-            left -= max(0, self.limits.reserved - used)
+            left -= max(0, self._held - used)
         return left
 
     def _schedule_running(self, seq: Sequence, batch: ScheduledBatch, rank: dict) -> None:
@@ -124,10 +150,11 @@ class Scheduler:
         if num_new <= 0 or seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this step
             return
         if seq.num_lookahead_tokens:  # slots for speculative drafts, from what is left over: they preempt no one
-            lookahead = min(seq.num_lookahead_tokens, self._budget(batch) - num_new) if num_new == 1 else 0
+            lookahead = min(seq.num_lookahead_tokens, self._draft_tokens) if num_new == 1 else 0
             if not self.block_manager.can_allocate(seq, seq.num_computed_tokens + num_new + lookahead):
                 lookahead = 0
             seq.num_lookahead_tokens = lookahead
+            self._draft_tokens -= lookahead
             num_new += lookahead
         while not self.block_manager.can_allocate(seq, seq.num_computed_tokens + num_new):
             victim = max((s for s in self.running if s not in batch.seqs), key=rank.__getitem__)

@@ -154,7 +154,11 @@ class SloController:
         floor = min(self.max_tokens, len(decodes) + self.min_chunk + reserved)
         tokens = self._largest_tokens(target, len(decodes) + 1, context_per_seq * len(running), floor)
         seqs = self._seq_cap(target, context_per_seq, running, waiting, tier)
-        limits = StepLimits(tokens, seqs, "itl", BY_PRIORITY[tier].name, tier, min(reserved, tokens - len(decodes)))
+        # The held block never takes the governing tier's own block of prompt: with a budget of one block beyond
+        # the decodes, holding it left a running priority prompt with nothing while the lower prompt it was held
+        # for waited on that very prompt's blocks (an empty step, forever). Aging still lets lower prompts in.
+        reserved = min(reserved, max(0, tokens - len(decodes) - self.min_chunk))
+        limits = StepLimits(tokens, seqs, "itl", BY_PRIORITY[tier].name, tier, reserved)
         return self._meet_ttft(limits, tier, running, waiting, len(decodes), context_per_seq, now)
 
     def _largest_tokens(self, target: float, seqs: int, context: float, floor: int) -> int:

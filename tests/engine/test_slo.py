@@ -201,3 +201,66 @@ def test_serve_flags_become_the_engine_slos():
 def test_bad_slo_flags_are_refused_naming_the_flag(argv, message):
     with pytest.raises(ValueError, match=message):
         model_configs(build_parser().parse_args(["serve", *argv]))
+
+
+def decoding(s: Scheduler, priority: int, name: str) -> Sequence:
+    """A request admitted and past its prompt, decoding from now on."""
+    seq = request(name, priority)
+    s.add(seq)
+    while not seq.num_output_tokens:
+        step(s)
+    return seq
+
+
+def test_speculative_lookahead_leaves_every_decode_its_token_and_the_held_block():
+    s = scheduler(itl_ms={"priority": 1}, max_seqs=32)  # no step meets 1 ms: the budget falls to its floor
+    teach_slow_steps(s)
+    flex = [decoding(s, FLEX, f"flex-{i}") for i in range(10)]  # alone, flex work runs at the ceilings
+    chats = [decoding(s, PRIORITY, f"chat-{i}") for i in range(10)]  # the protected tier is admitted past the cap
+    prompt = request("default-prompt", BY_NAME["default"].priority, length=64)  # lower tier, not capped
+    s.add(prompt)
+    for seq in flex + chats:
+        seq.num_lookahead_tokens = 4
+    batch = s.schedule()
+    assert s.limits.max_tokens < 20 + 4 * 20 + 16  # drafts for everyone do not fit
+    assert set(flex + chats) <= set(batch.seqs)  # every decode runs; drafts come from what is left
+    assert batch.num_new_tokens[batch.seqs.index(prompt)] == 16  # nor the block held for a lower tier's prompt
+
+
+def test_a_held_block_never_stalls_a_priority_prompt_that_a_lower_prompt_waits_on():
+    config = EngineConfig(max_num_seqs=16, max_num_batched_tokens=16, slo_itl_ms={"priority": 50})
+    s = Scheduler(config, BlockManager(64, 16, True))
+    teach_slow_steps(s)
+    prompt = list(range(100, 164))
+    chat = Sequence("chat", prompt, SamplingParams(max_tokens=2), priority=PRIORITY)
+    s.add(chat)
+    step(s)  # one 16-token chunk, which lands in the prefix cache
+    s.block_manager.cache_full_blocks(chat)
+    flex = Sequence("flex", prompt[:32] + list(range(500, 532)), SamplingParams(max_tokens=2), priority=FLEX)
+    s.add(flex)
+    for _ in range(40):
+        if not s.has_work():
+            break
+        batch = s.schedule()
+        assert batch, "an empty step while work is left"
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+            s.block_manager.cache_full_blocks(seq)  # what the engine does after each step
+            if seq.num_computed_tokens == seq.num_tokens:
+                s.remove(seq)  # its first token is all this test needs
+    assert not s.has_work()
+
+
+def test_the_cap_never_holds_a_higher_tier_behind_a_lower_one():
+    s = scheduler(itl_ms={"priority": 1})
+    teach_slow_steps(s)
+    chats = [decoding(s, PRIORITY, f"chat-{i}") for i in range(2)]
+    flex = decoding(s, FLEX, "flex")
+    assert s.limits.max_seqs == 3 and set(s.running) == {*chats, flex}  # the lower tiers' one slot is flex's
+    default = request("default", BY_NAME["default"].priority)
+    s.add(default)
+    s.add(request("flex-2", FLEX))
+    step(s)
+    running = {seq.request_id for seq in s.running}
+    assert "default" in running  # it outranks the flex request in the lower tiers' slot
+    assert "flex-2" not in running  # the cap still holds the tier below
