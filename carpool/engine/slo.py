@@ -25,7 +25,9 @@ collinear data (decode-only steps have tokens == sequences) stay sane. Before ev
 Admission order is the scheduler's own (tier with aging, then arrival), and no tier starves under a small
 step: the cap never falls below the governing tier's sequences plus one slot for any lower tier (so a lower
 tier always has a running sequence that decodes every step, and the next one in rank order takes its slot),
-and one block of each step's budget is held for lower tiers' prompts while any is pending.
+and one block of each step's budget beyond the governing tier's own block of prompt is held for lower tiers'
+prompts while one can run (the scheduler drops the hold when every lower prompt waits on the cap or on blocks a
+running prefill is computing). The cap never keeps a request behind a running one of a lower tier.
 """
 
 import math
