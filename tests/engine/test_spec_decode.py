@@ -294,5 +294,8 @@ def test_a_draft_shadow_computes_no_prompt_logprobs_and_reuses_the_draft_prefix_
         assert shadow.params.prompt_logprobs is None and (shadow.params.seed, shadow.params.temperature) == (3, 0.8)
         assert drafter._sync(twin)  # the twin's shadow starts from the first's cached blocks, not from token 0
         assert drafter.shadows[twin.seq_id].num_computed_tokens == 2 * drafter.block_manager.block_size
+        # Another key's request (its own cache salt) finds nothing in the draft pool's cache either.
+        stranger = Sequence("stranger", prompt, params, cache_salt="another key")
+        assert drafter._sync(stranger) and drafter.shadows[stranger.seq_id].num_computed_tokens == 0
     finally:
         drafter.retain(set())

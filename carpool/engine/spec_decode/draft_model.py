@@ -103,7 +103,8 @@ class DraftModelDrafter:
         if shadow is None:
             # The draft needs no prompt logprobs: computing them would cost every prompt logit and bar the
             # draft pool's prefix cache (match_prefix serves nothing to a request that wants them).
-            shadow = Sequence(seq.request_id, seq.token_ids, replace(seq.params, prompt_logprobs=None))
+            shadow = Sequence(seq.request_id, seq.token_ids, replace(seq.params, prompt_logprobs=None),
+                              cache_salt=seq.cache_salt)  # the draft pool scopes its prefix cache as the target does
             hits = self.block_manager.match_prefix(shadow)
             if not self.block_manager.can_admit(shadow, hits, shadow.num_tokens - len(hits) * self.block_manager.block_size):
                 return False
