@@ -23,8 +23,8 @@ from collections import Counter
 from pathlib import Path
 
 from carpool.bench.datasets import gsm8k, long_docs
-from carpool.economics.contract import Principal
 from carpool.economics.prices import load_price_sheet
+from carpool.server.gate import RecordingGate
 
 RATES = (1, 2, 5, 10)  # compression: 1/keep rate
 NUM_SHOTS = 8
@@ -50,25 +50,6 @@ def add_parser(modes) -> None:
     parser.set_defaults(func=main)
 
 
-class BenchGate:
-    """An open gate that keeps every usage row, for the report's cost and TTFT."""
-
-    def __init__(self):
-        self.records = []
-
-    def authenticate(self, api_key):
-        return Principal()
-
-    def admit(self, principal, tier, estimated_tokens, request_id=None):
-        pass
-
-    def record(self, principal, usage):
-        self.records.append(usage)
-
-    def health(self):
-        return None
-
-
 def main(args: argparse.Namespace) -> int:
     report = asyncio.run(run(args))
     path = Path(args.out)
@@ -91,7 +72,7 @@ async def run(args: argparse.Namespace) -> dict:
     loop = EngineLoop()
     engines = {name: AsyncEngine(EngineConfig(model=name, num_threads=args.num_threads, max_num_seqs=16),
                                  engine_loop=loop, warmup=False) for name in models}
-    gate = BenchGate()
+    gate = RecordingGate()
     app = create_app(engines, gate, compression_model=args.scorer)
     for engine in engines.values():
         engine.start()
@@ -137,7 +118,7 @@ def same_number(a: str | None, b: str) -> bool:
         return False
 
 
-async def run_gsm8k(client, gate: BenchGate, args: argparse.Namespace) -> list[dict]:
+async def run_gsm8k(client, gate: RecordingGate, args: argparse.Namespace) -> list[dict]:
     problems = list(itertools.islice(gsm8k(), NUM_SHOTS + args.problems))
     demos, scored = problems[:NUM_SHOTS], problems[NUM_SHOTS:]
     rows = []
@@ -184,7 +165,7 @@ def unigram_f1(a: str, b: str) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
-async def run_qa(client, gate: BenchGate, args: argparse.Namespace) -> list[dict]:
+async def run_qa(client, gate: RecordingGate, args: argparse.Namespace) -> list[dict]:
     docs = list(itertools.islice(long_docs(), args.docs))
     full_answers: dict[str, str] = {}
     rows = []

@@ -33,6 +33,22 @@ class OpenGate:
         return None
 
 
+class RecordingGate(OpenGate):
+    """An open gate that keeps every admission's request id and every usage record in memory: benchmarks that
+    report cost without a ledger (the rows are priced afterwards), and tests that read what was billed."""
+
+    def __init__(self):
+        super().__init__()
+        self.records: list[UsageRecord] = []
+        self.admitted: list[str | None] = []
+
+    def admit(self, principal: Principal, tier: str, estimated_tokens: int, request_id: str | None = None) -> None:
+        self.admitted.append(request_id)
+
+    def record(self, principal: Principal, usage: UsageRecord) -> None:
+        self.records.append(usage)
+
+
 def key_identity(api_key: str) -> str:
     """A fixed key's name wherever the server keys something by caller (prefix cache, file and batch owner): a
     hash of the whole secret, so keys sharing a prefix are strangers and the secret is never stored."""

@@ -15,28 +15,10 @@ from carpool.server.app import create_app
 from carpool.server.cascade.config import Cascade, Step
 from carpool.server.cascade.runner import ANSWERED_BY_HEADER, STEP_HEADER
 from carpool.server.cascade.scorers import Scorer
+from carpool.server.gate import RecordingGate
 
 MESSAGES = [{"role": "user", "content": "Name a colour."}]
 BODY = {"messages": MESSAGES, "max_tokens": 6, "temperature": 0}
-
-
-class RecordingGate:
-    def __init__(self):
-        self.records = []
-
-    def authenticate(self, api_key):
-        from carpool.economics.contract import Principal
-
-        return Principal()
-
-    def admit(self, principal, tier, estimated_tokens, request_id=None):
-        pass
-
-    def record(self, principal, usage):
-        self.records.append(usage)
-
-    def health(self):
-        return None
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +48,9 @@ def post(app, path, body):
 def cheap_score(app, kind: str = "mean", path="/v1/chat/completions", body=BODY) -> float:
     """The cheap model's own score for the answer it gives, asked of it directly (exact fp32: deterministic)."""
     logprobs = {"logprobs": True} if path.endswith("chat/completions") else {"logprobs": 0}
+    # Twice: the first call caches the prompt's full blocks, so this score and the cascade's own runs all read
+    # them from the prefix cache (a cold prefill's attention rounds differently from a cached one's).
+    post(app, path, body | {"model": "cheap"})
     response = post(app, path, body | {"model": "cheap"} | logprobs).json()
     content = response["choices"][0]["logprobs"]
     tokens = content["content"] if "content" in content else [{"logprob": lp} for lp in content["token_logprobs"]]

@@ -13,29 +13,13 @@ from carpool.economics.contract import Principal
 from carpool.server.app import create_app
 from carpool.server.compression import Budget, Piece, compress
 from carpool.server.compression.scorer import EngineScorer
+from carpool.server.gate import RecordingGate
 
 PROBLEMS = list(itertools.islice(gsm8k(), 3))
 DEMOS = "\n\n".join(f"Question: {p['question']}\nAnswer: {p['answer']}" for p in PROBLEMS[:2])
 QUESTION = f"Question: {PROBLEMS[2]['question']}\nAnswer:"
 SYSTEM = "You are a careful math tutor. Think step by step."
 KEEP = "Janet’s ducks lay 16 eggs per day."  # inside the first demonstration
-
-
-class RecordingGate:
-    def __init__(self):
-        self.records, self.admitted = [], []
-
-    def authenticate(self, api_key):
-        return Principal()
-
-    def admit(self, principal, tier, estimated_tokens, request_id=None):
-        self.admitted.append(request_id)
-
-    def record(self, principal, usage):
-        self.records.append(usage)
-
-    def health(self):
-        return None
 
 
 def post(app, path, body):

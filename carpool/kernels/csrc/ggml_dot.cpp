@@ -68,18 +68,6 @@ Int8Rows quantize_rows(const float* x, int64_t M, int64_t K, int64_t block) {
   return out;
 }
 
-// Q4_K / Q5_K sub-block scales and minimums, 6 bits each in 12 bytes, as 8 scale bytes and 8 minimum bytes in
-// two words (llama.cpp's get_scale_min_k4 for every j at once, in 32-bit operations: no byte stores to reload).
-inline void k_scales_mins_packed(const uint8_t* packed, uint64_t& scales, uint64_t& mins) {
-  uint32_t u[3];
-  std::memcpy(u, packed, 12);
-  constexpr uint32_t kLow6 = 0x3F3F3F3F, kLow4 = 0x0F0F0F0F, kLow2 = 0x03030303;
-  const uint32_t scales_lo = u[0] & kLow6, scales_hi = (u[2] & kLow4) | (((u[0] >> 6) & kLow2) << 4);
-  const uint32_t mins_lo = u[1] & kLow6, mins_hi = ((u[2] >> 4) & kLow4) | (((u[1] >> 6) & kLow2) << 4);
-  scales = scales_lo | static_cast<uint64_t>(scales_hi) << 32;
-  mins = mins_lo | static_cast<uint64_t>(mins_hi) << 32;
-}
-
 #ifdef CARPOOL_SIMD
 
 inline __m256i load256(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }

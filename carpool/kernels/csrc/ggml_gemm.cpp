@@ -62,17 +62,6 @@ inline int32_t int_sum(__m256i v) {
   quad = _mm_add_epi32(quad, _mm_unpackhi_epi64(quad, quad));
   return _mm_cvtsi128_si32(quad) + _mm_extract_epi32(quad, 1);
 }
-// Q4_K / Q5_K sub-block scales and minimums, 6 bits each in 12 bytes, as 8 scale bytes and 8 minimum bytes
-// (llama.cpp's get_scale_min_k4 for every j at once, as ggml_dot.cpp's GEMV unpacks them).
-inline void k_scales_mins(const uint8_t* packed, uint64_t& scales, uint64_t& mins) {
-  uint32_t u[3];
-  std::memcpy(u, packed, 12);
-  constexpr uint32_t kLow6 = 0x3F3F3F3F, kLow4 = 0x0F0F0F0F, kLow2 = 0x03030303;
-  const uint32_t scales_lo = u[0] & kLow6, scales_hi = (u[2] & kLow4) | (((u[0] >> 6) & kLow2) << 4);
-  const uint32_t mins_lo = u[1] & kLow6, mins_hi = ((u[2] >> 4) & kLow4) | (((u[1] >> 6) & kLow2) << 4);
-  scales = scales_lo | static_cast<uint64_t>(scales_hi) << 32;
-  mins = mins_lo | static_cast<uint64_t>(mins_hi) << 32;
-}
 inline int32_t byte_sum32(__m256i v) {
   int32_t first, second;
   byte_sums16(v, first, second);
@@ -112,7 +101,7 @@ int32_t unpack_block(const uint8_t* p, int8_t* w, int32_t* sc, float& d, float* 
     d = half_to_float(p);
     const float dmin = half_to_float(p + 2);
     uint64_t scales, mins;
-    k_scales_mins(p + 4, scales, mins);
+    k_scales_mins_packed(p + 4, scales, mins);
     const __m128i scale8 = _mm_cvtsi64_si128(static_cast<int64_t>(scales));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(sc), _mm256_cvtepu8_epi32(scale8));
     _mm256_storeu_ps(negdm, _mm256_mul_ps(_mm256_set1_ps(-dmin),
