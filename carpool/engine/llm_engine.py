@@ -237,7 +237,9 @@ class LLMEngine:
             if self.speculator else None
         num_decode_tokens = sum(n for seq, n in zip(batch.seqs, batch.num_new_tokens)
                                 if n == 1 or seq.spec_token_ids)
-        context_tokens = sum(seq.num_computed_tokens for seq in batch.seqs) + batch.num_tokens  # KV the step read
+        # KV the step read, for the SLO controller's step-time model only (read before postprocessing moves it on).
+        context_tokens = (sum(seq.num_computed_tokens for seq in batch.seqs) + batch.num_tokens
+                          if self.scheduler.slo else 0)
         outputs = self._postprocess(batch, dict(zip(map(id, sampling), sampled)))
         end = time.monotonic()
         self._record_step(batch, num_decode_tokens, spec, end - start)
