@@ -82,7 +82,8 @@ class Scheduler:
                    and not (foreground_prompt and s.priority >= BACKGROUND_PRIORITY)]
         prompts = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1] + self.waiting
         pending = {h for s in self.running for h in self.block_manager.uncomputed_prompt_hashes(s)}
-        self._held = self.limits.reserved if any(self._may_use_held(s, pending, rank) for s in prompts) else 0
+        self._held = self.limits.reserved if self.limits.reserved and any(
+            self._may_use_held(s, pending, rank) for s in prompts) else 0  # no prefix lookups without a hold
         # Drafts get what is left after every decode's token and the held block: drawn from the whole step,
         # the first decodes' lookahead took the later (priority) decodes' tokens and they sat out the step.
         self._draft_tokens = max(0, self.limits.max_tokens - len(decodes) - self._held)
