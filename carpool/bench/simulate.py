@@ -5,7 +5,8 @@ step times and the router's own routing code (carpool.server.replicas.routing).
 Each replica is modelled as the engine schedules: continuous batching under `max_num_seqs` sequences and a
 `max_num_batched_tokens` token budget a step (long prompts chunked), decode sequences first, and a prefix cache of
 `num_blocks` blocks (LRU) keyed by the same salted block-hash chain the engine uses; a step lasts
-`StepModel.seconds(prefill tokens, decode sequences)`, a line fitted to real engine steps (`measure_step_model`).
+`StepModel.seconds(prefill tokens, decode sequences, context tokens)`, a plane fitted to real engine steps
+(`measure_step_model`).
 Sessions (a document's questions, a chat's turns) arrive as a Poisson process; a session's next turn is sent
 when its previous one finishes, as the replay bench (carpool.bench.replicas) does.
 """
@@ -26,22 +27,28 @@ from carpool.server.replicas.routing import ReplicaLoad, make_routing
 
 @dataclass(frozen=True)
 class StepModel:
-    """Seconds one engine step takes: fixed cost, plus per prompt token computed, plus per decoding sequence."""
+    """Seconds one engine step takes: fixed cost, plus per prompt token computed, plus per decoding sequence, plus
+    per token of KV its attention reads (the context of every sequence in the step). Without the context term a
+    model fitted on short prompts predicted 33 ms for a 20-sequence step over ~700-token documents that took 61 ms
+    (1 thread, SmolLM2): each such sequence reads ~16 MB of KV a step, as much as the weights."""
 
     base: float
     per_prefill_token: float
     per_decode_seq: float
+    per_context_token: float = 0.0
 
-    def seconds(self, prefill_tokens: int, decode_seqs: int) -> float:
-        return self.base + self.per_prefill_token * prefill_tokens + self.per_decode_seq * decode_seqs
+    def seconds(self, prefill_tokens: int, decode_seqs: int, context_tokens: int = 0) -> float:
+        return (self.base + self.per_prefill_token * prefill_tokens + self.per_decode_seq * decode_seqs
+                + self.per_context_token * context_tokens)
 
     @classmethod
-    def fit(cls, steps: list[tuple[int, int, float]]) -> "StepModel":
-        """Least squares over (prefill tokens, decode sequences, seconds) of real steps; coefficients kept >= 0."""
-        if len(steps) < 3:
-            raise ValueError("steps: need at least 3 measured steps to fit a step model")
-        rows = np.array([[1.0, p, d] for p, d, _ in steps])
-        times = np.array([s for _, _, s in steps])
+    def fit(cls, steps: list[tuple]) -> "StepModel":
+        """Least squares over (prefill tokens, decode sequences[, context tokens], seconds) of real steps;
+        coefficients kept >= 0."""
+        if len(steps) < 4:
+            raise ValueError("steps: need at least 4 measured steps to fit a step model")
+        rows = np.array([[1.0, *step[:-1]] + [0.0] * (4 - len(step)) for step in steps])
+        times = np.array([step[-1] for step in steps])
         coefficients, *_ = np.linalg.lstsq(rows, times, rcond=None)
         return cls(*(max(float(c), 0.0) for c in coefficients))
 
@@ -107,6 +114,11 @@ class _Seq:
     to_prefill: int = 0  # prompt tokens still to compute
     produced: int = 0
     last_token_at: float | None = None
+
+    @property
+    def context(self) -> int:
+        """Tokens whose KV this sequence's attention reads in its next step (cached and computed ones)."""
+        return len(self.request.prompt_token_ids) - self.to_prefill + self.produced
 
 
 class _Replica:
@@ -206,7 +218,8 @@ def _start_step(node: _Replica, index: int, now: float, step: StepModel, events,
     if not chunks and not decoding:
         return
     node.busy = True
-    duration = step.seconds(sum(c for _, c in chunks), len(decoding))
+    context = sum(seq.context for seq in decoding) + sum(seq.context for seq, _ in chunks)
+    duration = step.seconds(sum(c for _, c in chunks), len(decoding), context)
     heapq.heappush(events, (now + duration, next(order), "step", (index, decoding, chunks)))
 
 
@@ -248,15 +261,17 @@ def poisson_arrivals(count: int, rate: float, seed: int = 0) -> list[float]:
     return times
 
 
-def measure_step_model(config, prompt_lengths=(64, 256, 512), batch_sizes=(1, 4, 8, 16), decode_steps=8) -> StepModel:
+def measure_step_model(config, prompt_lengths=(64, 256, 512), batch_sizes=(1, 8, 16), contexts=(16, 512),
+                       decode_steps=8) -> StepModel:
     """Fit a StepModel to real steps of carpool's engine under `config` (an EngineConfig): prefill-only steps of
-    several sizes, then decode steps at several batch sizes (random token prompts; no prefix cache hits)."""
+    several sizes, then decode steps at several batch sizes over short and long contexts (random token prompts;
+    no prefix cache hits)."""
     from carpool.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(config)
     rng = random.Random(0)
     vocab = engine.model_config.vocab_size
-    steps: list[tuple[int, int, float]] = []
+    steps: list[tuple[int, int, int, float]] = []
     ids = itertools.count()
 
     def run(prompts: list[int], max_tokens: int) -> None:
@@ -265,17 +280,19 @@ def measure_step_model(config, prompt_lengths=(64, 256, 512), batch_sizes=(1, 4,
             engine.add_request(f"fit-{next(ids)}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0,
                                                                          ignore_eos=True))
         while engine.has_unfinished_requests():
+            context = sum(seq.num_computed_tokens for seq in engine.scheduler.running)  # KV the step will read
             engine.step()
             stats = engine.last_step
             if stats is not None and stats.num_tokens:
-                steps.append((stats.num_prefill_tokens, stats.num_decode_tokens, stats.duration))
+                steps.append((stats.num_prefill_tokens, stats.num_decode_tokens, context, stats.duration))
 
     run([16], 4)  # warm-up: first-call costs are not a step's
     steps.clear()
     for length in prompt_lengths:
         run([length], 1)
-    for size in batch_sizes:
-        run([16] * size, decode_steps)
+    for context in contexts:
+        for size in batch_sizes:
+            run([context] * size, decode_steps)
     return StepModel.fit(steps)
 
 
@@ -293,7 +310,7 @@ def add_parser(modes) -> None:
     parser.add_argument("--chats", type=int, default=4, help="multi-turn conversations a replica")
     parser.add_argument("--tenants", type=int, default=3, help="tenants a replica's traffic comes from")
     parser.add_argument("--threads", type=int, default=1, help="torch threads a replica (the fitted step model's)")
-    parser.add_argument("--step", default=None, metavar="BASE,PER_PREFILL_TOKEN,PER_DECODE_SEQ",
+    parser.add_argument("--step", default=None, metavar="BASE,PER_PREFILL_TOKEN,PER_DECODE_SEQ[,PER_CONTEXT_TOKEN]",
                         help="a step model in seconds instead of fitting one to this machine")
     parser.add_argument("--hourly-price", type=float, default=0.10, help="dollars an hour a replica costs")
     parser.add_argument("--max-tokens", type=int, default=16, help="output tokens a request")

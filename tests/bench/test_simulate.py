@@ -8,18 +8,32 @@ import pytest
 from carpool.bench.simulate import ReplicaSpec, Session, StepModel, Turn, poisson_arrivals, simulate
 
 STEP = StepModel(base=0.010, per_prefill_token=0.0001, per_decode_seq=0.002)
+WITH_CONTEXT = StepModel(base=0.010, per_prefill_token=0.0001, per_decode_seq=0.002, per_context_token=0.00001)
 
 
-def test_fit_recovers_a_known_step_line():
+def test_fit_recovers_a_known_step_plane():
     rng = random.Random(1)
-    steps = [(p, d, STEP.seconds(p, d) * (1 + rng.uniform(-0.01, 0.01)))
-             for p, d in [(0, 1), (0, 8), (0, 32), (256, 0), (512, 0), (128, 4), (64, 16)]]
+    shapes = [(0, 1, 16), (0, 8, 128), (0, 32, 512), (256, 0, 0), (512, 0, 0), (128, 4, 2048), (64, 16, 8192),
+              (0, 8, 4096), (0, 1, 700)]
+    steps = [(p, d, c, WITH_CONTEXT.seconds(p, d, c) * (1 + rng.uniform(-0.01, 0.01))) for p, d, c in shapes]
     fitted = StepModel.fit(steps)
-    assert fitted.base == pytest.approx(STEP.base, rel=0.1)
-    assert fitted.per_prefill_token == pytest.approx(STEP.per_prefill_token, rel=0.05)
-    assert fitted.per_decode_seq == pytest.approx(STEP.per_decode_seq, rel=0.1)
+    assert fitted.base == pytest.approx(WITH_CONTEXT.base, rel=0.1)
+    assert fitted.per_prefill_token == pytest.approx(WITH_CONTEXT.per_prefill_token, rel=0.05)
+    assert fitted.per_decode_seq == pytest.approx(WITH_CONTEXT.per_decode_seq, rel=0.1)
+    assert fitted.per_context_token == pytest.approx(WITH_CONTEXT.per_context_token, rel=0.1)
+    # Steps without a context column fit the three-term line, as `--step BASE,PREFILL,DECODE` gives one.
+    assert StepModel.fit([(p, d, s) for p, d, _, s in steps]).per_context_token == 0.0
     with pytest.raises(ValueError, match="steps"):
-        StepModel.fit(steps[:2])
+        StepModel.fit(steps[:3])
+
+
+def test_a_decode_step_pays_for_the_context_its_sequences_read():
+    short, long_ = list(range(1, 33)), list(range(1, 801))
+    itl = {len(prompt): simulate([Session([Turn(prompt, 3)])], [0.0], 1, "prefix", WITH_CONTEXT,
+                                 ReplicaSpec(max_num_batched_tokens=1024)).itl
+           for prompt in (short, long_)}
+    assert itl[32][0] == pytest.approx(WITH_CONTEXT.seconds(0, 1, 32 + 1))
+    assert itl[800][0] == pytest.approx(WITH_CONTEXT.seconds(0, 1, 800 + 1))
 
 
 def test_one_request_takes_one_prefill_step_then_one_decode_step_a_token():
