@@ -9,7 +9,9 @@ the user count changes only at slice boundaries.
 Per slice: priority ITL p99 (client side, the gap between text chunks: what a user sees) against the SLO,
 output tokens per second of every tier (from the server's `carpool:generation_tokens` counter), and the
 machine's cost per 1M output tokens at `--hourly-price`; also the mean step token budget the server reported
-(`carpool:step_token_budget`). By default three servers run the same trace in turn: the SLO controller
+(`carpool:step_token_budget`) and, under the SLO controller, its own engine-side ITL p99 and target factor
+(`carpool:step_itl_p99_seconds`, `carpool:step_target_factor`): the client's p99 less the engine's is the way from
+engine to client, which the controller cannot see. By default three servers run the same trace in turn: the SLO controller
 (`--slo-itl-ms priority=SLO` with the large ceilings), a fixed small step and a fixed large one. `--url
 NAME=URL` replays against running servers instead. A PNG per configuration goes to `--plot-dir`.
 """
@@ -17,6 +19,7 @@ NAME=URL` replays against running servers instead. A PNG per configuration goes 
 import argparse
 import asyncio
 import json
+import math
 import os
 import subprocess
 import sys
@@ -57,6 +60,8 @@ class SliceReport:
     priority_tokens_per_s: float
     cost_per_1m_tokens: float | None
     mean_step_token_budget: float | None
+    engine_itl_p99_ms: float | None = None  # mean of the SLO controller's window p99 sampled in the slice
+    mean_target_factor: float | None = None
 
 
 def add_parser(modes) -> None:
@@ -266,16 +271,19 @@ async def scrape(client: httpx.AsyncClient) -> dict:
 
 
 def metric_values(text: str) -> dict:
-    """Output tokens so far (all tiers, and priority) and the step token budget, from Prometheus text."""
-    values = {"tokens": 0.0, "priority_tokens": 0.0, "step_token_budget": None}
+    """Output tokens so far (all tiers, and priority), the step token budget and the SLO controller's gauges, from
+    Prometheus text."""
+    values = {"tokens": 0.0, "priority_tokens": 0.0, "step_token_budget": None, "step_itl_p99_seconds": None,
+              "step_target_factor": None}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == "carpool:generation_tokens_total":
                 values["tokens"] += sample.value
                 if sample.labels.get("tier") == "priority":
                     values["priority_tokens"] += sample.value
-            elif sample.name == "carpool:step_token_budget":
-                values["step_token_budget"] = sample.value
+            elif sample.name in ("carpool:step_token_budget", "carpool:step_itl_p99_seconds",
+                                 "carpool:step_target_factor"):
+                values[sample.name.removeprefix("carpool:")] = sample.value
     return values
 
 
@@ -288,7 +296,10 @@ def slice_reports(users: list[int], slice_seconds: float, gaps: list, samples: l
         first, last = _sample_at(samples, begin), _sample_at(samples, end)
         seconds = max(last[0] - first[0], 1e-9)
         tok_s = (last[1]["tokens"] - first[1]["tokens"]) / seconds
-        budgets = [v["step_token_budget"] for at, v in samples if begin <= at < end and v["step_token_budget"]]
+        in_slice = [v for at, v in samples if begin <= at < end]
+        budgets = [v["step_token_budget"] for v in in_slice if v["step_token_budget"]]
+        engine_p99s = [v["step_itl_p99_seconds"] * 1000 for v in in_slice if v.get("step_itl_p99_seconds")]
+        factors = [v["step_target_factor"] for v in in_slice if v.get("step_target_factor")]
         p99 = percentile(itls, 99)
         reports.append(SliceReport(
             index=index, users=count_, itl_p50_ms=percentile(itls, 50), itl_p99_ms=p99,
@@ -297,6 +308,8 @@ def slice_reports(users: list[int], slice_seconds: float, gaps: list, samples: l
             priority_tokens_per_s=(last[1]["priority_tokens"] - first[1]["priority_tokens"]) / seconds,
             cost_per_1m_tokens=hourly_price / 3600 / tok_s * 1e6 if tok_s > 0 else None,
             mean_step_token_budget=sum(budgets) / len(budgets) if budgets else None,
+            engine_itl_p99_ms=sum(engine_p99s) / len(engine_p99s) if engine_p99s else None,
+            mean_target_factor=sum(factors) / len(factors) if factors else None,
         ))
     return reports
 
@@ -333,9 +346,11 @@ def format_slice(s: SliceReport, slo_ms: float) -> str:
     verdict = "" if s.within_slo is None else ("ok" if s.within_slo else f"over {slo_ms:g}")
     cost = "-" if s.cost_per_1m_tokens is None else f"${s.cost_per_1m_tokens:.3f}"
     budget = "-" if s.mean_step_token_budget is None else f"{s.mean_step_token_budget:.0f}"
+    controller = "" if s.engine_itl_p99_ms is None else \
+        f"  engine p99 {s.engine_itl_p99_ms:.0f} ms factor {s.mean_target_factor or 1:.2f}"
     return (f"  min {s.index:>2} users {s.users:>2}  ITL p50 {ms(s.itl_p50_ms):>4} p99 {ms(s.itl_p99_ms):>5} ms "
             f"{verdict:<9} out {s.output_tokens_per_s:6.1f} tok/s (priority {s.priority_tokens_per_s:5.1f})  "
-            f"{cost}/1M  step budget {budget}")
+            f"{cost}/1M  step budget {budget}{controller}")
 
 
 def comparison_table(runs: list[dict]) -> str:
@@ -362,6 +377,10 @@ def plot(run: dict, report: dict, runs: list[dict], path: Path) -> None:
     x = [s["index"] for s in run["slices"]]
     figure, (itl, tok) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
     itl.plot(x, [s["itl_p99_ms"] for s in run["slices"]], marker="o", color="C3", label="priority ITL p99")
+    engine = [s.get("engine_itl_p99_ms") for s in run["slices"]]
+    if any(value is not None for value in engine):
+        itl.plot(x, [math.nan if value is None else value for value in engine], marker=".", linestyle=":",
+                 color="C2", label="engine-side p99 (controller's window)")
     itl.axhline(report["slo_itl_ms"], linestyle="--", color="k", label=f"SLO {report['slo_itl_ms']:g} ms")
     itl.set(ylabel="ms (log)", yscale="log", ylim=(5, itl_top),
             title=f"{run['name']}: {' '.join(run['serve_flags']) or run['url']}")

@@ -273,6 +273,8 @@ class LLMEngine:
             seq.num_computed_tokens = seq.num_tokens - 1
             self.block_manager.cache_full_blocks(seq)
             seq.times.first_token = seq.times.first_token or now
+            if self.scheduler.slo and seq.times.last_token is not None:  # the gap the ITL SLO is about
+                self.scheduler.slo.observe_gap(seq.priority, now - seq.times.last_token)
             seq.times.last_token = now
             if reason:
                 seq.finish_reason = reason

@@ -72,6 +72,11 @@ class ServerMetrics:
         self.step_max_seqs = gauge("step_max_seqs", "Sequence cap (admissions) of the latest engine step.")
         self.step_budget_reason = gauge("step_budget_reason", "Why the latest step had its budget (value 1; the "
                                         "reason and tier it had before read 0).", ["model_name", "reason", "tier"])
+        # The SLO controller's closed loop: the factor on its open-loop step-time target, and what it measures.
+        self.step_target_factor = gauge("step_target_factor", "Factor the SLO controller scales its step-time "
+                                        "target by so the measured ITL p99 meets the SLO (1: open loop).")
+        self.step_itl_p99 = gauge("step_itl_p99_seconds", "p99 of the engine-side gaps between consecutive tokens "
+                                  "of the SLO-governed tier's requests, over the SLO controller's window.")
         self.waiting = gauge("num_requests_waiting", "Sequences waiting to be scheduled.")
         self.kv_usage = gauge("kv_cache_usage_perc", "Share of KV blocks held by live sequences (0 to 1).")
         # vLLM's cache_config_info: the pool each model was given, as labels on a constant 1.
@@ -151,6 +156,10 @@ class Metrics:
         families = self.families
         families.step_token_budget.labels(self.model_name).set(limits.max_tokens)
         families.step_max_seqs.labels(self.model_name).set(limits.max_seqs)
+        if limits.reason in ("itl", "ttft"):  # the factor of the latest step an ITL SLO governed
+            families.step_target_factor.labels(self.model_name).set(limits.target_factor)
+        if limits.itl_p99 is not None:
+            families.step_itl_p99.labels(self.model_name).set(limits.itl_p99)
         reason = (limits.reason, limits.tier)
         if reason != self._budget_reason:
             if self._budget_reason is not None:

@@ -50,14 +50,18 @@ def test_it_reads_the_servers_token_counters_and_step_budget():
     metrics = ServerMetrics(["m"])
     metrics.generation_tokens.labels("m", "priority").inc(30)
     metrics.generation_tokens.labels("m", "batch").inc(70)
-    stats = StepStats(8, 2, 0, 8, 0, duration=0.01, limits=StepLimits(96, 12, "itl", "priority"))
-    metrics.models["m"].on_step(stats, [])
+    limits = StepLimits(96, 12, "itl", "priority", target_factor=0.75, itl_p99=0.092)
+    metrics.models["m"].on_step(StepStats(8, 2, 0, 8, 0, duration=0.01, limits=limits), [])
     values = metric_values(generate_latest(metrics.registry).decode())
-    assert values == {"tokens": 100.0, "priority_tokens": 30.0, "step_token_budget": 96.0}
+    assert values == {"tokens": 100.0, "priority_tokens": 30.0, "step_token_budget": 96.0,
+                      "step_itl_p99_seconds": 0.092, "step_target_factor": 0.75}
 
 
 def test_each_slice_gets_its_own_itl_p99_throughput_and_cost():
-    samples = [(0.0, {"tokens": 0, "priority_tokens": 0, "step_token_budget": 64}),
+    controller = {"step_itl_p99_seconds": 0.090, "step_target_factor": 0.8}
+    samples = [(0.0, {"tokens": 0, "priority_tokens": 0, "step_token_budget": 64, **controller}),
+               (5.0, {"tokens": 500, "priority_tokens": 200, "step_token_budget": 64, **controller,
+                      "step_itl_p99_seconds": 0.110, "step_target_factor": 0.6}),
                (10.0, {"tokens": 1000, "priority_tokens": 400, "step_token_budget": 32}),
                (20.0, {"tokens": 3000, "priority_tokens": 400, "step_token_budget": 512})]
     gaps = [(1.0 + i / 100, 0.040) for i in range(97)] + [(5.0, 0.300)] * 3 + [(12.0, 0.020)]
@@ -68,6 +72,9 @@ def test_each_slice_gets_its_own_itl_p99_throughput_and_cost():
     assert second.output_tokens_per_s == 200.0
     assert first.cost_per_1m_tokens == pytest.approx(0.36 / 3600 / 100 * 1e6)  # $1 per 1M at 100 tok/s
     assert first.mean_step_token_budget == 64 and second.mean_step_token_budget == 32
+    # The controller's own view, next to the client's: its window p99 and target factor, averaged per slice.
+    assert (first.engine_itl_p99_ms, first.mean_target_factor) == (pytest.approx(100), pytest.approx(0.7))
+    assert (second.engine_itl_p99_ms, second.mean_target_factor) == (None, None)  # a server without them
     summary = summarize([first, second])
     assert (summary["peak_slices"], summary["peak_slices_within_slo"]) == (1, 0)
     assert summary["mean_output_tokens_per_s"] == 150.0
@@ -85,6 +92,7 @@ def test_throughput_is_compared_with_the_best_fixed_configuration_and_each_gets_
     compare(runs)
     assert runs[0]["summary"]["throughput_vs_best_other"] == 1.0  # best fixed: fixed-512's 50 tok/s
     assert runs[1]["summary"]["throughput_vs_best_other"] == 0.5
+    runs[0]["slices"][0]["engine_itl_p99_ms"] = 45.0  # the SLO controller's own p99 is drawn too
     report = {"slice_seconds": 10.0, "slo_itl_ms": 100.0, "users": [2]}
     plot(runs[0], report, runs, tmp_path / "trace-slo.png")
     assert (tmp_path / "trace-slo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

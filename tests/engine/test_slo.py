@@ -155,12 +155,17 @@ def test_the_engine_sizes_steps_from_its_own_timings_and_exports_them():
     params = SamplingParams(max_tokens=3, temperature=0)
     engine.add_request("chat", "Hi there", params, tier="priority")
     engine.add_request("backlog", "Summarize this. " * 30, params, tier="flex")
-    budgets = []
+    budgets, chat_token_times = [], []
     while engine.has_unfinished_requests():
-        engine.step()
+        outputs = engine.step()
+        chat_token_times += [o.times.last_token for o in outputs if o.request_id == "chat" and o.delta_token_ids]
         budgets.append((engine.last_step.limits, engine.last_step.num_tokens))
         metrics.models["m"].on_step(engine.last_step, [])
     assert engine.scheduler.slo.model.error_weight > 0  # it learnt from the steps it ran
+    # ...and measured the gaps the ITL SLO is about: the priority chat's, between its consecutive tokens.
+    chat_gaps = np.diff(chat_token_times)
+    assert list(engine.scheduler.slo.tail.gaps) == pytest.approx(chat_gaps)
+    assert budgets[-1][0].itl_p99 == pytest.approx(np.quantile(chat_gaps, 0.99))
     assert all(tokens <= limits.max_tokens for limits, tokens in budgets)
     reasons = [limits.reason for limits, _ in budgets]
     assert "itl" in reasons and reasons[-1] == "throughput"  # the flex prompt finishes alone, at full size
@@ -169,6 +174,8 @@ def test_the_engine_sizes_steps_from_its_own_timings_and_exports_them():
     assert 'carpool:step_token_budget{model_name="m"} 64.0' in text
     assert 'carpool:step_budget_reason{model_name="m",reason="throughput",tier=""} 1.0' in text
     assert 'carpool:step_budget_reason{model_name="m",reason="itl",tier="priority"} 0.0' in text
+    assert 'carpool:step_itl_p99_seconds{model_name="m"}' in text
+    assert 'carpool:step_target_factor{model_name="m"} 1.0' in text  # 1 ms: no target to scale, open loop
     (shown,) = DashboardData(metrics.registry, ["m"], time.time()).document()["models"]
     assert (shown["gauges"]["step_token_budget"], shown["step_budget_reason"]) == (64, "throughput")
 
