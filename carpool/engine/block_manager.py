@@ -94,12 +94,16 @@ class BlockManager:
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks holding the longest prefix of seq's tokens (read-only: nothing is claimed yet).
 
-        The last token is never served from the cache: the engine needs its logits to sample from.
+        The last token is never served from the cache: the engine needs its logits to sample from. Nor is a
+        position whose prompt logprob is still to be read (prompt_logprobs: its logits are needed too).
         """
-        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:  # it needs every prompt logit
+        if not self.enable_prefix_caching:
             return []
+        servable = seq.num_tokens - 1
+        if seq.params.prompt_logprobs is not None:
+            servable = min(servable, len(seq.prompt_logprobs) - 1)
         hits = []
-        for i, block_hash in enumerate(self._block_hashes(seq, (seq.num_tokens - 1) // self.block_size)):
+        for i, block_hash in enumerate(self._block_hashes(seq, servable // self.block_size)):
             block_id = self._cached_block(seq, i, block_hash)
             if block_id is None:
                 break

@@ -36,8 +36,11 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     logprobs: int | None = None  # None: no logprobs; 0: the sampled token's; k: plus the top k alternatives
     # vLLM's extension: each prompt token's logprob given the tokens before it (the first has none), plus the top
-    # k alternatives. Such a request computes its whole prompt: a prefix-cache hit has no logits to read.
+    # k alternatives. A prefix-cache hit has no logits to read, so such a request computes its prompt from
+    # prompt_logprobs_start - 1 on: the tokens before prompt_logprobs_start get no logprob (None), and only their
+    # KV may come from the prefix cache (an iterative scorer scoring a new window after a prefix it scored before).
     prompt_logprobs: int | None = None
+    prompt_logprobs_start: int = 1
     ignore_eos: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -73,6 +76,8 @@ class SamplingParams:
         if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
                                                  or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
             raise ValueError(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
+        if not _is_int(self.prompt_logprobs_start) or self.prompt_logprobs_start < 1:
+            raise ValueError(f"prompt_logprobs_start must be an integer >= 1, got {self.prompt_logprobs_start!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_number(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:

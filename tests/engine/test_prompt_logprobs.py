@@ -64,3 +64,23 @@ def test_prompt_logprobs_zero_has_no_alternatives_and_bad_values_are_refused(llm
     for bad in (-1, 21, 1.5, True):
         with pytest.raises(ValueError, match="prompt_logprobs"):
             SamplingParams(prompt_logprobs=bad)
+
+
+def test_a_later_start_reads_the_prefix_from_the_cache_and_scores_the_rest_alike(llm, tokenizer):
+    prompt_ids = tokenizer.encode(PROMPT + " Then it rains.")
+    every = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
+    whole = llm.generate([prompt_ids], every)[0]  # leaves the prompt's full blocks in the prefix cache
+    start = len(prompt_ids) - 5
+    later = llm.generate([prompt_ids], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0,
+                                                      prompt_logprobs_start=start))[0]
+    block = llm.engine.config.block_size
+    assert whole.num_cached_tokens == 0
+    assert later.num_cached_tokens == (start - 1) // block * block > 0  # row start - 1 is computed: it is read
+    assert later.prompt_logprobs[:start] == [None] * start and len(later.prompt_logprobs) == len(prompt_ids)
+    for position in range(start, len(prompt_ids)):
+        assert later.prompt_logprobs[position].token_id == prompt_ids[position]
+        assert later.prompt_logprobs[position].logprob == pytest.approx(whole.prompt_logprobs[position].logprob,
+                                                                        abs=1e-3)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="prompt_logprobs_start"):
+            SamplingParams(prompt_logprobs=0, prompt_logprobs_start=bad)

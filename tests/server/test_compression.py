@@ -10,6 +10,7 @@ import pytest
 
 from carpool.bench.datasets import gsm8k
 from carpool.economics.contract import Principal
+from carpool.engine.sampling_params import SamplingParams
 from carpool.server.app import create_app
 from carpool.server.compression import Budget, Piece, compress
 from carpool.server.compression.scorer import EngineScorer
@@ -208,3 +209,41 @@ def test_a_prompt_longer_than_the_context_is_checked_after_compression():
         assert response.json()["usage"]["prompt_tokens_details"]["original_prompt_tokens"] > 256
     finally:
         short.stop()
+
+
+class WholePrompts(EngineScorer):
+    """The scorer before KV reuse: every window's whole prompt computed (no start, so no prefix-cache hit)."""
+
+    async def surprisals(self, prompts, starts=None):
+        return await super().surprisals(prompts)
+
+
+def prefilled_while(engine, work) -> int:
+    """Prompt tokens the engine computed while `work` ran, from its step stats. The engine thread calls step
+    listeners just after handing out a step's outputs, so a one-token request after `work` marks the point by
+    which the listener has seen every step of it (that request's own step is left out)."""
+    steps = []
+    engine.add_step_listener(lambda stats, outputs: steps.append((stats, {o.request_id for o in outputs})))
+    result = asyncio.run(work)
+
+    async def mark():
+        async for _ in engine.generate(engine.request("mark", [1, 2], SamplingParams(max_tokens=1))):
+            pass
+
+    asyncio.run(mark())
+    return result, sum(stats.num_prefill_tokens for stats, ids in list(steps) if stats and "mark" not in ids)
+
+
+def test_the_iterative_pass_reads_its_prefix_from_the_cache_and_compresses_alike(engine):
+    demos = "\n\n".join(f"Question: {p['question']}\nAnswer: {p['answer']}" for p in itertools.islice(gsm8k(), 6))
+    pieces = [Piece(SYSTEM, True, 0), Piece(demos + "\n\n", False, 1), Piece(QUESTION, True, 1)]
+    whole_scorer = WholePrompts(engine, "m", "default", cache_salt="whole")  # salts: no hit from other tests
+    whole, whole_tokens = prefilled_while(engine, compress(pieces, Budget(rate=0.5), whole_scorer))
+    reused_scorer = EngineScorer(engine, "m", "default", cache_salt="reused")
+    reused, reused_tokens = prefilled_while(engine, compress(pieces, Budget(rate=0.5), reused_scorer))
+    assert reused.texts == whole.texts
+    assert whole_scorer.cached_tokens == 0 and reused_scorer.cached_tokens > 0
+    assert reused_scorer.prompt_tokens == whole_scorer.prompt_tokens  # the same prompts, billed as read
+    # The engine computed only what was not cached: each window's prefix is read, not prefilled again.
+    assert whole_tokens == whole_scorer.prompt_tokens
+    assert reused_tokens == whole_tokens - reused_scorer.cached_tokens < 0.7 * whole_tokens

@@ -53,12 +53,14 @@ class Budget:
 
 class Scorer:
     """What the compressor needs of a model: its tokenizer, and per-token surprisal (-logprob) of token-id prompts,
-    many at once (the first token of each prompt has none: math.inf)."""
+    many at once (the first token of each prompt has none: math.inf). `starts[i]`: the first position of
+    prompts[i] whose surprisal is needed (default: all); the ones before it may come back math.inf, which lets
+    the scorer read their KV from its prefix cache instead of computing it again."""
 
     tokenizer = None
     max_tokens: int = 0  # the longest prompt it scores
 
-    async def surprisals(self, prompts: list[list[int]]) -> list[list[float]]:
+    async def surprisals(self, prompts: list[list[int]], starts: list[int] | None = None) -> list[list[float]]:
         raise NotImplementedError
 
 
@@ -179,7 +181,10 @@ async def _keep_tokens(units: list[_Unit], budget_tokens: int, scorer: Scorer) -
         ids = [unit.ids[i] for unit, i in window]
         quota = round(quota_left * len(ids) / left)
         left, quota_left = left - len(ids), quota_left - quota
-        surprisal = (await scorer.surprisals([_fit(prefix + ids, scorer)]))[0][-len(ids):]
+        # Only the window is scored: the compressed prefix was the previous window's prompt up to its kept tokens,
+        # so its KV is mostly in the scorer's prefix cache (LLMLingua keeps the scorer's KV between windows too).
+        prompt = _fit(prefix + ids, scorer)
+        surprisal = (await scorer.surprisals([prompt], [len(prompt) - len(ids)]))[0][-len(ids):]
         chosen = set(sorted(range(len(ids)), key=lambda j: (-surprisal[j], j))[:quota])
         for j, (unit, i) in enumerate(window):
             unit.keep[i] = j in chosen

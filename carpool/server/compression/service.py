@@ -9,6 +9,7 @@ parent_request_id the client's x-request-id, model the scorer), admitted by the 
 
 import asyncio
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 from carpool.economics.contract import Gate, Principal
 from carpool.server.compression.compressor import Budget, Compressed, Piece, compress, scoring_bound
@@ -49,7 +50,8 @@ class CompressionService:
             raise APIError(400, "prompt: give exactly one of prompt and messages", param="prompt")
         target = self.serving.model(body.model or self.model_name)
         pieces = _question_pieces(body.prompt, 0) if body.prompt is not None else _message_pieces(body.messages)
-        result = await self._compress(pieces, body, target, principal, DEFAULT_TIER, client_request_id)
+        result = await self._compress(pieces, body, target, principal, DEFAULT_TIER, client_request_id,
+                                      _cache_salt(body, principal))
         answer = {"object": "compression", "model": target.model_name, "scorer_model": self.model_name,
                   "original_tokens": result.original_tokens, "compressed_tokens": result.compressed_tokens,
                   "target_tokens": result.target_tokens, "kept_ratio": round(result.kept_ratio, 4)}
@@ -71,11 +73,11 @@ class CompressionService:
         # must not run and bill the scorer.
         await asyncio.to_thread(self.serving.check, body, principal)
         target = self.serving.model(body.model)
-        tier = requested_tier(body)
+        tier, salt = requested_tier(body), _cache_salt(body, principal)
         if isinstance(body, ChatCompletionRequest):
             original = len(target.engine.tokenize(target.chat_prompt(body.messages, target._tools(body)[0])))
             result = await self._compress(_message_pieces(body.messages), asked, target, principal,
-                                          tier, client_request_id)
+                                          tier, client_request_id, salt)
             body = body.model_copy(update={"messages": _replaced(body.messages, result), "prompt_compression": None})
             return body, Applied(original)
         prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
@@ -86,7 +88,7 @@ class CompressionService:
         compressed = []
         for prompt in prompts:
             result = await self._compress(_question_pieces(prompt, 0), asked, target, principal, tier,
-                                          client_request_id)
+                                          client_request_id, salt)
             compressed.append(result.texts[0])
         prompt = compressed[0] if isinstance(body.prompt, str) else compressed
         return body.model_copy(update={"prompt": prompt, "prompt_compression": None}), Applied(original)
@@ -102,14 +104,14 @@ class CompressionService:
     # The work --------------------------------------------------------------------------------------------
 
     async def _compress(self, pieces: list[Piece], asked: PromptCompression, target: ModelServing,
-                        principal: Principal, tier: str, client_request_id: str) -> Compressed:
+                        principal: Principal, tier: str, client_request_id: str, cache_salt: str | None) -> Compressed:
         try:
             budget = Budget(rate=asked.rate, target_tokens=asked.target_tokens)
         except ValueError as error:
             raise APIError(400, str(error), param="prompt_compression") from error
         pieces = _protect(pieces, asked.protected or [])
         scorer_serving = self.serving.models[self.model_name]
-        scorer = EngineScorer(scorer_serving.engine, self.model_name, tier)
+        scorer = EngineScorer(scorer_serving.engine, self.model_name, tier, cache_salt)
         self.gate.admit(principal, tier, scoring_bound(pieces, scorer), request_id=scorer.request_id)
         tokenizer = target.tokenizer
         try:
@@ -128,6 +130,13 @@ def _num_parameters(serving: ModelServing) -> int:
     config = serving.engine.engine.model_config
     per_layer = config.hidden_size * (4 * config.hidden_size + 3 * config.intermediate_size)
     return config.num_layers * per_layer + config.vocab_size * config.hidden_size
+
+
+def _cache_salt(body, principal: Principal) -> str | None:
+    """The scorer reads only the cached prefixes the request itself could (its key, cache_salt or user: the
+    serving rule); /v1/compress has neither cache_salt nor user, so its key's."""
+    return ModelServing._cache_salt(SimpleNamespace(cache_salt=getattr(body, "cache_salt", None),
+                                                    user=getattr(body, "user", None)), principal)
 
 
 def _question_pieces(text: str, group: int) -> list[Piece]:
