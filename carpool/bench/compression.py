@@ -10,13 +10,16 @@ the served models and its ledger rows are counted):
          compressed answer with the same model's full-prompt answer (unigram F1, as SQuAD scores answers),
          time to first token (client send -> first token: compression included) and cost per request from the
          shipped price sheet (the request's row plus its scorer row), one request at a time.
-Writes a JSON report and a PNG of accuracy/agreement vs compression.
+Writes a JSON report (after every rate, so a long run that is stopped keeps what it measured; the workloads not
+run this time are kept from an existing report at --out, so gsm8k and qa may run separately) and a PNG of
+accuracy/agreement vs compression.
 """
 
 import argparse
 import asyncio
 import itertools
 import json
+import os
 import re
 import time
 from collections import Counter
@@ -51,17 +54,25 @@ def add_parser(modes) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    report = asyncio.run(run(args))
     path = Path(args.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2) + "\n")
+    earlier = json.loads(path.read_text()) if path.exists() else {}
+    kept = {workload: earlier[workload] for workload in ("gsm8k", "qa")
+            if workload in earlier and workload not in args.workloads}
+
+    def save(report: dict) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(kept | report, indent=2) + "\n")
+
+    report = kept | asyncio.run(run(args, save))
+    save(report)
     print(f"wrote {path}")
     plot(report, args.plot)
     print(f"wrote {args.plot}")
     return 0
 
 
-async def run(args: argparse.Namespace) -> dict:
+async def run(args: argparse.Namespace, save=lambda report: None) -> dict:
+    """The report; `save(report)` is called after every rate with the rows so far."""
     import httpx
 
     from carpool.engine.async_engine import AsyncEngine, EngineLoop
@@ -80,10 +91,10 @@ async def run(args: argparse.Namespace) -> dict:
     try:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://carpool",
                                      timeout=None) as client:
-            if "gsm8k" in args.workloads:
-                report["gsm8k"] = await run_gsm8k(client, gate, args)
-            if "qa" in args.workloads:
-                report["qa"] = await run_qa(client, gate, args)
+            for workload, run_workload in (("gsm8k", run_gsm8k), ("qa", run_qa)):
+                if workload in args.workloads:
+                    report[workload] = []
+                    await run_workload(client, gate, args, report[workload], lambda: save(report))
     finally:
         for engine in engines.values():
             engine.stop()
@@ -118,10 +129,10 @@ def same_number(a: str | None, b: str) -> bool:
         return False
 
 
-async def run_gsm8k(client, gate: RecordingGate, args: argparse.Namespace) -> list[dict]:
+async def run_gsm8k(client, gate: RecordingGate, args: argparse.Namespace, rows: list, saved) -> None:
+    """Appends a row to `rows` per rate, calling `saved()` after each."""
     problems = list(itertools.islice(gsm8k(), NUM_SHOTS + args.problems))
     demos, scored = problems[:NUM_SHOTS], problems[NUM_SHOTS:]
-    rows = []
     for rate in args.rates:
         limit = asyncio.Semaphore(args.concurrency)
 
@@ -145,12 +156,12 @@ async def run_gsm8k(client, gate: RecordingGate, args: argparse.Namespace) -> li
                "original_prompt_tokens": sum(u["prompt_tokens_details"].get("original_prompt_tokens", u["prompt_tokens"])
                                              for u in usage) / len(usage),
                "cost_per_request": _cost(gate.records[first_row:]) / len(usage),
-               "seconds": time.monotonic() - start}
+               "seconds": time.monotonic() - start, "load_average": os.getloadavg()[0]}  # what the seconds ran beside
         print(f"gsm8k {rate:>3}x: accuracy {row['accuracy']:.3f}, prompt {row['prompt_tokens']:.0f} of "
               f"{row['original_prompt_tokens']:.0f} tokens, ${row['cost_per_request']:.7f}/request, "
               f"{row['seconds']:.0f} s", flush=True)
         rows.append(row)
-    return rows
+        saved()
 
 
 # Transcript QA ---------------------------------------------------------------------------------------------
@@ -165,10 +176,10 @@ def unigram_f1(a: str, b: str) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
-async def run_qa(client, gate: RecordingGate, args: argparse.Namespace) -> list[dict]:
+async def run_qa(client, gate: RecordingGate, args: argparse.Namespace, rows: list, saved) -> None:
+    """Appends a row to `rows` per rate, calling `saved()` after each."""
     docs = list(itertools.islice(long_docs(), args.docs))
     full_answers: dict[str, str] = {}
-    rows = []
     for rate in args.rates:
         ttft, agreement, reference_f1, cost, prompt, original = [], [], [], [], [], []
         for doc in docs:
@@ -205,7 +216,7 @@ async def run_qa(client, gate: RecordingGate, args: argparse.Namespace) -> list[
               f"TTFT {row['ttft_mean_s']:.2f} s, prompt {row['prompt_tokens']:.0f} of {row['original_prompt_tokens']:.0f}"
               f" tokens, ${row['cost_per_request']:.7f}/request", flush=True)
         rows.append(row)
-    return rows
+        saved()
 
 
 def _cost(records) -> float:
@@ -220,15 +231,17 @@ def plot(report: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    if "gsm8k" in report:
-        rows = report["gsm8k"]
-        ax.plot([r["rate"] for r in rows], [r["accuracy"] for r in rows], "o-", label="GSM8K 8-shot accuracy")
-    if "qa" in report:
-        rows = report["qa"]
-        ax.plot([r["rate"] for r in rows], [r["agreement_f1"] for r in rows], "s-",
-                label="transcript QA: agreement with full prompt (F1)")
+    rates = set()
+    for workload, key, style, label in (
+            ("gsm8k", "accuracy", "o-", "GSM8K 8-shot accuracy ({n} problems)"),
+            ("qa", "agreement_f1", "s-", "transcript QA: agreement with full prompt (F1, {n} transcripts)")):
+        rows = sorted(report.get(workload, []), key=lambda r: r["rate"])  # the rates may have run in any order
+        if rows:
+            count = rows[0]["problems" if workload == "gsm8k" else "docs"]
+            ax.plot([r["rate"] for r in rows], [r[key] for r in rows], style, label=label.format(n=count))
+            rates.update(r["rate"] for r in rows)
     ax.set_xscale("log")
-    ax.set_xticks(report["rates"], [f"{r}x" for r in report["rates"]])
+    ax.set_xticks(sorted(rates), [f"{r}x" for r in sorted(rates)])
     ax.set_xlabel("compression (original / kept prompt tokens)")
     ax.set_ylim(0, 1.02)
     ax.set_title(f"Prompt compression (scorer {report['scorer']})")
