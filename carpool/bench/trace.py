@@ -10,10 +10,10 @@ Per slice: priority ITL p99 (client side, the gap between text chunks: what a us
 output tokens per second of every tier (from the server's `carpool:generation_tokens` counter), and the
 machine's cost per 1M output tokens at `--hourly-price`; also the mean step token budget the server reported
 (`carpool:step_token_budget`) and, under the SLO controller, its own engine-side ITL p99 and target factor
-(`carpool:step_itl_p99_seconds`, `carpool:step_target_factor`): the client's p99 less the engine's is the way from
-engine to client, which the controller cannot see. By default three servers run the same trace in turn: the SLO controller
-(`--slo-itl-ms priority=SLO` with the large ceilings), a fixed small step and a fixed large one. `--url
-NAME=URL` replays against running servers instead. A PNG per configuration goes to `--plot-dir`.
+(`carpool:step_itl_p99_seconds`, `carpool:step_target_factor`): the client's p99 less the engine's is the way
+from engine to client, which the controller cannot see. By default three servers run the same trace in turn: the
+SLO controller (`--slo-itl-ms priority=SLO` with the large ceilings), a fixed small step and a fixed large one.
+`--url NAME=URL` replays against running servers instead. A PNG per configuration goes to `--plot-dir`.
 """
 
 import argparse

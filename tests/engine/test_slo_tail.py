@@ -30,9 +30,9 @@ def taught_scheduler(slo_ms: float = SLO_MS) -> Scheduler:
 
 def simulate(slowdown: float, num_steps: int, users: int = 8, seed: int = 0):
     """Closed-loop priority chat users (64 tokens each) over a batch backlog of long prompts (short answers, so a
-    prompt is always there to fill what the budget allows). Each step takes `slowdown` times what the controller's model predicts for it (the
-    model is not told: a stale fit, or time it cannot see), with 5% lognormal jitter. Returns the priority
-    gaps in order, the batch tier's output tokens, and the scheduler."""
+    prompt is always there to fill what the budget allows). Each step takes `slowdown` times what the controller's
+    model predicts for it (the model is not told: a stale fit, or time it cannot see), with 5% lognormal jitter.
+    Returns the priority gaps in ms in order, the batch tier's output tokens, and the scheduler."""
     s, rng, clock = taught_scheduler(), np.random.default_rng(seed), 0.0
     last_token: dict[Sequence, float] = {}
     gaps, batch_tokens, names = [], 0, iter(range(1_000_000))
