@@ -46,7 +46,13 @@ class Ingress:
 
     async def __init__(self, flags: list[str], replicas: dict[str, list]):
         from carpool.server.app import create_app
-        from carpool.server.cli import attach_ledger, dashboard_ledger_panels, open_gate, shared_batch_db
+        from carpool.server.cli import (
+            attach_ledger,
+            checked_extensions,
+            dashboard_ledger_panels,
+            open_gate,
+            shared_batch_db,
+        )
         from carpool.server.gate import OpenGate
         from carpool.server.replicas.door import RequestDoor
         from carpool.server.replicas.router import ReplicaRouter
@@ -65,7 +71,7 @@ class Ingress:
                                 max_queued_per_tier=args.max_queued_per_tier, max_body_bytes=args.max_body_bytes,
                                 batch_dir=str(batch_dir), batch_db=shared_batch_db(args, ledger),
                                 ledger_panels=dashboard_ledger_panels(ledger),
-                                compression_model=args.compression_model)
+                                cascades=checked_extensions(args, configs), compression_model=args.compression_model)
         wire_metrics(self._asgi, routers)
         attach_ledger(self._asgi, ledger, args)
 
@@ -81,7 +87,7 @@ def build_app(args: dict):
     parsed, configs = parse_serve_flags(flags)
     if parsed.replicas < 1:
         raise ValueError(f"replicas: must be at least 1, got {parsed.replicas}")
-    checked_extensions(parsed, configs)  # cascades are refused here as by `carpool serve --replicas`
+    checked_extensions(parsed, configs)  # a bad --cascades file or --compression-model fails before any deploy
     replicas = {name: [replica_deployment(config, name, i, warmup=not parsed.no_warmup)
                        for i in range(parsed.replicas)] for name, config in configs.items()}
     return Ingress.bind(flags, replicas)

@@ -134,10 +134,13 @@ def create_app(
 
     @app.get("/v1/models")
     def list_models(caller: Caller) -> dict:
-        return {"object": "list", "data": [_model_card(name, started, engine) for name, engine in engines.items()]}
+        return {"object": "list", "data": [_model_card(name, started, engine) for name, engine in engines.items()]
+                + cascade_serving.cards(started)}
 
     @app.get("/v1/models/{model:path}")  # served names may hold a slash (`Qwen/Qwen2.5-Coder-0.5B`)
     def get_model(model: str, caller: Caller) -> dict:
+        if model in cascade_serving:
+            return cascade_serving.card(model, started)
         serving.model(model)
         return _model_card(model, started, engines[model])
 

@@ -189,16 +189,14 @@ def attach_ledger(app, ledger, args: argparse.Namespace) -> None:
 
 
 def checked_extensions(args: argparse.Namespace, configs: dict) -> dict | None:
-    """The cascades of --cascades, with --cascades and --compression-model checked against the served models (and
-    the replica modes: `carpool serve --replicas` and the Ray Serve deployment); ValueError naming the flag."""
+    """The cascades of --cascades, with --cascades and --compression-model checked against the served models (in
+    every mode: one process, `carpool serve --replicas` and the Ray Serve deployment); ValueError naming the flag."""
     from carpool.server.cascade.config import load_cascades
 
     cascades = load_cascades(args.cascades, list(configs)) if args.cascades else None
     if args.compression_model is not None and args.compression_model not in configs:
         raise ValueError(f"--compression-model: {args.compression_model!r} is not served (served: "
                          f"{', '.join(configs)})")
-    if cascades and args.replicas:
-        raise ValueError("--cascades: not supported with --replicas yet; serve the cascade from one process")
     return cascades
 
 
@@ -208,7 +206,7 @@ def serve(args: argparse.Namespace, configs: dict) -> int:
     if args.replicas:
         from carpool.server.replicas.serve import serve_replicas
 
-        return serve_replicas(args, configs)
+        return serve_replicas(args, configs, cascades)
     import uvicorn
 
     from carpool.economics.phase_meter import PhaseMeter, register_phase_metrics

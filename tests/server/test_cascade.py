@@ -164,3 +164,20 @@ def test_a_body_the_last_step_refuses_runs_no_step(engine, strong_engine):
     response = post(app, "/v1/chat/completions", BODY | {"model": "casc", "top_logprobs": 2})
     assert response.status_code == 400 and response.json()["error"]["param"] == "top_logprobs"
     assert gate.records == []
+
+
+def test_models_lists_the_cascade_with_its_steps(engine, strong_engine):
+    app, _ = cascade_app(engine, strong_engine, -1.5, "tail")
+
+    async def get(path):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://carpool") as client:
+            return (await client.get(path)).json()
+
+    listed = asyncio.run(get("/v1/models"))["data"]
+    assert [card["id"] for card in listed] == ["cheap", "strong", "casc"]
+    card = listed[-1]
+    assert card["object"] == "model" and "cascade" not in listed[0]
+    assert card["cascade"]["steps"] == [{"model": "cheap", "scorer": "tail", "threshold": -1.5}, {"model": "strong"}]
+    assert card["max_model_len"] == min(engine.max_model_len, strong_engine.max_model_len)
+    assert asyncio.run(get("/v1/models/casc")) == card
+    assert asyncio.run(get("/v1/models/nope"))["error"]["code"] == "model_not_found"

@@ -1,6 +1,7 @@
 """`carpool serve --replicas 2` on a local Ray: the OpenAI API through two engine replicas (1 thread each), prefix
-routing keeping a repeated prefix on one replica (and its cache), /metrics labelled by replica, and a replica
-killed mid-stream: a clean 5xx error event, then the next requests succeed on the other replica."""
+routing keeping a repeated prefix on one replica (and its cache), /metrics labelled by replica, a cascade whose
+steps are routed like any request, and a replica killed mid-stream: a clean 5xx error event, then the next
+requests succeed on the other replica."""
 
 import time
 
@@ -16,8 +17,15 @@ DOCUMENT = " ".join(f"Clause {i}: the tenant shall keep the premises number {i} 
 
 
 @pytest.fixture(scope="module")
-def server():
-    live = LiveServer("--replicas", "2", "--num-threads", "1", "--routing", "prefix")
+def server(tmp_path_factory):
+    from carpool.server.cli import default_served_name
+
+    served, cascades = default_served_name(None), tmp_path_factory.mktemp("cascades") / "cascades.toml"
+    # A mean token logprob is never above 0 nor near -1000: "escalating" always escalates, "accepting" never.
+    cascades.write_text("".join(f'[[cascade]]\nname = "{name}"\n[[cascade.step]]\nmodel = "{served}"\nscorer = '
+                                f'"mean"\nthreshold = {threshold}\n[[cascade.step]]\nmodel = "{served}"\n'
+                                for name, threshold in (("escalating", 1.0), ("accepting", -1000.0))))
+    live = LiveServer("--replicas", "2", "--num-threads", "1", "--routing", "prefix", "--cascades", str(cascades))
     yield live
     live.stop()
 
@@ -57,6 +65,19 @@ def test_a_repeated_prefix_stays_on_one_replica_and_hits_its_cache(server, model
     moved = {replica: after[replica] - before.get(replica, 0) for replica in after}
     assert sorted(moved.values()) == [0, 4], moved  # round-robin would have split them 2/2
     assert all(tokens > 100 for tokens in cached[1:]), cached
+
+
+def test_a_cascade_runs_each_step_as_a_routed_request(server, model):
+    http = server.http()
+    assert {card["id"] for card in http.get("/v1/models").json()["data"]} == {model, "escalating", "accepting"}
+    body = {"messages": [{"role": "user", "content": "Name a lake."}], "max_tokens": 4, "temperature": 0}
+    for cascade, step, attempts in (("accepting", "0", 1), ("escalating", "1", 2)):
+        before = sum(routed(server).values())
+        response = http.post("/v1/chat/completions", json=body | {"model": cascade})
+        assert response.status_code == 200, response.text
+        assert response.headers["x-carpool-cascade-step"] == step and response.json()["model"] == model
+        assert response.json()["choices"][0]["message"]["content"]
+        assert sum(routed(server).values()) - before == attempts  # every attempt went to a replica
 
 
 def test_metrics_carry_a_replica_label(server):

@@ -21,21 +21,25 @@ def test_a_bad_config_arg_is_a_value_error_naming_it():
         parse_serve_flags(serve_flags({"routing": "random"}))
 
 
-def test_the_deployment_refuses_cascades_and_an_unserved_compression_model(tmp_path):
+def test_the_deployment_checks_cascades_and_the_compression_model(tmp_path):
     from carpool.deploy.application import build_app
 
     args = {"model": ["smollm2-135m"], "no_warmup": True}
     served = next(iter(parse_serve_flags(serve_flags(args))[1]))
     path = tmp_path / "cascades.toml"
-    path.write_text(f'[[cascade]]\nname = "c"\n[[cascade.step]]\nmodel = "{served}"\nscorer = "mean"\n'
-                    f'threshold = -1.0\n[[cascade.step]]\nmodel = "{served}"\n')
-    with pytest.raises(ValueError, match="--cascades: not supported with --replicas"):
-        build_app(args | {"cascades": str(path)})
+    for model, refused in ((served, False), ("nope", True)):
+        path.write_text(f'[[cascade]]\nname = "c"\n[[cascade.step]]\nmodel = "{model}"\nscorer = "mean"\n'
+                        f'threshold = -1.0\n[[cascade.step]]\nmodel = "{served}"\n')
+        if refused:
+            with pytest.raises(ValueError, match="model: 'nope' is not served"):
+                build_app(args | {"cascades": str(path)})
+        else:
+            build_app(args | {"cascades": str(path)})  # cascades are served by replicas too
     with pytest.raises(ValueError, match="--compression-model: 'nope' is not served"):
         build_app(args | {"compression_model": "nope"})
 
 
-def test_serve_replicas_hands_the_compression_model_to_the_app(tmp_path, monkeypatch):
+def test_serve_replicas_hands_the_compression_model_and_the_cascades_to_the_app(tmp_path, monkeypatch):
     import carpool.server.app
     from carpool.server.replicas import serve
 
@@ -43,7 +47,7 @@ def test_serve_replicas_hands_the_compression_model_to_the_app(tmp_path, monkeyp
         pass
 
     def create_app(*args, **kwargs):
-        raise Built(kwargs.get("compression_model"))
+        raise Built(kwargs.get("compression_model"), kwargs.get("cascades"))
 
     monkeypatch.setattr(serve, "import_ray", lambda: None)
     monkeypatch.setattr(serve, "start_ray", lambda *args: None)
@@ -51,6 +55,7 @@ def test_serve_replicas_hands_the_compression_model_to_the_app(tmp_path, monkeyp
     monkeypatch.setattr(carpool.server.app, "create_app", create_app)
     args, configs = parse_serve_flags(serve_flags({"model": ["smollm2-135m"], "db": str(tmp_path / "l.db")}))
     args.compression_model = next(iter(configs))
+    cascades = {"c": object()}
     with pytest.raises(Built) as built:
-        serve.serve_replicas(args, configs)
-    assert built.value.args == (args.compression_model,)
+        serve.serve_replicas(args, configs, cascades)
+    assert built.value.args == (args.compression_model, cascades)

@@ -35,6 +35,20 @@ class CascadeServing:
     def __contains__(self, model: str | None) -> bool:
         return model in self.cascades
 
+    def card(self, name: str, created: int) -> dict:
+        """The cascade as /v1/models lists it: an OpenAI model object, with its steps under `cascade` (what a
+        client needs to tell it from a served model) and the context every step can take."""
+        cascade = self.cascades[name]
+        steps = [{"model": step.model} | ({} if step.scorer is None else
+                                          {"scorer": step.scorer.kind, "threshold": step.threshold})
+                 for step in cascade.steps]
+        max_model_len = min(self.serving.models[step.model].engine.max_model_len for step in cascade.steps)
+        return {"id": name, "object": "model", "created": created, "owned_by": "carpool",
+                "max_model_len": max_model_len, "cascade": {"steps": steps}}
+
+    def cards(self, created: int) -> list[dict]:
+        return [self.card(name, created) for name in self.cascades]
+
     async def answer(self, body: ChatCompletionRequest | CompletionRequest, principal: Principal,
                      client_request_id: str):
         """(generation, format, headers) of the accepted step; the generation of the last step may still run."""

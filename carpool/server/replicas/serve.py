@@ -78,7 +78,9 @@ def wire_metrics(app, routers: dict) -> None:
     metrics.render_replicas = render
 
 
-def serve_replicas(args: argparse.Namespace, configs: dict[str, EngineConfig]) -> int:
+def serve_replicas(args: argparse.Namespace, configs: dict[str, EngineConfig], cascades: dict | None = None) -> int:
+    """`cascades`: checked_extensions' (each step of a cascade is an ordinary request, routed to its model's
+    replicas like any other)."""
     import_ray()
     import uvicorn
     import ray
@@ -96,7 +98,8 @@ def serve_replicas(args: argparse.Namespace, configs: dict[str, EngineConfig]) -
         app = create_app(routers, ledger or OpenGate(args.api_key), max_queued_per_tier=args.max_queued_per_tier,
                          max_body_bytes=args.max_body_bytes, batch_dir=str(batch_dir),
                          batch_db=shared_batch_db(args, ledger),
-                         ledger_panels=dashboard_ledger_panels(ledger), compression_model=args.compression_model)
+                         ledger_panels=dashboard_ledger_panels(ledger), cascades=cascades,
+                         compression_model=args.compression_model)
         wire_metrics(app, routers)
         attach_ledger(app, ledger, args)
         sys.setswitchinterval(0.001)  # as in `carpool serve`: the event loop is this process's hot thread
