@@ -12,9 +12,9 @@ Lines still unanswered at expiry or cancellation get an error line each (`batch_
 so every custom_id appears exactly once in the output or error file.
 
 A batch runs only while this server holds its claim (BatchStore.claim). On a store shared by replicas the runner
-looks again every ADOPT_SECONDS: it resumes unfinished batches nobody holds (their server died), stops those whose
-claim it lost to another server (its claims' session dropped), and notices a cancellation another replica's API
-wrote for a batch it runs.
+looks again every ADOPT_SECONDS: it renews the leases of the batches it runs (stopping any it lost, or may lose
+before it can renew again), resumes unfinished batches nobody holds (their server died), and notices a
+cancellation another replica's API wrote for a batch it runs.
 """
 
 import asyncio
@@ -83,8 +83,10 @@ class BatchRunner:
         while True:
             await asyncio.sleep(ADOPT_SECONDS)
             try:
-                for batch_id in self.store.lost_claims(list(self._tasks)):
-                    log.warning("batch %s: its claim was lost to another server, which runs it now", batch_id)
+                # A lease that could lapse before the next look (with one look's time to spare) stops its batch now.
+                for batch_id in self.store.renew_claims(list(self._tasks), horizon=2 * ADOPT_SECONDS):
+                    log.warning("batch %s: its lease was lost, or may lapse while the database is away: stopped "
+                                "(another server resumes it)", batch_id)
                     self._tasks[batch_id].cancel()
                 for batch_id in self.store.active_batch_ids():
                     if batch_id not in self._tasks:

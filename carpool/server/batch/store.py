@@ -4,8 +4,11 @@ The database is batches.db in the batch dir, or, for replicas sharing a PostgreS
 same tables, carpool/migrations/002_batches.sql, and the same SQL: carpool.postgres speaks sqlite3's interface);
 the files/ folder must then be one every replica reads and writes (a shared mount), as each replica may be
 asked for any file and may run any batch. A batch is run by one server at a time: on SQLite the whole dir is
-one server's (carpool.server.batch.home), on PostgreSQL each batch is claimed with a session advisory lock that
-lives as long as its server's connection, so a killed server's batches are free for another to resume.
+one server's (carpool.server.batch.home); on PostgreSQL each batch has a lease row (owner, expiry) that its server
+renews (`renew_claims`), so a killed server's batches are free for another CLAIM_SECONDS later. A lease, not a
+session lock: a dropped session (a database restart) freed a session lock at once while its server still ran the
+batch's lines, so a second server could run, and bill, the same lines. A server that cannot renew stops running
+the batch before its lease can lapse (`renew_claims` says which), so the two never overlap.
 
 Everything a batch needs to survive `kill -9` is here. A result is written the moment its request finishes,
 keyed by (batch, line) and unique by (batch, custom_id), so a restarted server re-runs only the lines that
@@ -14,7 +17,9 @@ results at the end, written beside the database and registered in the same trans
 """
 
 import json
+import os
 import secrets
+import socket
 import sqlite3
 import tempfile
 import threading
@@ -87,7 +92,10 @@ TIMESTAMPS = {
 }
 _UPDATABLE = {"total", "errors"}
 _COPY_CHUNK = 1 << 20
-_CLAIMS = 0x62617463  # advisory lock namespace of batch claims ("batc"); the batch id's hash is the other half
+# A batch's lease: long enough for a database restart or failover to pass without a server losing its batches, short
+# enough that a killed server's batches resume within a minute. Renewed every ADOPT_SECONDS (5 s) by the runner.
+CLAIM_SECONDS = 30.0
+_DB_NOW = "EXTRACT(EPOCH FROM clock_timestamp())"
 # On a shared files folder another replica may be mid-upload (or mid-finalize) on a file not registered yet: only
 # files older than this count as left by a dead process.
 SHARED_ORPHAN_SECONDS = 3600
@@ -112,8 +120,10 @@ class BatchStore:
         self.shared = postgres.is_postgres_url(db)
         if self.shared:
             self._conn = postgres.connect_postgres(db)
-            self._claims = postgres.connect_postgres(db)  # its session holds this server's batch claims
-            self._claims_session = self._claims.raw.info.backend_pid
+            self.owner = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+            # batch id -> time.monotonic() by which its lease may lapse: taken before the statement that set the
+            # lease, so it is never later than the database's expiry.
+            self._leases: dict[str, float] = {}
         else:
             self._conn = sqlite3.connect(self.root / "batches.db", timeout=30, check_same_thread=False)
             self._conn.row_factory = sqlite3.Row
@@ -123,41 +133,58 @@ class BatchStore:
         self._remove_orphans()
 
     def close(self) -> None:
+        """Closing hands this server's batches on at once; a killed server's are free once their leases lapse."""
         with self._lock:
+            if self.shared and self._leases:
+                try:
+                    self._conn.execute("DELETE FROM batch_claims WHERE owner = ?", (self.owner,))
+                except postgres.errors():
+                    pass  # the database is away: the leases lapse on their own
             self._conn.close()
-            if self.shared:
-                self._claims.close()
 
     def claim(self, batch_id: str) -> bool:
-        """Whether this server may run the batch now: no other live server is running it. Hold it until
-        `release` (or this server's end)."""
+        """Whether this server may run the batch now: no other live server holds its lease. Hold it until
+        `release`, renewing it with `renew_claims`."""
         if not self.shared:
             return True  # the batch dir, and so every batch in it, is this server's alone
         with self._lock:
-            return self._try_claim(batch_id)
+            sent = time.monotonic()
+            row = self._conn.execute(
+                f"INSERT INTO batch_claims (batch_id, owner, expires_at) VALUES (?, ?, {_DB_NOW} + ?) "
+                f"ON CONFLICT (batch_id) DO UPDATE SET owner = excluded.owner, expires_at = excluded.expires_at "
+                f"WHERE batch_claims.owner = excluded.owner OR batch_claims.expires_at <= {_DB_NOW} "
+                "RETURNING batch_id", (batch_id, self.owner, CLAIM_SECONDS)).fetchone()
+            if row is not None:
+                self._leases[batch_id] = sent + CLAIM_SECONDS
+            return row is not None
 
-    def _try_claim(self, batch_id: str) -> bool:
-        (claimed,) = self._claims.execute("SELECT pg_try_advisory_lock(?, hashtext(?))", (_CLAIMS, batch_id)).fetchone()
-        return claimed
-
-    def lost_claims(self, batch_ids: list[str]) -> list[str]:
-        """Of the batches this server runs, those it no longer holds: its claims' session was lost (a database
-        restart; the connection opens a new one) and another server has claimed them since. The rest are
-        claimed again on the new session."""
-        if not self.shared:
+    def renew_claims(self, batch_ids: list[str], horizon: float) -> list[str]:
+        """Renew this server's leases on `batch_ids`; the ones it must stop running now: those another server
+        holds (this one's lapsed), and, while the database cannot be reached, those that may lapse within
+        `horizon` seconds (before the caller's next renewal), so no two servers ever run a batch at once."""
+        if not self.shared or not batch_ids:
             return []
         with self._lock:
-            self._claims.execute("SELECT 1")  # replaces a session the server dropped
-            session = self._claims.raw.info.backend_pid
-            if session == self._claims_session:
-                return []
-            self._claims_session = session
-            return [batch_id for batch_id in batch_ids if not self._try_claim(batch_id)]
+            sent = time.monotonic()
+            try:
+                renewed = {row[0] for row in self._conn.execute(
+                    f"UPDATE batch_claims SET expires_at = {_DB_NOW} + ? WHERE owner = ? AND batch_id = ANY(?) "
+                    f"AND expires_at > {_DB_NOW} RETURNING batch_id", (CLAIM_SECONDS, self.owner, list(batch_ids)))}
+            except postgres.errors():
+                return [batch_id for batch_id in batch_ids if self._leases.get(batch_id, 0.0) - horizon <= sent]
+            for batch_id in renewed:
+                self._leases[batch_id] = sent + CLAIM_SECONDS
+            return [batch_id for batch_id in batch_ids if batch_id not in renewed]
 
     def release(self, batch_id: str) -> None:
         if self.shared:
             with self._lock:
-                self._claims.execute("SELECT pg_advisory_unlock(?, hashtext(?))", (_CLAIMS, batch_id))
+                self._leases.pop(batch_id, None)
+                try:
+                    self._conn.execute("DELETE FROM batch_claims WHERE batch_id = ? AND owner = ?",
+                                       (batch_id, self.owner))
+                except postgres.errors():
+                    pass  # the database is away: the lease lapses on its own
 
     def check_writable(self) -> None:
         """Raise (OSError, sqlite3.Error) unless both the files folder and the database take writes: a read-only

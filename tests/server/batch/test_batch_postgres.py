@@ -4,12 +4,14 @@ one files folder, metadata in the database, and each batch run by exactly one se
 import asyncio
 import io
 import time
+from collections import Counter
 
 import pytest
 from batch_fakes import EchoEndpoint, request_line
 from test_batch_runner import TERMINAL, all_custom_ids, make_batch, new_runner, wait_for
 
 from carpool.server.batch import runner as batch_runner
+from carpool.server.batch import store as batch_store
 from carpool.server.batch.home import BatchDirUnusable, claim_batch_dir, default_batch_dir
 from carpool.postgres import connect_postgres
 from carpool.server.batch.store import BatchStore
@@ -42,18 +44,24 @@ def test_files_batches_and_results_are_shared(stores, tmp_path):
     assert not second.transition(batch_id, "in_progress", int(time.time()), ("validating",))
 
 
-def test_a_batch_is_claimed_by_one_server_until_it_lets_go_or_dies(stores, tmp_path, postgres_url):
+def test_a_batch_is_claimed_by_one_server_until_it_lets_go_or_its_lease_lapses(monkeypatch, stores, tmp_path,
+                                                                               postgres_url):
     first, second = stores
     batch_id = make_batch(first, [request_line("a", "x")])
     assert first.claim(batch_id) and not second.claim(batch_id)
     first.release(batch_id)
+    monkeypatch.setattr(batch_store, "CLAIM_SECONDS", 0.5)
     assert second.claim(batch_id) and not first.claim(batch_id)
-    second.close()  # its server died: its connection, and with it the claim, is gone
-    deadline = time.monotonic() + 5  # once its backend has noticed the closed socket and ended
+    claimed = time.monotonic()
+    # The second server is killed: nothing renews its lease, which lapses, and only then is the batch free.
     while not first.claim(batch_id):
-        assert time.monotonic() < deadline
+        assert time.monotonic() - claimed < 5
         time.sleep(0.01)
-    stores[1] = BatchStore(tmp_path, postgres_url)
+    assert time.monotonic() - claimed > 0.4
+    assert second.renew_claims([batch_id], horizon=0) == [batch_id]  # it knows it lost the batch
+    first.close()  # a server that closes hands its batches on at once
+    assert second.claim(batch_id)
+    stores[0] = BatchStore(tmp_path, postgres_url)
 
 
 def test_two_servers_started_on_one_batch_run_each_line_once(stores):
@@ -135,28 +143,116 @@ def test_replicas_share_a_postgres_databases_batch_dir(tmp_path, postgres_url):
     assert default_batch_dir(postgres_url).name.startswith("postgres-")
 
 
-def drop_claims_session(store: BatchStore, postgres_url: str) -> None:
-    """What a database restart does to a server's claims: its session ends (the others are left alone here)."""
+def drop_session(store: BatchStore, postgres_url: str) -> None:
+    """What a database restart does to a server: its session ends (the others are left alone here)."""
     killer = connect_postgres(postgres_url)
-    pid = store._claims.raw.info.backend_pid
+    pid = store._conn.raw.info.backend_pid
     killer.execute("SELECT pg_terminate_backend(?)", (pid,))
     while killer.execute("SELECT COUNT(*) FROM pg_stat_activity WHERE pid = ?", (pid,)).fetchone()[0]:
         time.sleep(0.01)
     killer.close()
 
 
-def test_claims_lost_with_their_session_are_taken_again_unless_another_server_has(stores, postgres_url):
+def test_a_dropped_session_keeps_the_servers_leases(stores, postgres_url):
     first, second = stores
-    kept, taken = (make_batch(first, [request_line("a", "x")]) for _ in range(2))
-    assert first.claim(kept) and first.claim(taken)
-    drop_claims_session(first, postgres_url)
-    assert second.claim(taken)  # free while the first server has no session
-    assert first.lost_claims([kept, taken]) == [taken]
-    assert not second.claim(kept)  # the first holds it again
-    assert first.lost_claims([kept]) == []
+    batch_id = make_batch(first, [request_line("a", "x")])
+    assert first.claim(batch_id)
+    drop_session(first, postgres_url)
+    assert not second.claim(batch_id)  # a lease is a row: it outlives the session that wrote it
+    assert first.renew_claims([batch_id], horizon=0) == []  # renewed over a new session
+    assert not second.claim(batch_id)
 
 
-def test_a_runner_that_lost_its_claim_stops_running_the_batch(monkeypatch, stores, postgres_url):
+class SharedLines:
+    """Every line both servers' endpoints run, and any line that ran on both at once."""
+
+    def __init__(self):
+        self.running: set[str] = set()
+        self.overlaps: list[str] = []
+
+
+class TrackedEndpoint(EchoEndpoint):
+    def __init__(self, lines: SharedLines, delay: float):
+        super().__init__(delay)
+        self.lines = lines
+
+    async def run(self, principal, body: dict):
+        prompt = body["prompt"]
+        if prompt in self.lines.running:
+            self.lines.overlaps.append(prompt)
+        self.lines.running.add(prompt)
+        try:
+            return await super().run(principal, body)
+        finally:
+            self.lines.running.discard(prompt)
+
+
+def test_a_line_is_run_and_billed_once_when_the_first_servers_session_is_lost(monkeypatch, stores, postgres_url):
+    """Each line started is a request billed (an aborted one too, for the tokens it used): with a session lock the
+    second server took the batch the moment the first's session dropped and ran its in-flight lines again."""
+    monkeypatch.setattr(batch_runner, "ADOPT_SECONDS", 0.1)
+    first, second = stores
+    lines = SharedLines()
+    slow, fast = TrackedEndpoint(lines, delay=0.2), TrackedEndpoint(lines, delay=0.0)
+    prompts = [f"p{i}" for i in range(10)]
+    batch_id = make_batch(first, [request_line(f"r{i}", prompt) for i, prompt in enumerate(prompts)])
+
+    async def scenario():
+        owner, other = new_runner(first, slow, max_in_flight=2), new_runner(second, fast)
+        await owner.start()
+        await other.start()
+        while len(slow.finished) < 2:
+            await asyncio.sleep(0.01)
+        drop_session(first, postgres_url)
+        batch = await wait_for(first, batch_id, TERMINAL)
+        for runner in (owner, other):
+            await runner.stop()
+        return batch
+
+    batch = asyncio.run(scenario())
+    assert batch["status"] == "completed" and batch["completed"] == 10
+    assert Counter(slow.started + fast.started) == Counter(prompts) and not lines.overlaps
+
+
+def test_a_server_that_cannot_renew_stops_before_its_lease_lapses(monkeypatch, stores, postgres_url):
+    """The database is unreachable from the first server only (its session dropped, and it reconnects to a closed
+    port): it stops the batch before the lease can lapse, and the second resumes it after; no line runs on both."""
+    monkeypatch.setattr(batch_runner, "ADOPT_SECONDS", 0.2)  # it stops 0.4 s (two looks) before the lease lapses
+    monkeypatch.setattr(batch_store, "CLAIM_SECONDS", 2.0)
+    first, second = stores
+    lines = SharedLines()
+    # Its lines outlast the lease: only the lease's own deadline can stop them in time.
+    cut_off, healthy = TrackedEndpoint(lines, delay=5.0), TrackedEndpoint(lines, delay=0.0)
+    batch_id = make_batch(first, [request_line(f"r{i}", f"p{i}") for i in range(10)])
+
+    async def scenario():
+        owner, other = new_runner(first, cut_off, max_in_flight=2), new_runner(second, healthy)
+        await owner.start()
+        await other.start()
+        while len(cut_off.started) < 2:
+            await asyncio.sleep(0.01)
+        first._conn.url = f"postgresql://nobody@127.0.0.1:{closed_port()}/none"
+        drop_session(first, postgres_url)
+        batch = await wait_for(second, batch_id, TERMINAL)
+        stopped = batch_id not in owner._tasks
+        for runner in (owner, other):
+            await runner.stop()
+        return batch, stopped
+
+    batch, stopped = asyncio.run(scenario())
+    assert stopped and healthy.started  # the first let go; the second ran the rest
+    assert batch["status"] == "completed" and batch["completed"] == 10 and not lines.overlaps
+
+
+def closed_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_a_runner_that_lost_its_lease_stops_running_the_batch(monkeypatch, stores, postgres_url):
     monkeypatch.setattr(batch_runner, "ADOPT_SECONDS", 0.2)
     first, second = stores
     slow = EchoEndpoint(delay=0.05)
@@ -167,7 +263,7 @@ def test_a_runner_that_lost_its_claim_stops_running_the_batch(monkeypatch, store
         await runner.start()
         while not slow.finished:
             await asyncio.sleep(0.01)
-        drop_claims_session(first, postgres_url)
+        second._conn.execute("UPDATE batch_claims SET expires_at = 0")  # lapsed (a server stalled past its lease)
         assert second.claim(batch_id)  # another server takes it before the runner looks again
         deadline = time.monotonic() + 5
         while batch_id in runner._tasks and time.monotonic() < deadline:
