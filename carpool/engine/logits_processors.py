@@ -15,8 +15,11 @@ from carpool.engine.sequence import Sequence
 from carpool.engine.structured.masks import apply_grammar_masks
 
 
-def adjust_logits(logits: torch.Tensor, seqs: list[Sequence], end_token_ids: frozenset[int]) -> torch.Tensor:
-    """The logits to sample from: `logits` itself when no row asks for anything, else an adjusted copy.
+def adjust_logits(logits: torch.Tensor, seqs: list[Sequence], end_token_ids: frozenset[int],
+                  mask_in_place: bool = False) -> torch.Tensor:
+    """The logits to sample from: `logits` itself when no row asks for anything, else an adjusted copy; with
+    `mask_in_place`, a batch whose only adjustment is a grammar's is masked in `logits` itself (its constrained
+    rows; a copy of 32 x 49K floats costs 0.6 ms a step).
     `end_token_ids`: the tokens that end a sequence (EOS and the chat template's end-of-turn tokens)."""
     penalized = [row for row, seq in enumerate(seqs) if seq.params.penalized]
     biased = [row for row, seq in enumerate(seqs) if seq.params.logit_bias]
@@ -24,7 +27,8 @@ def adjust_logits(logits: torch.Tensor, seqs: list[Sequence], end_token_ids: fro
     constrained = [row for row, seq in enumerate(seqs) if seq.params.structured]
     if not (penalized or biased or banned or constrained):
         return logits
-    logits = logits.clone()
+    if penalized or biased or banned or not mask_in_place:
+        logits = logits.clone()
     if penalized:
         _apply_penalties(logits, [seqs[row] for row in penalized], penalized)
     if biased:

@@ -42,7 +42,10 @@ def sample(
     logits: torch.Tensor, seqs: list[Sequence], end_token_ids: frozenset[int] = frozenset()
 ) -> tuple[list[int], list[TokenLogprob | None]]:
     raw = logits.float()
-    logits = adjust_logits(raw, seqs, end_token_ids)
+    # After sampling, the raw logits are read only for logprobs (and by the verifier, for rows that speculate,
+    # which constrained rows never do): a grammar may mask its rows in place unless one of them reports logprobs.
+    in_place = not any(seq.params.structured and _wants_logprobs(seq) for seq in seqs)
+    logits = adjust_logits(raw, seqs, end_token_ids, mask_in_place=in_place)
     tokens = logits.argmax(dim=-1).tolist()
     for row, seq in enumerate(seqs):
         if seq.params.greedy:
@@ -69,7 +72,7 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], seqs: list[Sequence]
     """The model's own logprob of each row's token, and the top alternatives, for the rows that ask."""
     raw = logits.float()
     logprobs: list[TokenLogprob | None] = [None] * len(seqs)
-    wanted = [row for row, seq in enumerate(seqs) if seq.params.logprobs is not None or seq.params.ranked]
+    wanted = [row for row, seq in enumerate(seqs) if _wants_logprobs(seq)]
     if wanted:
         log_probs = torch.log_softmax(raw[wanted], dim=-1)
         for i, row in enumerate(wanted):
@@ -81,3 +84,7 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], seqs: list[Sequence]
                 top=list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else [],
             )
     return logprobs
+
+
+def _wants_logprobs(seq: Sequence) -> bool:
+    return seq.params.logprobs is not None or seq.params.ranked

@@ -10,7 +10,8 @@ from carpool import SamplingParams
 from carpool.engine.structured import StructuredOutput
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
-          "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0}}}
+          "properties": {"name": {"type": "string", "maxLength": 12},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 150}}}
 
 
 def chat(llm, question: str) -> str:

@@ -24,6 +24,10 @@ _FORMATS = {"json": "json_schema", "json_object": "json_schema", "regex": "regex
 LIMITS = dict(max_grammar_size=100_000, initial_lexer_fuel=200_000, step_lexer_fuel=100_000,
               step_max_items=20_000, max_lexer_states=50_000)
 COMPILE_CACHE_SIZE = 256
+# JSON on one line, with Python's separators, unless a schema sets its own `x-guidance`: llguidance's default
+# lets newlines and indentation run on, so a small model can spend max_tokens on whitespace (vLLM added
+# `disable_any_whitespace` to xgrammar for the same), and each whitespace token is one not spent on the answer.
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 @functools.lru_cache(maxsize=COMPILE_CACHE_SIZE)
@@ -77,6 +81,8 @@ class GrammarCompiler:
         return StructuredOutput(spec.kind, spec.value, spec.source, self.compile(spec.kind, spec.text, spec.source))
 
     def _compile(self, kind: str, text: str, source: str) -> CompiledGrammar:
+        if _FORMATS[kind] == "json_schema":
+            text = _with_layout(text)
         try:
             grammar = llguidance.grammar_from(_FORMATS[kind], text)
         except ValueError as error:
@@ -88,3 +94,13 @@ class GrammarCompiler:
             raise ValueError(f"{source}: invalid or unsupported {kind} constraint: {error}")
         return CompiledGrammar(matcher)
 
+
+def _with_layout(schema_text: str) -> str:
+    """The schema with JSON_LAYOUT, when it is a JSON object that names no layout of its own."""
+    try:
+        schema = json.loads(schema_text)
+    except ValueError:
+        return schema_text  # llguidance's own error names what is wrong with it
+    if not isinstance(schema, dict) or "x-guidance" in schema:
+        return schema_text
+    return json.dumps(schema | {"x-guidance": JSON_LAYOUT})

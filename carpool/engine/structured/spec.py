@@ -42,14 +42,16 @@ class StructuredOutput:
     @property
     def constraint_kind(self) -> str:
         """What the ledger calls it: json_schema | json_object | regex | choice | grammar, or tools for the grammar
-        of a tool_choice "required" or named function."""
+        of a request's tools (tool_choice "auto", "required" or a named function)."""
         return "tools" if self.source == "tools" else "json_schema" if self.kind == "json" else self.kind
 
     @property
     def text(self) -> str:
-        """The constraint as text, the key its compiled grammar is cached under."""
+        """The constraint as text, the key its compiled grammar is cached under. A schema keeps its key order: the
+        grammar writes properties in the order the schema lists them (as OpenAI's strict mode does), and a client
+        may rely on it (a `reasoning` field before the `answer`)."""
         if self.kind == "json_object":
             return '{"type": "object"}'
         if isinstance(self.value, str):
             return self.value
-        return json.dumps(self.value, sort_keys=True)
+        return json.dumps(self.value)
