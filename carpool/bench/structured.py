@@ -16,6 +16,8 @@ import json
 import re
 import tempfile
 import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
@@ -62,6 +64,8 @@ def add_parser(modes) -> None:
     parser.add_argument("--skip-validity", action="store_true", help="run the overhead comparison only")
     parser.add_argument("--skip-overhead", action="store_true", help="skip the constrained vs free tok/s comparison")
     parser.add_argument("--validity-max-tokens", type=int, default=96, help="max_tokens of each validity request")
+    parser.add_argument("--validity-concurrency", type=int, default=8,
+                        help="validity requests in flight at once (the engine batches them)")
     parser.add_argument("--formats", nargs="+", choices=list(FORMATS), default=None, help="validity formats to run")
     parser.add_argument("--batch-lines", type=int, default=0,
                         help="also run an extraction job of this many lines through the Batch API (0: none)")
@@ -75,7 +79,8 @@ def add_parser(modes) -> None:
 
 
 def main(args: argparse.Namespace, config) -> int:
-    for name in ("requests", "max_tokens", "validity_max_tokens", "server_requests", "server_concurrency"):
+    for name in ("requests", "max_tokens", "validity_max_tokens", "validity_concurrency", "server_requests",
+                 "server_concurrency"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive")
     config.max_num_seqs = max(config.max_num_seqs, *args.streams)
@@ -83,8 +88,8 @@ def main(args: argparse.Namespace, config) -> int:
     if not args.skip_validity:
         report["validity"] = validity(args, config)
         for name, row in report["validity"].items():
-            print(f"{name:14} {row['valid']}/{row['requests']} valid ({100 * row['valid'] / row['requests']:.1f}%)",
-                  flush=True)
+            print(f"{name:14} {row['valid']}/{row['requests']} valid ({100 * row['valid'] / row['requests']:.1f}%)"
+                  f"{'; invalid: ' + json.dumps(row['invalid']) if row['invalid'] else ''}", flush=True)
     if args.batch_lines > 0:
         job = report["batch_extraction"] = batch_extraction(config, args.batch_lines, args.validity_max_tokens)
         print(f"batch extraction: {job['valid']}/{job['lines']} valid ({job['status']}), {job['seconds']:.0f} s, "
@@ -124,14 +129,23 @@ def validity(args: argparse.Namespace, config) -> dict:
             formats = {name: check for name, check in formats.items() if not name.startswith("tools")}
         report = {}
         for name, check in formats.items():
-            valid = 0
-            for i in range(args.requests):
+            def outcome(i: int, check=check) -> str:
                 try:
-                    valid += bool(check(client, server.model, i, args.validity_max_tokens))
-                except (ValueError, ValidationError, openai.LengthFinishReasonError):
-                    pass
-            report[name] = {"requests": args.requests, "valid": valid}
+                    return "valid" if check(client, server.model, i, args.validity_max_tokens) else "invalid"
+                except (Cut, openai.LengthFinishReasonError):
+                    return "length"
+                except (ValueError, ValidationError) as error:
+                    return type(error).__name__
+
+            with ThreadPoolExecutor(args.validity_concurrency) as pool:
+                outcomes = Counter(pool.map(outcome, range(args.requests)))
+            valid = outcomes.pop("valid", 0)
+            report[name] = {"requests": args.requests, "valid": valid, "invalid": dict(outcomes)}
         return report
+
+
+class Cut(ValueError):
+    """The output ended at max_tokens (finish_reason "length"): invalid, as a client sees it."""
 
 
 def supports_tools(config) -> bool:
@@ -143,8 +157,11 @@ def _ask(i: int, what: str) -> list[dict]:
 
 
 def _create(client, model: str, i: int, max_tokens: int, what: str, **kwargs):
-    return client.chat.completions.create(model=model, messages=_ask(i, what), max_tokens=max_tokens, temperature=0.7,
-                                          seed=i, **kwargs).choices[0]
+    choice = client.chat.completions.create(model=model, messages=_ask(i, what), max_tokens=max_tokens,
+                                            temperature=0.7, seed=i, **kwargs).choices[0]
+    if choice.finish_reason == "length":
+        raise Cut(choice.message.content)
+    return choice
 
 
 def check_parse(client, model: str, i: int, max_tokens: int) -> bool:

@@ -4,6 +4,8 @@ One formatter per request; a streaming one remembers what it has sent per choice
 completion logprobs carry running text offsets).
 """
 
+from collections.abc import Mapping
+
 from carpool.engine.outputs import RequestOutput
 from carpool.engine.sequence import TokenLogprob
 from carpool.server.generation import Choice, Generation
@@ -40,16 +42,17 @@ class _Format:
 
 
 class ChatFormat(_Format):
-    """With `tool_names` (the request rendered tools), tool calls in the output become `tool_calls` and the
-    finish_reason "tool_calls"; a stream sends each call whole, once its closing tag is out."""
+    """With `tools` (the request rendered tools: each function's name and parameters schema), tool calls in the
+    output become `tool_calls` and the finish_reason "tool_calls"; a stream sends each call whole, once its closing
+    tag is out."""
 
     response_object = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
-    def __init__(self, tokenizer, logprobs: bool, tool_names: frozenset[str] | None = None):
+    def __init__(self, tokenizer, logprobs: bool, tools: Mapping[str, dict | None] | None = None):
         super().__init__(tokenizer, logprobs)
-        self.tool_names = tool_names
-        self.parsers: dict[int, ToolCallParser] | None = {} if tool_names is not None else None
+        self.tools = tools
+        self.parsers: dict[int, ToolCallParser] | None = {} if tools is not None else None
 
     def chunk(self, gen: Generation, choice: Choice, output: RequestOutput) -> dict | None:
         body = super().chunk(gen, choice, output)
@@ -63,7 +66,7 @@ class ChatFormat(_Format):
         message = {"role": "assistant", "content": output.text, "refusal": None}
         finish_reason = output.finish_reason
         if self.parsers is not None:
-            message["content"], calls = parse_tool_calls(output.text, self.tool_names)
+            message["content"], calls = parse_tool_calls(output.text, self.tools)
             if calls:
                 message["tool_calls"] = calls
                 finish_reason = _tool_calls_finish(finish_reason)
@@ -77,7 +80,7 @@ class ChatFormat(_Format):
     def chunk_choice(self, choice: Choice, output: RequestOutput, first: bool) -> dict:
         delta, finish_reason = {"content": output.delta_text}, output.finish_reason
         if self.parsers is not None:
-            parser = self.parsers.setdefault(choice.index, ToolCallParser(self.tool_names))
+            parser = self.parsers.setdefault(choice.index, ToolCallParser(self.tools))
             content, calls = parser.feed(output.text, output.finished)
             # As OpenAI streams calls: no `"content": ""` beside them or for text held back (null in the first).
             delta = {"content": content} if content else {"content": None} if first else {}

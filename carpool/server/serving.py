@@ -21,7 +21,7 @@ from carpool.server.protocol import (
     TokenizeRequest,
 )
 from carpool.server.responses import ChatFormat, CompletionFormat
-from carpool.server.tool_calls import call_grammar, check_tools, template_arguments
+from carpool.server.tool_calls import auto_grammar, call_grammar, check_tools, template_arguments
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 
@@ -116,8 +116,9 @@ class ModelServing:
                           structured=structured or self._structured(request), check_only=check_only)
         if check_only:
             return None
-        names = None if tools is None else frozenset(tool["function"]["name"] for tool in tools)
-        return gen, ChatFormat(self.tokenizer, logprobs is not None, tool_names=names)
+        schemas = None if tools is None else {tool["function"]["name"]: tool["function"].get("parameters")
+                                              for tool in tools}
+        return gen, ChatFormat(self.tokenizer, logprobs is not None, tools=schemas)
 
     def _tools(self, request: ChatCompletionRequest) -> tuple[list[dict] | None, StructuredOutput | None]:
         """The tools the chat template renders (None: no tools, or tool_choice "none") and, for tool_choice
@@ -137,8 +138,9 @@ class ModelServing:
             check_tools(tools)
         except ValueError as error:
             raise APIError.from_value_error(error, type(request).model_fields) from error
-        if choice is None or choice == "auto":
-            return tools, None
+        parallel = request.parallel_tool_calls is not False
+        if choice is None or choice == "auto":  # a response_format's constraint, if any, is the one that applies
+            return tools, None if self._structured(request) is not None else auto_grammar(tools, parallel)
         name = None if choice == "required" else choice.function.name
         if name is not None and name not in {tool["function"]["name"] for tool in tools}:
             raise APIError(400, f"tool_choice: no tool is named {name!r}", param="tool_choice")
@@ -146,7 +148,7 @@ class ModelServing:
             raise APIError(400, "tool_choice: a required or named tool call cannot be combined with "
                                 "response_format or structured_outputs", param="tool_choice")
         try:  # the grammar of many large tools can pass the spec size limit: the client's error, not ours
-            return tools, call_grammar(tools, name, request.parallel_tool_calls is not False)
+            return tools, call_grammar(tools, name, parallel)
         except ValueError as error:
             raise APIError.from_value_error(error, type(request).model_fields) from error
 

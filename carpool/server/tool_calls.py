@@ -2,13 +2,20 @@
 `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, which becomes an OpenAI `tool_calls` entry.
 
 `tool_choice` "required" or a named function constrains the output with a grammar of exactly such blocks, whose
-JSON is each function's own schema: the arguments always parse and validate. "auto" parses what the model
-chooses to write, also a bare call with no tags (Qwen2.5-Coder 0.5B answers "What is the weather in Paris?"
-with just `{"name": "get_weather", "arguments": {...}}`); "none" renders no tools and parses nothing.
+JSON is each function's own schema: the arguments always parse and validate. "auto" leaves the text free but
+constrains a call once the model opens one (the `<tool_call>` token: llguidance's structural-tag pattern, as
+OpenAI's strict function calling behaves), so a tagged call's arguments also always validate. A bare call with no
+tags (Qwen2.5-Coder 0.5B answers "What is the weather in Paris?" with just `{"name": "get_weather", "arguments":
+{...}}`) is free text to the grammar: it becomes a call only when its arguments validate against the tool's
+schema (jsonschema), and otherwise stays content, as vLLM leaves a call its parser cannot read. "none" renders no
+tools and parses nothing.
 """
 
 import json
 import uuid
+from collections.abc import Mapping
+
+import jsonschema
 
 from carpool.engine.structured import StructuredOutput
 from carpool.engine.structured.grammars import check_json_schema
@@ -18,8 +25,9 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
 def check_tools(tools: list[dict]) -> None:
     """ValueError naming the tool unless each function's parameters are a JSON schema of an object that the grammar
-    library accepts: whatever tool_choice is, so "auto" takes the same tools as "required" (where they become the
-    grammar), and a call's arguments are always a JSON object, as OpenAI's are."""
+    library accepts, and that jsonschema can check a bare call's arguments against: whatever tool_choice is, so
+    "auto" takes the same tools as "required" (where they become the grammar), and a call's arguments are always a
+    JSON object, as OpenAI's are."""
     for i, tool in enumerate(tools):
         parameters = tool["function"].get("parameters")
         if parameters is None:
@@ -28,22 +36,39 @@ def check_tools(tools: list[dict]) -> None:
         if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
             raise ValueError(f"{where} must be a JSON schema of type \"object\"")
         check_json_schema(parameters, where)
+        try:
+            jsonschema.validators.validator_for(parameters).check_schema(parameters)
+        except jsonschema.SchemaError as error:
+            raise ValueError(f"{where}: invalid JSON schema: {error.message}") from None
 
 
-def call_grammar(tools: list[dict], name: str | None, parallel: bool) -> StructuredOutput:
-    """One call (of the function `name`, or of any tool), or with `parallel` one or more, and nothing else."""
+def _call_rule(tools: list[dict], name: str | None) -> str:
+    """The Lark rule of one tagged call of the function `name`, or of any tool."""
     functions = [tool["function"] for tool in tools if name is None or tool["function"]["name"] == name]
     calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
               "properties": {"name": {"const": f["name"]},
                              "arguments": f.get("parameters") or {"type": "object", "properties": {}}}}
              for f in functions]
     schema = json.dumps(calls[0] if len(calls) == 1 else {"anyOf": calls})
+    # The tags are single tokens in Qwen's vocabulary, named as tokens: llguidance treats every added token as
+    # special, so the tag spelled as a "string" is matched by the token's text but not accepted by the parser.
+    return f'call: {OPEN} "\\n" %json {schema} "\\n" {CLOSE}\n'
+
+
+def call_grammar(tools: list[dict], name: str | None, parallel: bool) -> StructuredOutput:
+    """One call (of the function `name`, or of any tool), or with `parallel` one or more, and nothing else."""
     # After `</tool_call>` Qwen writes "\n"; if only another call could follow it, the model is pushed to call
     # again until max_tokens (measured: 6 repeated calls in 150 tokens, 1 call in 22 with the optional "\n").
     repeat = ' ("\\n" call)* "\\n"?' if parallel else ""
-    # The tags are single tokens in Qwen's vocabulary, named as tokens: llguidance treats every added token as
-    # special, so the tag spelled as a "string" is matched by the token's text but not accepted by the parser.
-    lark = f'start: call{repeat}\ncall: {OPEN} "\\n" %json {schema} "\\n" {CLOSE}\n'
+    return StructuredOutput("grammar", f"start: call{repeat}\n" + _call_rule(tools, name), "tools")
+
+
+def auto_grammar(tools: list[dict], parallel: bool) -> StructuredOutput:
+    """Free text, in which each call the model opens (with `parallel`, any number; else at most one) is a call of
+    one of the tools with arguments that validate. TEXT cannot hold the `<tool_call>` token, so the token ends it
+    and the call's schema takes over."""
+    calls = "tagged*" if parallel else "tagged?"
+    lark = f"start: {calls} TEXT\ntagged: TEXT call\nTEXT: /(.|\\n)*/\n" + _call_rule(tools, None)
     return StructuredOutput("grammar", lark, "tools")
 
 
@@ -51,10 +76,12 @@ class ToolCallParser:
     """Splits one choice's output text into content and complete tool calls, as the text grows: `feed(text)`
     with the whole text so far returns what is new since the last feed. A call still being written (or the start
     of an OPEN tag) is held back until it completes; at the end, whatever never became a call is content. An
-    output that starts with "{" is held to the end: the whole of it may be a bare call of one of `tool_names`."""
+    output that starts with "{" is held to the end: the whole of it may be a bare call of one of `tools` (each
+    function's name and its parameters schema, None for none). A call becomes a call only when it names one of
+    `tools` and its arguments validate against that tool's schema."""
 
-    def __init__(self, tool_names: frozenset[str]):
-        self.tool_names = tool_names
+    def __init__(self, tools: Mapping[str, dict | None]):
+        self.tools = tools
         self.cursor = 0  # text before this is sent, as content or calls
         self.pending = ""  # whitespace content held until something follows it (none is sent between calls)
         self.calls: list[dict] = []
@@ -64,8 +91,8 @@ class ToolCallParser:
         if not text[:self.cursor].strip() and not self.calls and text.lstrip().startswith("{"):
             if not finished:
                 return "", []
-            call = _parse_call(text, 0)
-            if call is not None and call["function"]["name"] in self.tool_names:
+            call = _parse_call(text, 0, self.tools)
+            if call is not None:
                 self.calls.append(call)
                 self.cursor = len(text)
                 return "", [call]
@@ -84,8 +111,8 @@ class ToolCallParser:
                     content += self._content(text[start:], True)
                     self.cursor = len(text)
                 return content, calls
-            call = _parse_call(text[start + len(OPEN):close], len(self.calls))
-            if call is None or call["function"]["name"] not in self.tool_names:  # no tool of the request's
+            call = _parse_call(text[start + len(OPEN):close], len(self.calls), self.tools)
+            if call is None:  # no call of one of the request's tools
                 content += self._content(text[start:close + len(CLOSE)], False)
             else:
                 self.calls.append(call)
@@ -110,21 +137,31 @@ def _held_back(text: str, cursor: int) -> int:
     return len(text)
 
 
-def _parse_call(body: str, index: int) -> dict | None:
+def _parse_call(body: str, index: int, tools: Mapping[str, dict | None]) -> dict | None:
     try:
         call = json.loads(body)
     except ValueError:
         return None
-    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+    if not isinstance(call, dict) or call.get("name") not in tools:
         return None
     arguments = call.get("arguments", call.get("parameters", {}))
+    if not arguments_valid(arguments, tools[call["name"]]):
+        return None
     return {"index": index, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
             "function": {"name": call["name"], "arguments": json.dumps(arguments, ensure_ascii=False)}}
 
 
-def parse_tool_calls(text: str, tool_names: frozenset[str]) -> tuple[str | None, list[dict]]:
+def arguments_valid(arguments, parameters: dict | None) -> bool:
+    """Whether a call's arguments are what the function takes: a JSON object valid against its parameters schema
+    (any object when it has none). check_tools has already had the schema compiled by the grammar library."""
+    if not isinstance(arguments, dict):
+        return False
+    return parameters is None or jsonschema.validators.validator_for(parameters)(parameters).is_valid(arguments)
+
+
+def parse_tool_calls(text: str, tools: Mapping[str, dict | None]) -> tuple[str | None, list[dict]]:
     """A whole output's content (None when it is only calls) and its calls, without the stream's `index`."""
-    content, calls = ToolCallParser(tool_names).feed(text, finished=True)
+    content, calls = ToolCallParser(tools).feed(text, finished=True)
     return (content.strip() or None) if calls else text, [{k: v for k, v in c.items() if k != "index"} for c in calls]
 
 

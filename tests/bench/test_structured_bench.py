@@ -12,7 +12,7 @@ def test_bench_structured_validity_and_a_batch_extraction_job(tmp_path):
     assert main(["bench", "structured", "--skip-overhead", "--requests", "1", "--formats", "choice",
                  "--batch-lines", "3", "--validity-max-tokens", "48", "--dtype", "float32", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert report["validity"] == {"choice": {"requests": 1, "valid": 1}}
+    assert report["validity"] == {"choice": {"requests": 1, "valid": 1, "invalid": {}}}
     job = report["batch_extraction"]
     assert job["status"] == "completed" and job["lines"] == 3 and job["valid"] == 3, job
     assert job["cost"] > 0 and job["output_tokens"] > 0 and "overhead" not in report

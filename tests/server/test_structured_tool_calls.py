@@ -1,15 +1,21 @@
 """The tool-call parser alone (no model): Qwen's `<tool_call>` blocks become OpenAI tool calls, whole or as the
-text streams in, with nothing of a call leaking into the content."""
+text streams in, with nothing of a call leaking into the content; and the tool_choice "auto" grammar, walked
+with Qwen's tokenizer (no weights)."""
 
 import json
 from types import SimpleNamespace
 
 import pytest
 
+from carpool.engine.structured.grammars import GrammarCompiler
+from carpool.models.loader import resolve_model_dir
+from carpool.models.tokenizer import Tokenizer
 from carpool.server.responses import ChatFormat
-from carpool.server.tool_calls import ToolCallParser, call_grammar, check_tools, parse_tool_calls
+from carpool.server.tool_calls import ToolCallParser, auto_grammar, call_grammar, check_tools, parse_tool_calls
 
-NAMES = frozenset({"get_weather"})
+CITY = {"type": "object", "additionalProperties": False, "required": ["city"],
+        "properties": {"city": {"type": "string", "maxLength": 20}}}
+NAMES = {"get_weather": CITY}
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
 
@@ -107,3 +113,46 @@ def test_streamed_calls_send_no_empty_content_chunks():
     assert [c["delta"].get("content", "absent") for c in sent] == [None] + ["absent"] * (len(sent) - 1)
     assert sum(len(c["delta"].get("tool_calls", [])) for c in sent) == 2 and sent[-1]["finish_reason"] == "tool_calls"
     assert len(sent) <= 4  # the first, one per call, the last: held-back text sends nothing
+
+
+def test_a_call_whose_arguments_do_not_validate_stays_content_tagged_or_bare():
+    for arguments in ('{"town": "Paris"}', '{"city": 5}', '{"city": "Paris", "unit": "celsius"}', '"Paris"'):
+        tagged = CALL.replace('{"city": "Paris"}', arguments)
+        assert parse_tool_calls(tagged, NAMES) == (tagged, [])
+        bare = f'{{"name": "get_weather", "arguments": {arguments}}}'
+        assert parse_tool_calls(bare, NAMES) == (bare, [])
+    assert len(parse_tool_calls(CALL, NAMES)[1]) == 1
+    assert len(parse_tool_calls(CALL.replace('"Paris"', '"Paris", "any": 1'), {"get_weather": None})[1]) == 1
+
+
+def test_check_tools_refuses_a_schema_that_arguments_cannot_be_checked_against():
+    with pytest.raises(ValueError, match=r"^tools\[0\]\.function\.parameters: invalid JSON schema"):
+        # The grammar library takes this pattern (Rust regex); Python's re, which jsonschema checks a bare call
+        # with, cannot compile it.
+        pattern = {"type": "object", "properties": {"a": {"type": "string", "pattern": r"\p{L}+"}}}
+        check_tools([{"function": {"name": "x", "parameters": pattern}}])
+
+
+@pytest.fixture(scope="module")
+def qwen_grammars():
+    tokenizer = Tokenizer.from_dir(resolve_model_dir("qwen2.5-coder-0.5b"))
+    return tokenizer, GrammarCompiler(tokenizer, 151936)
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_auto_grammar_leaves_text_free_and_holds_an_opened_call_to_its_schema(qwen_grammars, parallel):
+    tokenizer, grammars = qwen_grammars
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": CITY}}]
+    grammar = grammars.bind(auto_grammar(tools, parallel)).grammar
+
+    def accepted(text: str) -> bool:
+        tokens = tokenizer.encode(text, add_special_tokens=False)
+        matcher = grammar.matcher()
+        return matcher.validate_tokens(tokens) == len(tokens)
+
+    assert accepted("Any text at all, even {\"name\": \"get_weather\", \"arguments\": {\"town\": 5}}")
+    assert accepted(f"Checking.\n{CALL}\n")
+    assert accepted(f"{CALL}\n{CALL}") == parallel
+    for wrong in ('{"town": "Paris"}', '{"city": 5}', '{"city": "Paris", "unit": "celsius"}'):
+        assert not accepted(CALL.replace('{"city": "Paris"}', wrong))
+    assert not accepted(CALL.replace("get_weather", "rm_rf"))
