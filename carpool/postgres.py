@@ -22,6 +22,9 @@ _MIGRATION_LOCK = 0x63617270  # pg_advisory_lock id held while migrating ("carp"
 _MIGRATION_NAME = re.compile(r"^(\d+)_\w+\.sql$")
 # How long a statement may wait for a lock before failing (as SQLite's connect(timeout=30) does).
 LOCK_TIMEOUT = "30s"
+# How long opening a session may take (the URL's connect_timeout wins): libpq's default is to wait for the OS,
+# minutes on an unreachable host, while every request on the connection waits too.
+CONNECT_TIMEOUT = 5
 
 
 class PostgresUnusable(ValueError):
@@ -93,8 +96,10 @@ class PostgresConnection:
 
         try:
             # Added to the URL's own options (a search_path, say), which a plain options= would replace.
-            options = f"{conninfo_to_dict(self.url).get('options', '')} -c lock_timeout={LOCK_TIMEOUT}".strip()
-            return psycopg.connect(self.url, autocommit=True, row_factory=_row_factory, options=options)
+            given = conninfo_to_dict(self.url)
+            options = f"{given.get('options', '')} -c lock_timeout={LOCK_TIMEOUT}".strip()
+            return psycopg.connect(self.url, autocommit=True, row_factory=_row_factory, options=options,
+                                   connect_timeout=given.get("connect_timeout", CONNECT_TIMEOUT))
         except psycopg.Error as error:
             raise PostgresUnusable(f"{redacted(self.url)}: {cause(error)}") from None
 

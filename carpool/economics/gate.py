@@ -12,6 +12,7 @@ database may have many replicas: both live in the database (SharedAdmission), an
 its worst-case cost, so replicas together never admit more than a budget holds.
 """
 
+import contextlib
 import dataclasses
 import threading
 import time
@@ -81,6 +82,9 @@ class LedgerGate:
         self._conn = open_database(db_path)
         check_any_database(self._conn, db_path)
         self._conn_lock = threading.Lock()
+        # A PostgreSQL gate's key lookups and admission are round trips to a database server: the server runs them
+        # off its event loop (Serving.started), and a database it cannot reach is a retryable 503, not a 500.
+        self.admits_remotely = is_postgres_url(db_path)
         if is_postgres_url(db_path):
             from carpool.economics.shared_admission import SharedAdmission, settle
 
@@ -96,7 +100,7 @@ class LedgerGate:
 
     def authenticate(self, api_key: str | None) -> Principal:
         """Looked up on every request, so `carpool keys revoke` and `set-budget` act on a running server."""
-        with self._conn_lock:
+        with self._database(), self._conn_lock:
             if not has_keys(self._conn):
                 return Principal(is_admin=True)  # no keys configured: the server stays open, reports included
             key = find_key(self._conn, api_key) if api_key else None
@@ -121,11 +125,19 @@ class LedgerGate:
         batch was made, possibly in another process, with the key revoked or its limits changed since."""
         if key_id is None:
             return None
-        with self._conn_lock:
+        with self._database(), self._conn_lock:
             key = lookup_key(self._conn, key_id)
         if key is None or key.revoked is not None:
             raise GateError(401, "This API key was revoked.", "invalid_api_key")
         return key
+
+    def _database(self):
+        """Around a statement: a PostgreSQL database that cannot be reached is a retryable 503."""
+        if not self.admits_remotely:
+            return contextlib.nullcontext()
+        from carpool.economics.shared_admission import database_unavailable
+
+        return database_unavailable()
 
     def record(self, principal: Principal, usage: UsageRecord) -> Future:
         """Price the request, count it against its key's budget now, and queue its ledger row. Never waits; the

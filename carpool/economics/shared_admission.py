@@ -14,6 +14,7 @@ live gate renews its own every LEASE_SECONDS / 3, for at most MAX_RESERVATION_SE
 are the database's clock, so replicas on machines whose clocks differ agree on them.
 """
 
+import contextlib
 import os
 import secrets
 import socket
@@ -24,10 +25,12 @@ from carpool.economics.db import open_database
 from carpool.economics.keys import ApiKey
 from carpool.economics.rate_limit import WINDOW_SECONDS, RateLimitExceeded, check_window
 from carpool.economics.spend import PERIODS, period_start
+from carpool import postgres
 from carpool.postgres import PostgresConnection
 
 LEASE_SECONDS = 60.0
 MAX_RESERVATION_SECONDS = 3600.0  # a request still unrecorded after an hour never will be (its row was lost)
+UNAVAILABLE_RETRY_SECONDS = 1.0  # a dropped session is replaced at the next statement; a restart takes seconds
 _DB_NOW = "EXTRACT(EPOCH FROM clock_timestamp())"
 _ROW_TIME, _ROW_KEY, _ROW_COST = 0, 2, 14  # positions in ledger.ledger_row
 
@@ -48,7 +51,7 @@ class SharedAdmission:
         `request_id` will be recorded, reserve `estimated_cost` for it until then."""
         if key.budget is None and key.rpm is None and key.tpm is None:
             return
-        with self._lock, self._conn:
+        with database_unavailable(), self._lock, self._conn:
             self._conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(?, 0))", (key.key_id,))
             if key.budget is not None:
                 self._check_budget(key, estimated_cost, now)
@@ -130,6 +133,19 @@ class SharedAdmission:
         self._renewer.join(timeout=5)
         with self._lock:
             self._conn.close()
+
+
+@contextlib.contextmanager
+def database_unavailable():
+    """A statement that failed because the database is away (a restart, a partition, a dropped session that could
+    not be replaced) as GateError 503 with a Retry-After: the client's request is fine, and a retry (after the
+    connection heals) will get through."""
+    try:
+        yield
+    except postgres.errors() as error:
+        raise GateError(503, f"The database that holds keys, budgets and rate limits cannot be reached "
+                             f"({postgres.cause(error)}); retry shortly.", "database_unavailable",
+                        retry_after=UNAVAILABLE_RETRY_SECONDS) from None
 
 
 def settle(conn: PostgresConnection, rows: list[tuple[tuple, int | None]]) -> None:

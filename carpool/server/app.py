@@ -115,8 +115,9 @@ def create_app(
             return await _respond(request, *await cascade_serving.answer(body, caller, request.state.request_id),
                                   body.stream, body.stream_options)
         await _compile_constraint(body)
-        return await _respond(request, *compression.started(serving.start_chat(body, caller), compressed), None,
-                              body.stream, body.stream_options)
+        started_chat = await serving.started(serving.start_chat, body, caller)
+        return await _respond(request, *compression.started(started_chat, compressed), None, body.stream,
+                              body.stream_options)
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request, caller: Caller):
@@ -125,8 +126,9 @@ def create_app(
             return await _respond(request, *await cascade_serving.answer(body, caller, request.state.request_id),
                                   body.stream, body.stream_options)
         await _compile_constraint(body)
-        return await _respond(request, *compression.started(serving.start_completion(body, caller), compressed),
-                              None, body.stream, body.stream_options)
+        started_completion = await serving.started(serving.start_completion, body, caller)
+        return await _respond(request, *compression.started(started_completion, compressed), None, body.stream,
+                              body.stream_options)
 
     @app.post("/v1/compress")
     async def compress(body: CompressRequest, request: Request, caller: Caller) -> dict:

@@ -1,6 +1,9 @@
 """From a validated request body to a running Generation: the model it names, tier checks, prompts to token ids,
 sampling parameters per choice, context-length checks, then the model's tier queue and the gate's admission."""
 
+import asyncio
+import concurrent.futures
+import contextvars
 import uuid
 
 from carpool.economics.contract import Principal
@@ -24,6 +27,9 @@ from carpool.server.responses import ChatFormat, CompletionFormat
 from carpool.server.tool_calls import auto_grammar, call_grammar, check_tools, template_arguments
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
+# Set while a start runs on a worker thread (Serving.started): the event loop its queue and Generation belong to.
+_CALLER_LOOP: contextvars.ContextVar[asyncio.AbstractEventLoop | None] = contextvars.ContextVar("caller_loop",
+                                                                                                default=None)
 
 
 class Serving:
@@ -56,6 +62,19 @@ class Serving:
 
     def start_chat(self, request: ChatCompletionRequest, principal: Principal) -> tuple[Generation, ChatFormat]:
         return self.model(request.model).start_chat(request, principal)
+
+    async def started(self, start, request: GenerationRequest, principal: Principal):
+        """`start(request, principal)` (start_chat or start_completion). With a gate whose admission is a round
+        trip to a database server (PostgreSQL: `admits_remotely`), on a worker thread, so a slow or unreachable
+        database holds up this request only, not every stream on the event loop; its tier queue and Generation
+        are still handled on the loop."""
+        if not getattr(self.model(request.model).gate, "admits_remotely", False):
+            return start(request, principal)
+        token = _CALLER_LOOP.set(asyncio.get_running_loop())
+        try:
+            return await asyncio.to_thread(start, request, principal)
+        finally:
+            _CALLER_LOOP.reset(token)
 
     def check(self, request: ChatCompletionRequest | CompletionRequest, principal: Principal) -> None:
         """The start's every check of `request` (the 400 it would answer), without starting or admitting it: for
@@ -243,16 +262,16 @@ class ModelServing:
                 choices.append(Choice(len(choices), engine_request, bills_prompt=j == 0, prompt_index=i, echo=echo))
         if check_only:
             return None
-        self.queues.reserve(tier, len(choices))
+        _on_loop(self.queues.reserve, tier, len(choices))
         try:
             self.gate.admit(principal, tier, sum(len(c.request.prompt_token_ids) + c.request.params.max_tokens
                                                  for c in choices), request_id=request_id)
         except BaseException:
             for _ in choices:
-                self.queues.release(tier)
+                _on_loop(self.queues.release, tier)
             raise
-        return Generation(self.backends, request_id, tier, principal, choices, streaming=bool(request.stream),
-                          keep=n if candidates > n else None)
+        return _on_loop(Generation, self.backends, request_id, tier, principal, choices,
+                        streaming=bool(request.stream), keep=n if candidates > n else None)
 
     @staticmethod
     def _cache_salt(request: GenerationRequest, principal: Principal) -> str | None:
@@ -322,3 +341,21 @@ def requested_tier(request: GenerationRequest) -> str:
         raise APIError(400, f"priority: {request.priority} names the {numbered!r} tier, but service_tier is "
                             f"{asked!r}", param="priority")
     return asked or numbered or DEFAULT_TIER
+
+
+def _on_loop(function, *args, **kwargs):
+    """`function(*args, **kwargs)` on the event loop: at once when called there, else (a start on a worker thread,
+    see Serving.started) handed to the loop and waited for."""
+    loop = _CALLER_LOOP.get()
+    if loop is None:
+        return function(*args, **kwargs)
+    done: concurrent.futures.Future = concurrent.futures.Future()
+
+    def call():
+        try:
+            done.set_result(function(*args, **kwargs))
+        except BaseException as error:
+            done.set_exception(error)
+
+    loop.call_soon_threadsafe(call, context=contextvars.Context())  # the Generation's tasks: no worker's context
+    return done.result()

@@ -6,7 +6,8 @@ hands the gate one UsageRecord, at tier `batch`).
 """
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from functools import partial
 
 from pydantic import BaseModel, ValidationError
 
@@ -21,12 +22,13 @@ from carpool.server.protocol import ChatCompletionRequest, CompletionRequest
 from carpool.server.serving import Serving
 
 # Refusals that mean "not now" when they come with a retry time: a full queue or a key's rate limit, and a
-# ledger that cannot write for the moment. Batch work waits its turn; every other refusal answers the line.
-WAIT_CODES = ("rate_limit_exceeded", "ledger_unavailable")
+# ledger or (PostgreSQL) database that cannot be reached for the moment. Batch work waits its turn; every other
+# refusal answers the line.
+WAIT_CODES = ("rate_limit_exceeded", "ledger_unavailable", "database_unavailable")
 
 
 class ServingEndpoint:
-    def __init__(self, request_model: type[BaseModel], start: Callable):
+    def __init__(self, request_model: type[BaseModel], start: Callable[..., Awaitable]):
         self.request_model, self.start = request_model, start
 
     def check_body(self, body: dict) -> None:
@@ -45,7 +47,7 @@ class ServingEndpoint:
         request = self._parse(body).model_copy(update={"service_tier": BATCH_TIER, "priority": None})
         while True:
             try:
-                gen, fmt = self.start(request, principal)
+                gen, fmt = await self.start(request, principal)
                 break
             except (APIError, GateError) as refused:
                 error = refused if isinstance(refused, APIError) else APIError.from_gate_error(refused)
@@ -79,6 +81,7 @@ class ServingEndpoint:
 
 def serving_endpoints(serving: Serving) -> dict[str, BatchEndpoint]:
     return {
-        "/v1/chat/completions": ServingEndpoint(ChatCompletionRequest, serving.start_chat),
-        "/v1/completions": ServingEndpoint(CompletionRequest, serving.start_completion),
+        # Started as the live routes start theirs: the gate's admission off the event loop when it asks for it.
+        "/v1/chat/completions": ServingEndpoint(ChatCompletionRequest, partial(serving.started, serving.start_chat)),
+        "/v1/completions": ServingEndpoint(CompletionRequest, partial(serving.started, serving.start_completion)),
     }
