@@ -33,6 +33,7 @@ from carpool.models.tokenizer import Tokenizer
 
 REGEX = r"[A-Z][a-z]{1,8}, [0-9]{2} years"
 COLOURS = ["red", "green", "blue", "yellow"]
+VALIDITY_TIMEOUT_S = 3600
 LONG_LIST = {"type": "object", "additionalProperties": False, "required": ["people"], "properties": {"people": {
     "type": "array", "items": {"type": "object", "additionalProperties": False, "required": ["name", "age"],
                                "properties": {"name": {"type": "string", "maxLength": 16}, "age": {"type": "integer"}}}}}}
@@ -66,7 +67,8 @@ def add_parser(modes) -> None:
     parser.add_argument("--validity-max-tokens", type=int, default=96, help="max_tokens of each validity request")
     parser.add_argument("--validity-concurrency", type=int, default=8,
                         help="validity requests in flight at once (the engine batches them)")
-    parser.add_argument("--formats", nargs="+", choices=list(FORMATS), default=None, help="validity formats to run")
+    parser.add_argument("--formats", nargs="+", choices=list(FORMATS), default=None,
+                        help="validity formats to run, in this order")
     parser.add_argument("--batch-lines", type=int, default=0,
                         help="also run an extraction job of this many lines through the Batch API (0: none)")
     parser.add_argument("--url", action="append", default=[],
@@ -87,9 +89,6 @@ def main(args: argparse.Namespace, config) -> int:
     report = {"engine": asdict(config)}
     if not args.skip_validity:
         report["validity"] = validity(args, config)
-        for name, row in report["validity"].items():
-            print(f"{name:14} {row['valid']}/{row['requests']} valid ({100 * row['valid'] / row['requests']:.1f}%)"
-                  f"{'; invalid: ' + json.dumps(row['invalid']) if row['invalid'] else ''}", flush=True)
     if args.batch_lines > 0:
         job = report["batch_extraction"] = batch_extraction(config, args.batch_lines, args.validity_max_tokens)
         print(f"batch extraction: {job['valid']}/{job['lines']} valid ({job['status']}), {job['seconds']:.0f} s, "
@@ -123,8 +122,9 @@ def validity(args: argparse.Namespace, config) -> dict:
 
     with tempfile.TemporaryDirectory(prefix="carpool-bench-structured-") as workdir, \
             LocalServer(config, Path(workdir)) as server:
-        client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
-        formats = {name: check for name, check in FORMATS.items() if name in (args.formats or FORMATS)}
+        # A loaded machine can take minutes per request: the SDK's 10-minute default would end the run.
+        client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=VALIDITY_TIMEOUT_S)
+        formats = {name: FORMATS[name] for name in args.formats or FORMATS}
         if not supports_tools(config):
             formats = {name: check for name, check in formats.items() if not name.startswith("tools")}
         report = {}
@@ -141,6 +141,8 @@ def validity(args: argparse.Namespace, config) -> dict:
                 outcomes = Counter(pool.map(outcome, range(args.requests)))
             valid = outcomes.pop("valid", 0)
             report[name] = {"requests": args.requests, "valid": valid, "invalid": dict(outcomes)}
+            print(f"{name:14} {valid}/{args.requests} valid ({100 * valid / args.requests:.1f}%)"
+                  f"{'; invalid: ' + json.dumps(dict(outcomes)) if outcomes else ''}", flush=True)
         return report
 
 
