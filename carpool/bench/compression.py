@@ -151,11 +151,15 @@ async def run_gsm8k(client, gate: RecordingGate, args: argparse.Namespace, rows:
         start, first_row = time.monotonic(), len(gate.records)
         results = await asyncio.gather(*(ask(p) for p in scored))
         usage = [u for _, u in results]
+        scorer_rows = [r for r in gate.records[first_row:] if r.purpose == "compression"]
         row = {"rate": rate, "problems": len(scored), "accuracy": sum(ok for ok, _ in results) / len(results),
                "prompt_tokens": sum(u["prompt_tokens"] for u in usage) / len(usage),
                "original_prompt_tokens": sum(u["prompt_tokens_details"].get("original_prompt_tokens", u["prompt_tokens"])
                                              for u in usage) / len(usage),
                "cost_per_request": _cost(gate.records[first_row:]) / len(usage),
+               # What the scorer read per request, and how much of it came from its prefix cache.
+               "scorer_prompt_tokens": sum(r.prompt_tokens for r in scorer_rows) / len(usage),
+               "scorer_cached_tokens": sum(r.cached_tokens for r in scorer_rows) / len(usage),
                "seconds": time.monotonic() - start, "load_average": os.getloadavg()[0]}  # what the seconds ran beside
         print(f"gsm8k {rate:>3}x: accuracy {row['accuracy']:.3f}, prompt {row['prompt_tokens']:.0f} of "
               f"{row['original_prompt_tokens']:.0f} tokens, ${row['cost_per_request']:.7f}/request, "
