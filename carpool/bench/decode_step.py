@@ -1,5 +1,6 @@
-"""Where a single-stream decode step's time goes: the fused decode step (one C++ call for every decoder layer)
-against the Python layers, interleaved in one run so that a shared machine's noise hits both alike.
+"""Where a single-stream decode step's time goes: the fused decode step (one C++ call for every decoder layer, its
+threads in one parallel region), the same call op by op (each kernel forking and joining the threads itself) and
+the Python layers, interleaved in one run so that a shared machine's noise hits all three alike.
 
     python -m carpool.bench.decode_step --model smollm2-135m --rounds 30 --threads 2
 
@@ -81,11 +82,12 @@ def run(model_name: str, rounds: int, steps: int, threads: int, bandwidth_gbs: f
     for _ in range(3):  # prefill and warm-up
         engine.step()
     dtype = model.norm.weight.dtype
-    samples = {"fused": [], "python": []}
+    samples = {"fused": [], "fused-ops": [], "python": []}
     attention = []
     for _ in range(rounds):
         for mode in samples:
-            model.fused_decode = mode == "fused"
+            model.fused_decode = mode != "python"
+            model.decode_stack().set_one_region(mode == "fused")
             engine.step()
             wall, cpu = time.perf_counter(), time.process_time()
             for _ in range(steps):
@@ -93,6 +95,7 @@ def run(model_name: str, rounds: int, steps: int, threads: int, bandwidth_gbs: f
             wall, cpu = (time.perf_counter() - wall) * 1000 / steps, (time.process_time() - cpu) * 1000 / steps
             samples[mode].append((wall, cpu))
         attention.append(attention_ms(engine, dtype, 3))
+    model.decode_stack().set_one_region(True)
     matmuls = matmuls_ms(model, dtype, 5)
     attend = tuple(statistics.mean(a[i] for a in attention) for i in range(2))
     floor = weight_bytes(model) / (bandwidth_gbs * 1e9) * 1000
@@ -113,9 +116,9 @@ def main(args: argparse.Namespace) -> None:
           f"{matmul_wall:.2f} ms ({matmul_cpu:.2f} CPU), attention alone {attention_wall:.2f} ms "
           f"({attention_cpu:.2f} CPU), weight floor "
           f"{report['weight_floor_ms']:.2f} ms ({report['weight_bytes'] / 1e6:.0f} MB at {args.bandwidth_gbs} GB/s)")
-    for mode in ("python", "fused"):
+    for mode in ("python", "fused-ops", "fused"):
         r = report[mode]
-        print(f"  {mode:6s} layers: {r['wall_ms']:.2f} ms/step ({r['cpu_ms']:.2f} CPU), overhead "
+        print(f"  {mode:9s} layers: {r['wall_ms']:.2f} ms/step ({r['cpu_ms']:.2f} CPU), overhead "
               f"{r['overhead_wall_ms']:.2f} ms ({r['overhead_cpu_ms']:.2f} CPU), {r['x_floor']:.2f}x the floor")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

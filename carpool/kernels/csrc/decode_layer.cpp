@@ -8,14 +8,32 @@
 // matmuls (torch.profiler). Here the same kernels run in the same order from C++ (typed dispatcher calls, no
 // Python, no autograd bookkeeping), so the outputs are bit-identical to the Python path, which stays the
 // reference (prefill, mixed batches, other devices).
+//
+// When every projection runs a GEMV kernel (GGML blocks; int8-dot at up to 4 rows, or the exact path), the whole
+// step runs in one OpenMP parallel region instead: each op called on its own forks and joins the threads (SmolLM2:
+// 5 parallel ops a layer, 150 a step, each a few microseconds of fork, join and imbalance around 10-70 us of work).
+// In the region the threads split each projection's weight rows and the attention's (sequence, KV head) items,
+// one thread does the few-microsecond element-wise steps, and they meet at a barrier only where the next step
+// reads what the last one wrote. The kernels are the ops' own (row_kernels.h, ggml_dot.h) on ranges, so every
+// value is computed as the op-by-op step computes it.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/InferenceMode.h>
+#include <omp.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cstring>
 #include <optional>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
+
+#include "ggml_dot.h"
+#include "row_kernels.h"
 
 namespace {
 
@@ -118,6 +136,94 @@ at::Tensor maybe_norm(const at::Tensor& x, const OptionalTensor& weight, double 
   return weight ? rms_norm(x, *weight, eps) : x;
 }
 
+// Thread `tid` of `threads`' contiguous share [first, last) of n items, cut at multiples of `align`.
+std::pair<int64_t, int64_t> share(int64_t n, int64_t align, int tid, int threads) {
+  const int64_t units = (n + align - 1) / align;
+  return {std::min(n, units * tid / threads * align), std::min(n, units * (tid + 1) / threads * align)};
+}
+
+int64_t total_rows(const Projection& projection) {
+  int64_t rows = 0;
+  for (const at::Tensor& weight : projection.weights) rows += weight.size(0);
+  return rows;
+}
+
+// One attention cache group's metadata for a step, checked once: slot per token, block table and keys per sequence.
+struct GroupMeta {
+  const int64_t* slots;
+  const int64_t* tables;
+  const int64_t* lens;
+  int64_t max_blocks;
+};
+
+// A projection's input, prepared by one thread for all of them: in float where a kernel needs it, quantized to
+// int8 per 32 and per 256 values where int8-dot parts need it, and the exact kernel's input (X: float or bf16).
+struct PreparedInput {
+  std::vector<float> wide;
+  carpool::ggml::Int8Rows int8[2];  // blocks of 32, of 256
+  const void* exact = nullptr;
+
+  const carpool::ggml::Int8Rows& rows_for(int64_t qtype) const {
+    return int8[carpool::ggml::block_weights(qtype) == 32 ? 0 : 1];
+  }
+};
+
+// Exact-path activations: bf16 runs the bf16 kernel where the build has one, float elsewhere (widened, exact).
+template <typename T>
+using ExactInput = std::conditional_t<std::is_same_v<T, float> || carpool::kernels::kExactBf16Dot, T, float>;
+
+template <typename T>
+void prepare(const Projection& projection, const uint8_t* int8, const T* in, int64_t M, int64_t K,
+             PreparedInput& out) {
+  bool any_exact = false, blocks[2] = {false, false};
+  for (size_t i = 0; i < projection.qtypes.size(); ++i) {
+    if (int8[i])
+      blocks[carpool::ggml::block_weights(projection.qtypes[i]) == 32 ? 0 : 1] = true;
+    else
+      any_exact = true;
+  }
+  const float* wide = nullptr;
+  if constexpr (std::is_same_v<T, float>) {
+    wide = in;
+  } else if (blocks[0] || blocks[1] || (any_exact && !std::is_same_v<ExactInput<T>, T>)) {
+    out.wide.resize(M * K);
+    for (int64_t i = 0; i < M * K; ++i) out.wide[i] = static_cast<float>(in[i]);
+    wide = out.wide.data();
+  }
+  for (int b = 0; b < 2; ++b)
+    if (blocks[b]) carpool::ggml::quantize_rows(wide, M, K, b == 0 ? 32 : 256, out.int8[b]);
+  if constexpr (std::is_same_v<ExactInput<T>, T>)
+    out.exact = in;
+  else
+    out.exact = wide;
+}
+
+// This thread's share of a projection's weight rows (its parts side by side): out[m * ldo + n].
+template <typename T>
+void project_share(const Projection& projection, const uint8_t* int8, const PreparedInput& in, int64_t M, int64_t K,
+                   T* out, int64_t ldo, ExactInput<T>* panel, int tid, int threads) {
+  const auto [first, last] = share(total_rows(projection), carpool::kernels::kExactPanelRows, tid, threads);
+  int64_t offset = 0;
+  for (size_t i = 0; i < projection.weights.size(); ++i) {
+    const int64_t rows = projection.weights[i].size(0);
+    const int64_t lo = std::max(first, offset) - offset, hi = std::min(last, offset + rows) - offset;
+    const uint8_t* weight = projection.weights[i].data_ptr<uint8_t>();
+    if (lo < hi && int8[i])
+      carpool::ggml::int8_gemv_rows(in.rows_for(projection.qtypes[i]), weight, projection.qtypes[i], lo, hi,
+                                    out + offset, ldo);
+    else if (lo < hi)
+      carpool::kernels::exact_gemv_rows(static_cast<const ExactInput<T>*>(in.exact), M, weight, projection.qtypes[i],
+                                        K, lo, hi, out + offset, ldo, panel);
+    offset += rows;
+  }
+}
+
+// y = a + b (+= in place), rounded to T once, as torch adds two tensors of T.
+template <typename T>
+void add_into(T* y, const T* b, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] = T(static_cast<float>(y[i]) + static_cast<float>(b[i]));
+}
+
 class DecodeStack : public torch::CustomClassHolder {
  public:
   DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
@@ -157,6 +263,9 @@ class DecodeStack : public torch::CustomClassHolder {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
+  // False runs every step op by op, as before the one-region step: for benchmarks that compare the two.
+  void set_one_region(bool enabled) { one_region_ = enabled; }
+
   // x: [batch, hidden] the embedded decode tokens -> the last layer's output (before the final norm).
   // positions [batch]; cos/sin: the rotary tables; slots/tables/lens: the attention metadata of the full-attention
   // cache group, sliding_*: the sliding-window group's (absent: the sliding layers read the full group's).
@@ -168,6 +277,14 @@ class DecodeStack : public torch::CustomClassHolder {
     TORCH_CHECK(sliding_slots.has_value() == sliding_tables.has_value() &&
                     sliding_tables.has_value() == sliding_lens.has_value(),
                 "sliding_slots/sliding_tables/sliding_lens: all or none");
+    std::vector<uint8_t> int8;
+    if (one_region_ && gemv_plan(x, int8)) {
+      if (x.scalar_type() == at::kFloat)
+        return forward_in_one_region<float>(x, positions, cos, sin, slots, tables, lens, sliding_slots,
+                                            sliding_tables, sliding_lens, int8);
+      return forward_in_one_region<c10::BFloat16>(x, positions, cos, sin, slots, tables, lens, sliding_slots,
+                                                  sliding_tables, sliding_lens, int8);
+    }
     const int64_t batch = x.size(0), q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
     for (const Layer& layer : layers_) {
       TORCH_CHECK(layer.rotary < static_cast<int64_t>(cos.size()), "cos: no table for rotary ", layer.rotary);
@@ -197,6 +314,242 @@ class DecodeStack : public torch::CustomClassHolder {
   }
 
  private:
+  // Whether this step's projections all run GEMV kernels (see the top of this file), and per weight part (layer by
+  // layer: qkv, o, gate_up, down) whether int8-dot: decided on the calling thread, whose matmul mode applies.
+  bool gemv_plan(const at::Tensor& x, std::vector<uint8_t>& int8) const {
+    const at::ScalarType dtype = x.scalar_type();
+    if (dtype != at::kFloat && dtype != at::kBFloat16) return false;
+    const int64_t M = x.size(0);
+    const bool int8_mode = carpool::ggml::matmul_mode() == carpool::ggml::MatmulMode::kInt8Dot;
+    for (const Layer& layer : layers_) {
+      if (layer.qkv.bias && (layer.qkv.bias->scalar_type() != dtype || !layer.qkv.bias->is_contiguous())) return false;
+      for (const Projection* projection : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down})
+        for (const int64_t qtype : projection->qtypes) {
+          if (qtype < 0) return false;  // a dense matrix: at::linear
+          const bool part_int8 = int8_mode && M <= carpool::ggml::int8_dot_max_rows(qtype);
+          if (part_int8 && M > carpool::ggml::kInt8GemvMaxRows) return false;  // the batched int8 kernel
+          if (!part_int8 && dtype == at::kFloat && M > carpool::kernels::kFp32FusedMaxRows) return false;  // MKL
+          int8.push_back(part_int8);
+        }
+    }
+    return true;
+  }
+
+  // The checks the ops make per call, once per step, so that nothing in the parallel region can throw; returns each
+  // layer's cache group.
+  template <typename T>
+  std::vector<GroupMeta> checked_groups(const at::Tensor& positions, const std::vector<at::Tensor>& cos,
+                                        const std::vector<at::Tensor>& sin, const at::Tensor& slots,
+                                        const at::Tensor& tables, const at::Tensor& lens,
+                                        const OptionalTensor& sliding_slots, const OptionalTensor& sliding_tables,
+                                        const OptionalTensor& sliding_lens, int64_t batch) const {
+    const at::ScalarType dtype = c10::CppTypeToScalarType<T>::value;
+    for (size_t r = 0; r < cos.size(); ++r)
+      TORCH_CHECK(cos[r].scalar_type() == dtype && sin[r].scalar_type() == dtype && cos[r].is_contiguous() &&
+                      sin[r].is_contiguous() && cos[r].size(-1) == head_dim_ && sin[r].sizes() == cos[r].sizes(),
+                  "cos/sin: expected contiguous tables in x's dtype");
+    const int64_t* position = positions.data_ptr<int64_t>();
+    for (int64_t t = 0; t < batch; ++t)
+      for (const at::Tensor& table : cos)
+        TORCH_CHECK(position[t] >= 0 && position[t] < table.size(0), "positions: ", position[t],
+                    " outside the rotary table");
+    auto group = [&](const at::Tensor& s, const at::Tensor& t, const at::Tensor& l) {
+      TORCH_CHECK(s.scalar_type() == at::kLong && t.scalar_type() == at::kLong && l.scalar_type() == at::kLong &&
+                      s.is_contiguous() && t.is_contiguous() && l.is_contiguous(),
+                  "slots/tables/lens: expected contiguous int64");
+      TORCH_CHECK(s.numel() == batch && t.dim() == 2 && t.size(0) == batch && l.numel() == batch,
+                  "slots/tables/lens: one row per token");
+      return GroupMeta{s.data_ptr<int64_t>(), t.data_ptr<int64_t>(), l.data_ptr<int64_t>(), t.size(1)};
+    };
+    const GroupMeta full = group(slots, tables, lens);
+    const std::optional<GroupMeta> sliding =
+        sliding_slots ? std::optional(group(*sliding_slots, *sliding_tables, *sliding_lens)) : std::nullopt;
+    std::vector<GroupMeta> groups;
+    for (const Layer& layer : layers_) {
+      TORCH_CHECK(layer.rotary < static_cast<int64_t>(cos.size()), "cos: no table for rotary ", layer.rotary);
+      const GroupMeta& meta = layer.window > 0 && sliding ? *sliding : full;
+      const at::Tensor& cache = layer.k_cache;
+      TORCH_CHECK(cache.scalar_type() == dtype && layer.v_cache.scalar_type() == dtype && cache.is_contiguous() &&
+                      layer.v_cache.is_contiguous() && cache.dim() == 4 && layer.v_cache.sizes() == cache.sizes() &&
+                      cache.size(2) == num_kv_heads_ && cache.size(3) == head_dim_,
+                  "k_cache/v_cache: expected contiguous [blocks, block_size, kv_heads, head_dim] in x's dtype");
+      const int64_t block_size = cache.size(1), num_slots = cache.size(0) * block_size;
+      for (int64_t t = 0; t < batch; ++t) {
+        TORCH_CHECK(meta.slots[t] >= 0 && meta.slots[t] < num_slots, "slot_mapping: slot ", meta.slots[t],
+                    " outside the pool");
+        TORCH_CHECK(meta.lens[t] >= 1 && meta.lens[t] <= meta.max_blocks * block_size,
+                    "context_lens: each between 1 and the block table's keys, got ", meta.lens[t]);
+        // The blocks the attention reads: a sliding window's from its first key on (earlier ones may be gone).
+        const int64_t first_key = layer.window > 0 ? std::max<int64_t>(0, meta.lens[t] - layer.window) : 0;
+        for (int64_t b = first_key / block_size; b < (meta.lens[t] + block_size - 1) / block_size; ++b)
+          TORCH_CHECK(meta.tables[t * meta.max_blocks + b] >= 0 && meta.tables[t * meta.max_blocks + b] < cache.size(0),
+                      "block_tables: block outside the pool");
+      }
+      groups.push_back(meta);
+    }
+    return groups;
+  }
+
+  template <typename T>
+  at::Tensor forward_in_one_region(const at::Tensor& x, const at::Tensor& positions_in,
+                                   const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin,
+                                   const at::Tensor& slots_in, const at::Tensor& tables_in, const at::Tensor& lens_in,
+                                   const OptionalTensor& sliding_slots_in, const OptionalTensor& sliding_tables_in,
+                                   const OptionalTensor& sliding_lens_in, const std::vector<uint8_t>& int8) const {
+    using X = ExactInput<T>;
+    auto longs = [](const at::Tensor& t) { return t.to(at::kLong).contiguous(); };
+    auto maybe_longs = [&](const OptionalTensor& t) { return t ? OptionalTensor(longs(*t)) : std::nullopt; };
+    const at::Tensor positions = longs(positions_in), slots = longs(slots_in), tables = longs(tables_in),
+                     lens = longs(lens_in);
+    const OptionalTensor sliding_slots = maybe_longs(sliding_slots_in), sliding_tables = maybe_longs(sliding_tables_in),
+                         sliding_lens = maybe_longs(sliding_lens_in);
+    const int64_t M = x.size(0), H = x.size(1), q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
+    const int64_t qkv_width = q_size + 2 * kv_size;
+    const std::vector<GroupMeta> groups = checked_groups<T>(positions, cos, sin, slots, tables, lens, sliding_slots,
+                                                            sliding_tables, sliding_lens, M);
+    int64_t inter = 0;
+    for (const Layer& layer : layers_) inter = std::max(inter, checked_width<T>(layer, H));
+    const int64_t max_k = std::max({H, q_size, inter});
+    const bool any_exact = std::find(int8.begin(), int8.end(), uint8_t{0}) != int8.end();
+
+    const at::Tensor hidden = x.contiguous().clone();
+    const at::TensorOptions options = hidden.options();
+    const at::Tensor normed_t = at::empty({M, H}, options), qkv_t = at::empty({M, qkv_width}, options),
+                     attended_t = at::empty({M, q_size}, options), projected_t = at::empty({M, H}, options),
+                     gate_up_t = at::empty({M, 2 * inter}, options), act_t = at::empty({M, inter}, options);
+    T *h = hidden.data_ptr<T>(), *normed = normed_t.data_ptr<T>(), *qkv = qkv_t.data_ptr<T>(),
+      *attended = attended_t.data_ptr<T>(), *projected = projected_t.data_ptr<T>(),
+      *gate_up = gate_up_t.data_ptr<T>(), *act = act_t.data_ptr<T>();
+    const int64_t* position = positions.data_ptr<int64_t>();
+    const float eps = static_cast<float>(eps_), scale = static_cast<float>(scale_);
+    PreparedInput prepared;
+
+#pragma omp parallel num_threads(at::get_num_threads())
+    {
+      const int tid = omp_get_thread_num(), threads = omp_get_num_threads();
+      std::vector<X> panel(any_exact ? carpool::kernels::kExactPanelRows * max_k : 0);
+      const uint8_t* part_int8 = int8.data();
+      for (size_t l = 0; l < layers_.size(); ++l) {
+        const Layer& layer = layers_[l];
+        const Layer* previous = l > 0 ? &layers_[l - 1] : nullptr;
+        const GroupMeta& group = groups[l];
+#pragma omp single
+        {
+          if (previous) finish_mlp(*previous, h, projected, M, H, eps);
+          carpool::kernels::rms_norm_rows(h, layer.input_norm.data_ptr<T>(), normed, M, H, eps);
+          prepare(layer.qkv, part_int8, normed, M, H, prepared);
+        }
+        project_share(layer.qkv, part_int8, prepared, M, H, qkv, qkv_width, panel.data(), tid, threads);
+        part_int8 += layer.qkv.qtypes.size();
+#pragma omp barrier
+#pragma omp single
+        for (int64_t t = 0; t < M; ++t)
+          position_token(layer, group, qkv + t * qkv_width, t, position[t], cos, sin, eps);
+        const auto [first, last] = share(M * num_kv_heads_, 1, tid, threads);
+        carpool::kernels::decode_attention_items(qkv, qkv_width, layer.k_cache.data_ptr<T>(),
+                                                 layer.v_cache.data_ptr<T>(), group.tables, group.lens, attended,
+                                                 num_heads_, num_kv_heads_, head_dim_, layer.k_cache.size(1),
+                                                 group.max_blocks, scale, layer.window, first, last);
+#pragma omp barrier
+#pragma omp single
+        prepare(layer.o, part_int8, attended, M, q_size, prepared);
+        project_share(layer.o, part_int8, prepared, M, q_size, projected, H, panel.data(), tid, threads);
+        part_int8 += layer.o.qtypes.size();
+#pragma omp barrier
+#pragma omp single
+        {
+          if (layer.attention_out_norm)
+            carpool::kernels::rms_norm_rows(projected, layer.attention_out_norm->data_ptr<T>(), projected, M, H, eps);
+          add_into(h, projected, M * H);
+          carpool::kernels::rms_norm_rows(h, layer.mlp_in_norm.data_ptr<T>(), normed, M, H, eps);
+          prepare(layer.gate_up, part_int8, normed, M, H, prepared);
+        }
+        const int64_t width = total_rows(layer.gate_up) / 2;
+        project_share(layer.gate_up, part_int8, prepared, M, H, gate_up, 2 * width, panel.data(), tid, threads);
+        part_int8 += layer.gate_up.qtypes.size();
+#pragma omp barrier
+#pragma omp single
+        {
+          activate_into(gate_up, act, M, width, options);
+          prepare(layer.down, part_int8, act, M, width, prepared);
+        }
+        project_share(layer.down, part_int8, prepared, M, width, projected, H, panel.data(), tid, threads);
+        part_int8 += layer.down.qtypes.size();
+#pragma omp barrier
+      }
+#pragma omp single
+      if (!layers_.empty()) finish_mlp(layers_.back(), h, projected, M, H, eps);
+    }
+    return hidden;
+  }
+
+  // What the ops check per call about a layer's weights, for x of width H; returns the MLP's width.
+  template <typename T>
+  int64_t checked_width(const Layer& layer, int64_t H) const {
+    const at::ScalarType dtype = c10::CppTypeToScalarType<T>::value;
+    auto norm = [&](const OptionalTensor& weight, int64_t size) {
+      TORCH_CHECK(!weight || (weight->scalar_type() == dtype && weight->is_contiguous() && weight->numel() == size),
+                  "norm weights: expected ", size, " contiguous values of x's dtype");
+    };
+    norm(layer.input_norm, H);
+    norm(layer.mlp_in_norm, H);
+    norm(layer.attention_out_norm, H);
+    norm(layer.mlp_out_norm, H);
+    norm(layer.q_norm, head_dim_);
+    norm(layer.k_norm, head_dim_);
+    const int64_t q_size = num_heads_ * head_dim_, width = total_rows(layer.gate_up) / 2;
+    auto chains = [](const Projection& projection, int64_t in, int64_t out) {
+      for (size_t i = 0; i < projection.weights.size(); ++i)
+        TORCH_CHECK(carpool::kernels::checked_in_features(projection.weights[i], projection.qtypes[i]) == in,
+                    "weights: a projection's input is not the width before it");
+      TORCH_CHECK(total_rows(projection) == out, "weights: a projection's output is not the width after it");
+    };
+    chains(layer.qkv, H, q_size + 2 * num_kv_heads_ * head_dim_);
+    chains(layer.o, q_size, H);
+    chains(layer.gate_up, H, 2 * width);
+    chains(layer.down, width, H);
+    TORCH_CHECK(!layer.qkv.bias || layer.qkv.bias->numel() == q_size + 2 * num_kv_heads_ * head_dim_,
+                "qkv_bias: one value per q/k/v output");
+    return width;
+  }
+
+  // A token's q/k/v after the projection: + bias, per-head q/k norms, rotary, then k and v into its cache slot.
+  template <typename T>
+  void position_token(const Layer& layer, const GroupMeta& group, T* qkv, int64_t t, int64_t position,
+                      const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin, float eps) const {
+    const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
+    if (layer.qkv.bias) add_into(qkv, layer.qkv.bias->data_ptr<T>(), q_size + 2 * kv_size);
+    T *q = qkv, *k = qkv + q_size, *v = k + kv_size;
+    if (layer.q_norm) {
+      carpool::kernels::rms_norm_rows(q, layer.q_norm->data_ptr<T>(), q, num_heads_, head_dim_, eps);
+      carpool::kernels::rms_norm_rows(k, layer.k_norm->data_ptr<T>(), k, num_kv_heads_, head_dim_, eps);
+    }
+    const at::Tensor &c = cos[layer.rotary], &s = sin[layer.rotary];
+    carpool::kernels::rotate_token(q, num_heads_, k, num_kv_heads_, head_dim_, c.data_ptr<T>() + position * head_dim_,
+                                   s.data_ptr<T>() + position * head_dim_);
+    const int64_t slot = group.slots[t];
+    std::memcpy(layer.k_cache.data_ptr<T>() + slot * kv_size, k, kv_size * sizeof(T));
+    std::memcpy(layer.v_cache.data_ptr<T>() + slot * kv_size, v, kv_size * sizeof(T));
+  }
+
+  // The MLP's output (-> norm) added to the residual stream.
+  template <typename T>
+  void finish_mlp(const Layer& layer, T* h, T* projected, int64_t M, int64_t H, float eps) const {
+    if (layer.mlp_out_norm)
+      carpool::kernels::rms_norm_rows(projected, layer.mlp_out_norm->data_ptr<T>(), projected, M, H, eps);
+    add_into(h, projected, M * H);
+  }
+
+  // act(gate) * up into act [M, width]: SwiGLU's kernel on the rows, GeGLU through torch's gelu (run here by one
+  // thread: inside the parallel region its own parallel_for stays on the calling thread).
+  template <typename T>
+  void activate_into(const T* gate_up, T* act, int64_t M, int64_t width, const at::TensorOptions& options) const {
+    if (!gelu_) return carpool::kernels::silu_mul_rows(gate_up, act, M, width);
+    c10::InferenceMode inference;
+    const at::Tensor out = activate(at::from_blob(const_cast<T*>(gate_up), {M, 2 * width}, options));
+    std::memcpy(act, out.contiguous().data_ptr<T>(), M * width * sizeof(T));
+  }
+
   // act(gate) * up as carpool.models.layers.GatedMLP: SwiGLU by its fused kernel, GeGLU by torch's gelu.
   at::Tensor activate(const at::Tensor& gate_up) const {
     if (!gelu_) return silu_mul(gate_up);
@@ -207,6 +560,7 @@ class DecodeStack : public torch::CustomClassHolder {
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double eps_, scale_;
   bool gelu_ = false;
+  bool one_region_ = true;
   std::vector<Layer> layers_;
 };
 
@@ -217,5 +571,6 @@ TORCH_LIBRARY_FRAGMENT(carpool, m) {
       .def(torch::init<int64_t, int64_t, int64_t, double, double, std::string>())
       .def("add_layer", &DecodeStack::add_layer)
       .def("num_layers", &DecodeStack::num_layers)
+      .def("set_one_region", &DecodeStack::set_one_region)
       .def("forward", &DecodeStack::forward);
 }

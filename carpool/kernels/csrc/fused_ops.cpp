@@ -11,7 +11,10 @@
 #include <type_traits>
 #include <vector>
 
+#include "row_kernels.h"
 #include "vec.h"
+
+namespace carpool::kernels {
 
 namespace {
 
@@ -36,20 +39,22 @@ bool rms_norm_vector(const T* row, const T* weight, T* out, int64_t size, float 
   return false;
 }
 
+}  // namespace
+
 template <typename T>
 void rms_norm_rows(const T* src, const T* weight, T* dst, int64_t rows, int64_t size, float eps) {
-  at::parallel_for(0, rows, 64, [&](int64_t first, int64_t last) {
-    for (int64_t r = first; r < last; ++r) {
-      const T* row = src + r * size;
-      T* out = dst + r * size;
-      if (rms_norm_vector(row, weight, out, size, eps)) continue;
-      float squares = 0.0f;
-      for (int64_t i = 0; i < size; ++i) squares += static_cast<float>(row[i]) * static_cast<float>(row[i]);
-      const float inv = 1.0f / std::sqrt(squares / static_cast<float>(size) + eps);
-      for (int64_t i = 0; i < size; ++i) out[i] = T(static_cast<float>(T(static_cast<float>(row[i]) * inv)) * static_cast<float>(weight[i]));
-    }
-  });
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* row = src + r * size;
+    T* out = dst + r * size;
+    if (rms_norm_vector(row, weight, out, size, eps)) continue;
+    float squares = 0.0f;
+    for (int64_t i = 0; i < size; ++i) squares += static_cast<float>(row[i]) * static_cast<float>(row[i]);
+    const float inv = 1.0f / std::sqrt(squares / static_cast<float>(size) + eps);
+    for (int64_t i = 0; i < size; ++i) out[i] = T(static_cast<float>(T(static_cast<float>(row[i]) * inv)) * static_cast<float>(weight[i]));
+  }
 }
+
+namespace {
 
 // The part of a row torch's own silu computes with vector code (torch_vector_step), in this build's lanes with
 // the same Sleef exp; returns how many elements it did (none in the portable build). The rest goes through the
@@ -72,22 +77,24 @@ int64_t silu_mul_vector(const T* gate, const T* up, T* out, int64_t width) {
   return i;
 }
 
+}  // namespace
+
 template <typename T>
 void silu_mul_rows(const T* src, T* dst, int64_t rows, int64_t width) {
-  at::parallel_for(0, rows, 16, [&](int64_t first, int64_t last) {
-    for (int64_t r = first; r < last; ++r) {
-      const T* gate = src + r * 2 * width;
-      const T* up = gate + width;
-      T* out = dst + r * width;
-      int64_t i = 0;
-      if constexpr (!std::is_same_v<T, double>) i = silu_mul_vector(gate, up, out, width);
-      for (; i < width; ++i) {
-        const float g = static_cast<float>(gate[i]);
-        out[i] = T(static_cast<float>(T(g / (1.0f + std::exp(-g)))) * static_cast<float>(up[i]));
-      }
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* gate = src + r * 2 * width;
+    const T* up = gate + width;
+    T* out = dst + r * width;
+    int64_t i = 0;
+    if constexpr (!std::is_same_v<T, double>) i = silu_mul_vector(gate, up, out, width);
+    for (; i < width; ++i) {
+      const float g = static_cast<float>(gate[i]);
+      out[i] = T(static_cast<float>(T(g / (1.0f + std::exp(-g)))) * static_cast<float>(up[i]));
     }
-  });
+  }
 }
+
+namespace {
 
 // (x1, x2) -> (x1 c1 - x2 s1, x2 c2 + x1 s2) on each head, in fp32 with every product rounded (no FMA), as
 // torch computes x * cos + rotate_half(x) * sin.
@@ -118,6 +125,16 @@ void rotate_heads(T* base, int64_t heads, int64_t head_stride, int64_t half, con
   }
 }
 
+}  // namespace
+
+template <typename T>
+void rotate_token(T* q, int64_t q_heads, T* k, int64_t k_heads, int64_t head_dim, const T* cos, const T* sin) {
+  rotate_heads(q, q_heads, head_dim, head_dim / 2, cos, sin);
+  rotate_heads(k, k_heads, head_dim, head_dim / 2, cos, sin);
+}
+
+namespace {
+
 template <typename T>
 void rotary_tokens(const int64_t* positions, at::Tensor& q, at::Tensor& k, const T* cos, const T* sin) {
   const int64_t head_dim = q.size(2), half = head_dim / 2;
@@ -141,8 +158,11 @@ at::Tensor rms_norm(const at::Tensor& input, const at::Tensor& weight, double ep
   const at::Tensor x = input.contiguous(), w = weight.contiguous();
   at::Tensor out = at::empty_like(x);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rms_norm", [&] {
-    rms_norm_rows(x.data_ptr<scalar_t>(), w.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), x.numel() / size, size,
-                  static_cast<float>(eps));
+    const scalar_t *src = x.data_ptr<scalar_t>(), *weights = w.data_ptr<scalar_t>();
+    scalar_t* dst = out.data_ptr<scalar_t>();
+    at::parallel_for(0, x.numel() / size, 64, [&](int64_t first, int64_t last) {
+      rms_norm_rows(src + first * size, weights, dst + first * size, last - first, size, static_cast<float>(eps));
+    });
   });
   return out;
 }
@@ -156,7 +176,11 @@ at::Tensor silu_mul(const at::Tensor& input) {
   shape.back() = width;
   at::Tensor out = at::empty(shape, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "silu_mul", [&] {
-    silu_mul_rows(x.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), x.numel() / (2 * width), width);
+    const scalar_t* src = x.data_ptr<scalar_t>();
+    scalar_t* dst = out.data_ptr<scalar_t>();
+    at::parallel_for(0, x.numel() / (2 * width), 16, [&](int64_t first, int64_t last) {
+      silu_mul_rows(src + first * 2 * width, dst + first * width, last - first, width);
+    });
   });
   return out;
 }
@@ -178,6 +202,18 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor q, at::Tensor k, c
 }
 
 }  // namespace
+
+template void rms_norm_rows(const float*, const float*, float*, int64_t, int64_t, float);
+template void rms_norm_rows(const c10::BFloat16*, const c10::BFloat16*, c10::BFloat16*, int64_t, int64_t, float);
+template void silu_mul_rows(const float*, float*, int64_t, int64_t);
+template void silu_mul_rows(const c10::BFloat16*, c10::BFloat16*, int64_t, int64_t);
+template void rotate_token(float*, int64_t, float*, int64_t, int64_t, const float*, const float*);
+template void rotate_token(c10::BFloat16*, int64_t, c10::BFloat16*, int64_t, int64_t, const c10::BFloat16*,
+                           const c10::BFloat16*);
+
+}  // namespace carpool::kernels
+
+using namespace carpool::kernels;
 
 TORCH_LIBRARY_FRAGMENT(carpool, m) {
   m.def("rms_norm(Tensor input, Tensor weight, float eps) -> Tensor");

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 
 #include <cstdint>
@@ -31,6 +32,22 @@ template <> struct Format<kQ8_0> { static constexpr int64_t kWeights = 32, kByte
 template <> struct Format<kQ4_K> { static constexpr int64_t kWeights = 256, kBytes = 144; }; // d, dmin, 12 B scales, 128 B
 template <> struct Format<kQ5_K> { static constexpr int64_t kWeights = 256, kBytes = 176; }; // Q4_K + 32 B high bits
 template <> struct Format<kQ6_K> { static constexpr int64_t kWeights = 256, kBytes = 210; }; // 128 B low, 64 B high, 16 scales, d
+
+// Calls fn.template operator()<QT>() for the runtime qtype.
+template <typename Fn>
+void dispatch_qtype(int64_t qtype, Fn&& fn) {
+  switch (qtype) {
+    case kQ4_0: return fn.template operator()<kQ4_0>();
+    case kQ4_1: return fn.template operator()<kQ4_1>();
+    case kQ5_0: return fn.template operator()<kQ5_0>();
+    case kQ8_0: return fn.template operator()<kQ8_0>();
+    case kQ4_K: return fn.template operator()<kQ4_K>();
+    case kQ5_K: return fn.template operator()<kQ5_K>();
+    case kQ6_K: return fn.template operator()<kQ6_K>();
+  }
+  TORCH_CHECK(false, "qtype: unsupported GGML type ", qtype,
+              " (supported: Q4_0=2, Q4_1=3, Q5_0=6, Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14)");
+}
 
 // Q4_K / Q5_K sub-block scales and minimums, 6 bits each in 12 bytes, as 8 scale bytes and 8 minimum bytes in
 // two words, for the GEMV (ggml_dot.cpp) and the batched kernel (ggml_gemm.cpp) alike

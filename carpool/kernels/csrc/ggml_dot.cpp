@@ -8,7 +8,9 @@
 //
 // AVX-512 and AVX2 share 256-bit code: u8 x s8 products summed in fours by VNNI's vpdpbusd (AVX2: vpmaddubsw +
 // vpmaddwd), int16 x scale pairs by vpdpwssd (AVX2: vpmaddwd + add). The signed formats use abs(w) and x with w's
-// sign, as u8 x s8 needs. The portable build computes the same integer sums in plain loops.
+// sign, as u8 x s8 needs. The AVX-512 build runs the K-quants' products on 512-bit registers (a chunk's two
+// sub-blocks at once); the 32-weight formats go eight blocks at a time (dot_octets). The portable build computes the
+// same integer sums in plain loops.
 #include "ggml_dot.h"
 
 #include <ATen/Parallel.h>
@@ -29,44 +31,6 @@ namespace carpool::ggml {
 namespace {
 
 thread_local MatmulMode current_mode = MatmulMode::kExact;
-
-// x rows quantized to int8: q [M, K], a scale per `block` values, sums of q per 16 values.
-struct Int8Rows {
-  int64_t K = 0, block = 0, blocks_per_row = 0;  // the division once, not per weight row
-  std::vector<int8_t> q;
-  std::vector<float> d;
-  std::vector<int16_t> sums;
-
-  const int8_t* q_row(int64_t m) const { return q.data() + m * K; }
-  const float* d_row(int64_t m) const { return d.data() + m * blocks_per_row; }
-  const int16_t* sums_row(int64_t m) const { return sums.data() + m * (K / 16); }
-};
-
-// Symmetric int8 per `block` values: d = max|x| / 127, q = round-half-even(x * (1 / d)) (0 where the block is 0).
-Int8Rows quantize_rows(const float* x, int64_t M, int64_t K, int64_t block) {
-  Int8Rows out;
-  out.K = K;
-  out.block = block;
-  out.blocks_per_row = K / block;
-  out.q.resize(M * K);
-  out.d.resize(M * K / block);
-  out.sums.resize(M * K / 16);
-  for (int64_t b = 0; b < M * K / block; ++b) {
-    const float* xb = x + b * block;
-    int8_t* qb = out.q.data() + b * block;
-    float amax = 0.0f;
-    for (int64_t i = 0; i < block; ++i) amax = std::max(amax, std::fabs(xb[i]));
-    const float d = amax / 127.0f, inverse = d != 0.0f ? 1.0f / d : 0.0f;
-    out.d[b] = d;
-    for (int64_t i = 0; i < block; ++i) qb[i] = static_cast<int8_t>(std::nearbyint(xb[i] * inverse));
-  }
-  for (int64_t s = 0; s < M * K / 16; ++s) {
-    int sum = 0;
-    for (int i = 0; i < 16; ++i) sum += out.q[s * 16 + i];
-    out.sums[s] = static_cast<int16_t>(sum);
-  }
-  return out;
-}
 
 #ifdef CARPOOL_SIMD
 
@@ -110,16 +74,93 @@ inline __m256i fifth_bits(const uint8_t* p) {
 }
 inline float hsum(__m256 v) { return carpool::reduce_add(v); }
 
+// ---- the 32-weight formats eight blocks at a time ----
+// Per block and row the integer dot is one vpdpbusd; converting each block's eight partial sums to float and
+// scaling them apart (the per-block loop below) cost 3-4 more vector ops and a scalar multiply per block and row,
+// which left Q4_1 compute-bound at 16 GB/s a core and made every extra row cost nearly a whole extra GEMV. Here the
+// partial sums of eight blocks are reduced together into one vector, lane j = block j's integer dot (a hadd tree:
+// 9 ops for 8 blocks), then scaled by the eight blocks' d (one gather of their f16 words) times x's scales in one
+// multiply-add. The weights are unpacked as unsigned bytes (q, or q + 128 for Q8_0 with VNNI) and the offset
+// comes off as offset * sum(q_x) per block, exact in int32: the same integer dot as the signed form.
+
+// Octet<QT>: the unsigned weights of block p and the offset subtracted from them (kShift: log2 of it; -1: none).
+template <int64_t QT> struct Octet {};  // none: the per-block loop
+template <> struct Octet<kQ4_0> {
+  static constexpr int kShift = 3;
+  static __m256i weights(const uint8_t* p) { return nibbles32(p + 2); }
+};
+template <> struct Octet<kQ4_1> {
+  static constexpr int kShift = -1;
+  static __m256i weights(const uint8_t* p) { return nibbles32(p + 4); }
+};
+template <> struct Octet<kQ5_0> {
+  static constexpr int kShift = 4;
+  static __m256i weights(const uint8_t* p) { return _mm256_or_si256(nibbles32(p + 6), fifth_bits(p + 2)); }
+};
+#ifdef __AVX512VNNI__  // vpdpbusd sums u8 x s8 products in int32; AVX2's vpmaddubsw would saturate at q + 128
+template <> struct Octet<kQ8_0> {
+  static constexpr int kShift = 7;
+  static __m256i weights(const uint8_t* p) {
+    return _mm256_xor_si256(load256(p + 2), bytes(static_cast<int8_t>(0x80)));
+  }
+};
+#endif
+template <int64_t QT>
+concept HasOctet = requires { Octet<QT>::kShift; };
+
+// [sum(v0), ..., sum(v7)] of eight int32 vectors.
+inline __m256i sum8(__m256i v0, __m256i v1, __m256i v2, __m256i v3, __m256i v4, __m256i v5, __m256i v6, __m256i v7) {
+  const __m256i low = _mm256_hadd_epi32(_mm256_hadd_epi32(v0, v1), _mm256_hadd_epi32(v2, v3));
+  const __m256i high = _mm256_hadd_epi32(_mm256_hadd_epi32(v4, v5), _mm256_hadd_epi32(v6, v7));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(low, high, 0x20), _mm256_permute2x128_si256(low, high, 0x31));
+}
+
+// Blocks [0, 8 * octets) of one weight row against MR activation rows, into acc (8 lanes a row).
+template <int64_t QT, int MR>
+void dot_octets(const uint8_t* row, int64_t octets, const int8_t* const* xq, const float* const* xd,
+                const int32_t* const* xbs, __m256* acc) {
+  constexpr int64_t kBytes = Format<QT>::kBytes;
+  const __m256i offsets = _mm256_setr_epi32(0, kBytes, 2 * kBytes, 3 * kBytes, 4 * kBytes, 5 * kBytes, 6 * kBytes,
+                                            7 * kBytes);
+  for (int64_t o = 0; o < octets; ++o) {
+    const uint8_t* p = row + 8 * o * kBytes;
+    // Each block's first 4 bytes: d (and Q4_1's m) as f16, split into eight d and eight m.
+    const __m256i words = _mm256_i32gather_epi32(reinterpret_cast<const int*>(p), offsets, 1);
+    const __m256i halves = _mm256_permute4x64_epi64(
+        _mm256_packus_epi32(_mm256_and_si256(words, _mm256_set1_epi32(0xFFFF)), _mm256_srli_epi32(words, 16)), 0xD8);
+    const __m256 d = _mm256_cvtph_ps(_mm256_castsi256_si128(halves));
+    __m256i w[8];
+    for (int j = 0; j < 8; ++j) w[j] = Octet<QT>::weights(p + j * kBytes);
+    for (int i = 0; i < MR; ++i) {
+      const int8_t* q = xq[i] + 256 * o;
+      __m256i dots[8];
+      for (int j = 0; j < 8; ++j) dots[j] = dot_u8s8(_mm256_setzero_si256(), w[j], load256(q + 32 * j));
+      __m256i sums = sum8(dots[0], dots[1], dots[2], dots[3], dots[4], dots[5], dots[6], dots[7]);
+      const __m256 x_scale = _mm256_loadu_ps(xd[i] + 8 * o);
+      const __m256i x_sums = load256(xbs[i] + 8 * o);
+      if constexpr (Octet<QT>::kShift >= 0)
+        sums = _mm256_sub_epi32(sums, _mm256_slli_epi32(x_sums, Octet<QT>::kShift));
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d, x_scale), acc[i]);
+      if constexpr (QT == kQ4_1) {  // + m d_x sum(q_x)
+        const __m256 m = _mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1));
+        acc[i] = _mm256_fmadd_ps(m, _mm256_mul_ps(x_scale, _mm256_cvtepi32_ps(x_sums)), acc[i]);
+      }
+    }
+  }
+}
+
 template <int64_t QT, int MR>
 void dot_block_rows(const uint8_t* row, const Int8Rows& x, int64_t m0, float* out) {
   const int64_t blocks = x.K / Format<QT>::kWeights;
   const int8_t* xq[MR];
   const float* xd[MR];
   const int16_t* xs[MR];
+  const int32_t* xbs[MR];
   for (int i = 0; i < MR; ++i) {
     xq[i] = x.q_row(m0 + i);
     xd[i] = x.d_row(m0 + i);
     xs[i] = x.sums_row(m0 + i);
+    xbs[i] = x.block_sums_row(m0 + i);
   }
   __m256 acc[MR];
   float extra[MR];
@@ -127,7 +168,12 @@ void dot_block_rows(const uint8_t* row, const Int8Rows& x, int64_t m0, float* ou
     acc[i] = _mm256_setzero_ps();
     extra[i] = 0.0f;
   }
-  for (int64_t b = 0; b < blocks; ++b) {
+  int64_t first_block = 0;
+  if constexpr (HasOctet<QT>) {
+    dot_octets<QT, MR>(row, blocks / 8, xq, xd, xbs, acc);
+    first_block = blocks / 8 * 8;
+  }
+  for (int64_t b = first_block; b < blocks; ++b) {
     const uint8_t* p = row + b * Format<QT>::kBytes;
     const int64_t k0 = b * Format<QT>::kWeights;
     if constexpr (QT == kQ8_0 || QT == kQ4_0 || QT == kQ5_0) {
@@ -159,6 +205,40 @@ void dot_block_rows(const uint8_t* row, const Int8Rows& x, int64_t m0, float* ou
       const __m128i min8 = _mm_cvtsi64_si128(static_cast<int64_t>(mins));
       const __m256i min16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(min8, min8));
       const uint8_t* qs = p + (QT == kQ5_K ? 48 : 16);
+#if defined(CARPOOL_AVX512) && defined(__AVX512VNNI__)
+      // 512-bit: chunk c's two sub-blocks (low nibbles: 2c, high: 2c + 1) side by side in one register match 64
+      // contiguous x values, so a row costs one load, one vpmaddubsw and one vpdpwssd per 64 weights, half the
+      // 256-bit count (the per-row work is what made 2-4 rows cost 1.3-2.5 GEMVs).
+      const __m512i scale16z =
+          _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<int64_t>(scales))));
+      constexpr __mmask32 kUpper = 0xFFFF0000;  // the int16 lanes of the high 256 bits
+      __m512i high;
+      if constexpr (QT == kQ5_K) high = _mm512_broadcast_i64x4(load256(p + 16));
+      __m512i wide_sum[MR][2];  // even and odd chunks: half the dependency chain of vpdpwssd
+      for (int i = 0; i < MR; ++i) wide_sum[i][0] = wide_sum[i][1] = _mm512_setzero_si512();
+      for (int c = 0; c < 4; ++c) {
+        const __m512i raw = _mm512_broadcast_i64x4(load256(qs + 32 * c));
+        __m512i w = _mm512_and_si512(_mm512_mask_srli_epi16(raw, kUpper, raw, 4), _mm512_set1_epi8(0x0F));
+        if constexpr (QT == kQ5_K) {  // as below: bit 2c of the high byte to bit 4 of sub-block 2c, 2c + 1 of 2c + 1
+          const __m512i fifth = _mm512_mask_slli_epi16(_mm512_slli_epi16(high, 4), kUpper, high, 3);
+          w = _mm512_or_si512(w, _mm512_and_si512(fifth, _mm512_set1_epi8(0x10)));
+          high = _mm512_srli_epi16(high, 2);
+        }
+        const __m512i s = _mm512_shuffle_epi8(
+            scale16z, _mm512_inserti64x4(_mm512_set1_epi16(static_cast<int16_t>((4 * c + 1) << 8 | 4 * c)),
+                                         _mm256_set1_epi16(static_cast<int16_t>((4 * c + 3) << 8 | (4 * c + 2))), 1));
+        for (int i = 0; i < MR; ++i) {
+          const __m512i products = _mm512_maddubs_epi16(w, _mm512_loadu_si512(xq[i] + k0 + 64 * c));
+          wide_sum[i][c % 2] = _mm512_dpwssd_epi32(wide_sum[i][c % 2], products, s);
+        }
+      }
+      __m256i isum[MR][2];
+      for (int i = 0; i < MR; ++i) {
+        const __m512i both = _mm512_add_epi32(wide_sum[i][0], wide_sum[i][1]);
+        isum[i][0] = _mm512_castsi512_si256(both);
+        isum[i][1] = _mm512_extracti64x4_epi64(both, 1);
+      }
+#else
       __m256i high;
       if constexpr (QT == kQ5_K) high = load256(p + 16);
       __m256i isum[MR][2];
@@ -178,6 +258,7 @@ void dot_block_rows(const uint8_t* row, const Int8Rows& x, int64_t m0, float* ou
           isum[i][1] = dot_i16(isum[i][1], _mm256_maddubs_epi16(hi, load256(xq[i] + k0 + 64 * c + 32)), s_hi);
         }
       }
+#endif
       for (int i = 0; i < MR; ++i) {
         const __m256i min_sum = _mm256_madd_epi16(min16, load256(xs[i] + 16 * b));
         acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(isum[i][0], isum[i][1])),
@@ -188,6 +269,40 @@ void dot_block_rows(const uint8_t* row, const Int8Rows& x, int64_t m0, float* ou
       const int8_t* scales = reinterpret_cast<const int8_t*>(p + 192);
       const float d = half_to_float(p + 208);
       __m256i isum[MR];
+#if defined(CARPOOL_AVX512) && defined(__AVX512VNNI__)
+      // 512-bit, as Q4_K above: q[0] | q[1] and q[2] | q[3] of the 256-bit code below each match 64 contiguous x values.
+      constexpr __mmask32 kUpper = 0xFFFF0000;  // the int16 lanes of the high 256 bits
+      __m512i wide_sum[MR][2];
+      for (int i = 0; i < MR; ++i) wide_sum[i][0] = wide_sum[i][1] = _mm512_setzero_si512();
+      for (int h = 0; h < 2; ++h) {
+        const __m512i low = _mm512_loadu_si512(p + 64 * h), high = _mm512_broadcast_i64x4(load256(p + 128 + 32 * h));
+        const __m512i low4 = _mm512_set1_epi8(0x0F), high2 = _mm512_set1_epi8(0x30);
+        const __m512i q[2] = {
+            _mm512_or_si512(_mm512_and_si512(low, low4),
+                            _mm512_and_si512(_mm512_mask_slli_epi16(_mm512_slli_epi16(high, 4), kUpper, high, 2), high2)),
+            _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(low, 4), low4),
+                            _mm512_and_si512(_mm512_mask_srli_epi16(high, kUpper, high, 2), high2)),
+        };
+        // 128-bit lane j of q[k2] holds sub-block 8h + 4 k2 + j (16 weights): its scale in every int16 lane.
+        const __m512i scale16z =
+            _mm512_broadcast_i32x4(_mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scales + 8 * h))));
+        for (int k2 = 0; k2 < 2; ++k2) {
+          auto pick = [](int j) { return _mm_set1_epi16(static_cast<int16_t>((2 * j + 1) << 8 | 2 * j)); };
+          const __m512i control = _mm512_inserti64x4(
+              _mm512_castsi256_si512(_mm256_set_m128i(pick(4 * k2 + 1), pick(4 * k2))),
+              _mm256_set_m128i(pick(4 * k2 + 3), pick(4 * k2 + 2)), 1);
+          const __m512i s = _mm512_shuffle_epi8(scale16z, control);
+          for (int i = 0; i < MR; ++i) {
+            const __m512i products = _mm512_maddubs_epi16(q[k2], _mm512_loadu_si512(xq[i] + k0 + 128 * h + 64 * k2));
+            wide_sum[i][k2] = _mm512_dpwssd_epi32(wide_sum[i][k2], products, s);
+          }
+        }
+      }
+      for (int i = 0; i < MR; ++i) {
+        const __m512i both = _mm512_add_epi32(wide_sum[i][0], wide_sum[i][1]);
+        isum[i] = _mm256_add_epi32(_mm512_castsi512_si256(both), _mm512_extracti64x4_epi64(both, 1));
+      }
+#else
       for (int i = 0; i < MR; ++i) isum[i] = _mm256_setzero_si256();
       for (int h = 0; h < 2; ++h) {
         const __m256i low0 = load256(p + 64 * h), low1 = load256(p + 64 * h + 32), high = load256(p + 128 + 32 * h);
@@ -207,6 +322,7 @@ void dot_block_rows(const uint8_t* row, const Int8Rows& x, int64_t m0, float* ou
             isum[i] = dot_i16(isum[i], _mm256_maddubs_epi16(q[k], load256(xq[i] + k0 + 128 * h + 32 * k)), s);
         }
       }
+#endif
       const __m256i scale16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales)));
       for (int i = 0; i < MR; ++i) {  // minus 32 sum_s sc_s sum_s(q_x): the q - 32 offset
         const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(scale16, load256(xs[i] + 16 * b)), 5);
@@ -298,26 +414,24 @@ void dot_block_rows(const uint8_t* row, const Int8Rows& x, int64_t m0, float* ou
 
 #endif
 
+// Weight rows [first, last) against every activation row, up to kInt8GemvMaxRows at a time per unpacked block.
 template <int64_t QT, typename Y>
-void int8_dot_rows(const Int8Rows& x, const uint8_t* weight, int64_t M, int64_t N, Y* y) {
-  const int64_t row_bytes = x.K / Format<QT>::kWeights * Format<QT>::kBytes;
-  // Rows split evenly over the threads: at one activation row every core streams its share of the weights.
-  at::parallel_for(0, N, 8, [&](int64_t first, int64_t last) {
-    float out[kInt8GemvMaxRows];
-    for (int64_t n = first; n < last; ++n) {
-      const uint8_t* row = weight + n * row_bytes;
-      for (int64_t m = 0; m < M; m += kInt8GemvMaxRows) {
-        const int64_t mr = std::min(kInt8GemvMaxRows, M - m);
-        switch (mr) {
-          case 1: dot_block_rows<QT, 1>(row, x, m, out); break;
-          case 2: dot_block_rows<QT, 2>(row, x, m, out); break;
-          case 3: dot_block_rows<QT, 3>(row, x, m, out); break;
-          default: dot_block_rows<QT, 4>(row, x, m, out); break;
-        }
-        for (int64_t i = 0; i < mr; ++i) y[(m + i) * N + n] = Y(out[i]);
+void int8_dot_rows(const Int8Rows& x, const uint8_t* weight, int64_t first, int64_t last, Y* y, int64_t ldy) {
+  const int64_t row_bytes = x.K / Format<QT>::kWeights * Format<QT>::kBytes, M = x.M;
+  float out[kInt8GemvMaxRows];
+  for (int64_t n = first; n < last; ++n) {
+    const uint8_t* row = weight + n * row_bytes;
+    for (int64_t m = 0; m < M; m += kInt8GemvMaxRows) {
+      const int64_t mr = std::min(kInt8GemvMaxRows, M - m);
+      switch (mr) {
+        case 1: dot_block_rows<QT, 1>(row, x, m, out); break;
+        case 2: dot_block_rows<QT, 2>(row, x, m, out); break;
+        case 3: dot_block_rows<QT, 3>(row, x, m, out); break;
+        default: dot_block_rows<QT, 4>(row, x, m, out); break;
       }
+      for (int64_t i = 0; i < mr; ++i) y[(m + i) * ldy + n] = Y(out[i]);
     }
-  });
+  }
 }
 
 int64_t set_matmul_mode(int64_t mode) {
@@ -370,28 +484,62 @@ MatmulMode matmul_mode() { return current_mode; }
 
 int64_t int8_dot_max_rows(int64_t qtype) { return max_rows(qtype).load(std::memory_order_relaxed); }
 
+int64_t block_weights(int64_t qtype) {
+  int64_t weights = 0;
+  dispatch_qtype(qtype, [&]<int64_t QT>() { weights = Format<QT>::kWeights; });
+  return weights;
+}
+
+// Symmetric int8 per `block` values: d = max|x| / 127, q = round-half-even(x * (1 / d)) (0 where the block is 0).
+void quantize_rows(const float* x, int64_t M, int64_t K, int64_t block, Int8Rows& out) {
+  out.M = M;
+  out.K = K;
+  out.block = block;
+  out.blocks_per_row = K / block;
+  out.q.resize(M * K);
+  out.d.resize(M * K / block);
+  out.sums.resize(M * K / 16);
+  for (int64_t b = 0; b < M * K / block; ++b) {
+    const float* xb = x + b * block;
+    int8_t* qb = out.q.data() + b * block;
+    float amax = 0.0f;
+    for (int64_t i = 0; i < block; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    const float d = amax / 127.0f, inverse = d != 0.0f ? 1.0f / d : 0.0f;
+    out.d[b] = d;
+    for (int64_t i = 0; i < block; ++i) qb[i] = static_cast<int8_t>(std::nearbyint(xb[i] * inverse));
+  }
+  for (int64_t s = 0; s < M * K / 16; ++s) {
+    int sum = 0;
+    for (int i = 0; i < 16; ++i) sum += out.q[s * 16 + i];
+    out.sums[s] = static_cast<int16_t>(sum);
+  }
+  out.block_sums.assign(M * K / block, 0);
+  for (int64_t s = 0; s < M * K / 16; ++s) out.block_sums[s * 16 / block] += out.sums[s];
+}
+
+template <typename Y>
+void int8_gemv_rows(const Int8Rows& x, const uint8_t* weight, int64_t qtype, int64_t first, int64_t last, Y* y,
+                    int64_t ldy) {
+  dispatch_qtype(qtype, [&]<int64_t QT>() { int8_dot_rows<QT>(x, weight, first, last, y, ldy); });
+}
+template void int8_gemv_rows<float>(const Int8Rows&, const uint8_t*, int64_t, int64_t, int64_t, float*, int64_t);
+template void int8_gemv_rows<c10::BFloat16>(const Int8Rows&, const uint8_t*, int64_t, int64_t, int64_t,
+                                            c10::BFloat16*, int64_t);
+
 at::Tensor int8_dot_linear(const at::Tensor& x, const uint8_t* weight, int64_t qtype, int64_t N) {
   const int64_t M = x.size(0), K = x.size(1);
   const at::Tensor wide = x.to(at::kFloat).contiguous();
   at::Tensor y = at::empty({M, N}, x.options());
   if (M > kInt8GemvMaxRows && int8_gemm_linear(wide, weight, qtype, N, y)) return y;
-  auto run = [&]<int64_t QT>() {
-    const Int8Rows q = quantize_rows(wide.data_ptr<float>(), M, K, Format<QT>::kWeights);
+  Int8Rows q;
+  quantize_rows(wide.data_ptr<float>(), M, K, block_weights(qtype), q);
+  // Rows split evenly over the threads: at one activation row every core streams its share of the weights.
+  at::parallel_for(0, N, 8, [&](int64_t first, int64_t last) {
     if (x.scalar_type() == at::kFloat)
-      int8_dot_rows<QT>(q, weight, M, N, y.data_ptr<float>());
+      int8_gemv_rows(q, weight, qtype, first, last, y.data_ptr<float>(), N);
     else
-      int8_dot_rows<QT>(q, weight, M, N, y.data_ptr<c10::BFloat16>());
-  };
-  switch (qtype) {
-    case kQ4_0: run.template operator()<kQ4_0>(); break;
-    case kQ4_1: run.template operator()<kQ4_1>(); break;
-    case kQ5_0: run.template operator()<kQ5_0>(); break;
-    case kQ8_0: run.template operator()<kQ8_0>(); break;
-    case kQ4_K: run.template operator()<kQ4_K>(); break;
-    case kQ5_K: run.template operator()<kQ5_K>(); break;
-    case kQ6_K: run.template operator()<kQ6_K>(); break;
-    default: TORCH_CHECK(false, "qtype: unsupported GGML type ", qtype);
-  }
+      int8_gemv_rows(q, weight, qtype, first, last, y.data_ptr<c10::BFloat16>(), N);
+  });
   return y;
 }
 

@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <vector>
 
 namespace carpool::ggml {
 
@@ -32,6 +33,33 @@ int64_t int8_dot_max_rows(int64_t qtype);
 
 // y[M, N] = x[M, K] W^T with x quantized to int8 as described above; y in x's dtype.
 at::Tensor int8_dot_linear(const at::Tensor& x, const uint8_t* weight, int64_t qtype, int64_t N);
+
+// x rows quantized to int8: q [M, K], a scale per `block` values, sums of q per 16 values and per block.
+struct Int8Rows {
+  int64_t M = 0, K = 0, block = 0, blocks_per_row = 0;  // the division once, not per weight row
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<int16_t> sums;
+  std::vector<int32_t> block_sums;
+
+  const int8_t* q_row(int64_t m) const { return q.data() + m * K; }
+  const float* d_row(int64_t m) const { return d.data() + m * blocks_per_row; }
+  const int16_t* sums_row(int64_t m) const { return sums.data() + m * (K / 16); }
+  const int32_t* block_sums_row(int64_t m) const { return block_sums.data() + m * blocks_per_row; }
+};
+
+// Weights per block of `qtype` (32, or 256 for the K-quants): the block its activations quantize by.
+int64_t block_weights(int64_t qtype);
+
+// x [M, K] (float) quantized into `out` (its buffers reused): symmetric int8 per `block` values.
+void quantize_rows(const float* x, int64_t M, int64_t K, int64_t block, Int8Rows& out);
+
+// The GEMV on one range of weight rows, on the calling thread: y[m * ldy + n] for n in [first, last) and every
+// row m of x (quantized by block_weights(qtype)); Y float or bf16. The fused decode step splits one projection's
+// rows over the threads of its own parallel region with it; int8_dot_linear splits them by at::parallel_for.
+template <typename Y>
+void int8_gemv_rows(const Int8Rows& x, const uint8_t* weight, int64_t qtype, int64_t first, int64_t last, Y* y,
+                    int64_t ldy);
 
 // The batched kernel: y[M, N] (float or bf16, allocated) from x (float, contiguous [M, K]). False, with y untouched,
 // where this build has none for `qtype` (the portable build; Q8_0 on AVX2).

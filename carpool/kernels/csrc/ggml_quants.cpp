@@ -21,33 +21,17 @@
 
 #include "ggml_blocks.h"
 #include "ggml_dot.h"
+#include "row_kernels.h"
 #include "vec.h"
 
 namespace {
 
 using namespace carpool::ggml;
 
-constexpr int64_t kTileRows = 4;    // weight rows dequantized and dotted together
-constexpr int64_t kPanelTiles = 4;  // weight tiles dequantized together; each x row block is reused across them
-// Above this many activation rows, dequantize + MKL's fp32 GEMM beats the fused loop (measured). The bf16 fused
-// loop on the bf16 dot-product units keeps up with oneDNN at every size.
-constexpr int64_t kFp32FusedMaxRows = 256;
-
-// Calls fn.template operator()<QT>() for the runtime qtype.
-template <typename Fn>
-void dispatch_qtype(int64_t qtype, Fn&& fn) {
-  switch (qtype) {
-    case kQ4_0: return fn.template operator()<kQ4_0>();
-    case kQ4_1: return fn.template operator()<kQ4_1>();
-    case kQ5_0: return fn.template operator()<kQ5_0>();
-    case kQ8_0: return fn.template operator()<kQ8_0>();
-    case kQ4_K: return fn.template operator()<kQ4_K>();
-    case kQ5_K: return fn.template operator()<kQ5_K>();
-    case kQ6_K: return fn.template operator()<kQ6_K>();
-  }
-  TORCH_CHECK(false, "qtype: unsupported GGML type ", qtype,
-              " (supported: Q4_0=2, Q4_1=3, Q5_0=6, Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14)");
-}
+constexpr int64_t kTileRows = 4;  // weight rows dequantized and dotted together; kExactPanelRows (row_kernels.h)
+                                  // of them (4 tiles) are dequantized together, each x row block reused across them
+using carpool::kernels::checked_in_features, carpool::kernels::kExactBf16Dot, carpool::kernels::kExactPanelRows,
+    carpool::kernels::kFp32FusedMaxRows;
 
 // ---- microkernels -------------------------------------------------------------------------------------------
 
@@ -64,7 +48,6 @@ struct Fp32Lanes {
 using carpool::simd::reduce4;
 #endif
 #ifdef CARPOOL_AVX512
-constexpr bool kNativeBf16Dot = true;
 constexpr int kMaxMR = 4;  // activation rows per microkernel call: 16 accumulators of the 32 vector registers
 // Pairs of bf16 products accumulated in fp32, what oneDNN's bf16 GEMM computes, over 32 weights a step.
 struct Bf16Lanes {
@@ -79,10 +62,8 @@ struct Bf16Lanes {
   static __m512 madd(__m512 acc, Vec x, Vec w) { return _mm512_dpbf16_ps(acc, x, w); }
 };
 #elif defined(CARPOOL_AVX2)
-constexpr bool kNativeBf16Dot = false;
 constexpr int kMaxMR = 3;  // 12 accumulators + 3 x + 1 weight vector: the 16 ymm registers
 #else
-constexpr bool kNativeBf16Dot = false;
 constexpr int kMaxMR = 4;
 #endif
 
@@ -143,30 +124,38 @@ inline void dot_rows(const X* x, const X* w, int64_t rows_left, int64_t K, float
   }
 }
 
-// y[M, N] = x[M, K] W^T: per panel of weight rows, dequantize into X (the activations' kernel type), then every
-// activation row block against every tile of the panel.
+// y[m * ldy + n] = x[m] . W[n] for weight rows [first, last): per panel of weight rows, dequantize into X (the
+// activations' kernel type), then every activation row block against every tile of the panel. `panel` is scratch
+// of kExactPanelRows * K values. A row's result does not depend on which panel or range it falls in.
 template <int64_t QT, typename X, typename Y>
-void fused_linear(const X* x, const uint8_t* weight, int64_t M, int64_t N, int64_t K, Y* y) {
+void fused_linear_rows(const X* x, const uint8_t* weight, int64_t M, int64_t K, int64_t first, int64_t last, Y* y,
+                       int64_t ldy, X* panel) {
   const int64_t row_bytes = K / Format<QT>::kWeights * Format<QT>::kBytes;
-  const int64_t panel_rows = kPanelTiles * kTileRows;
-  const int64_t panels = (N + panel_rows - 1) / panel_rows;
-  at::parallel_for(0, panels, 2, [&](int64_t first, int64_t last) {
-    std::vector<X> w(panel_rows * K);
-    alignas(16) float dots[kMaxMR * kTileRows];
-    for (int64_t p = first; p < last; ++p) {
-      const int64_t n0 = p * panel_rows, rows = std::min(panel_rows, N - n0);
-      for (int64_t r = 0; r < rows; ++r) dequantize_row<QT>(weight + (n0 + r) * row_bytes, K, w.data() + r * K);
-      std::fill(w.begin() + rows * K, w.end(), X(0));
-      for (int64_t m = 0; m < M; m += kMaxMR) {
-        const int64_t mr = std::min<int64_t>(kMaxMR, M - m);
-        for (int64_t t = 0; t * kTileRows < rows; ++t) {
-          dot_rows(x + m * K, w.data() + t * kTileRows * K, mr, K, dots);
-          const int64_t tile_rows = std::min(kTileRows, rows - t * kTileRows);
-          for (int64_t i = 0; i < mr; ++i)
-            for (int64_t r = 0; r < tile_rows; ++r) y[(m + i) * N + n0 + t * kTileRows + r] = Y(dots[i * kTileRows + r]);
-        }
+  alignas(16) float dots[kMaxMR * kTileRows];
+  for (int64_t n0 = first; n0 < last; n0 += kExactPanelRows) {
+    const int64_t rows = std::min(kExactPanelRows, last - n0);
+    for (int64_t r = 0; r < rows; ++r) dequantize_row<QT>(weight + (n0 + r) * row_bytes, K, panel + r * K);
+    std::fill(panel + rows * K, panel + kExactPanelRows * K, X(0));
+    for (int64_t m = 0; m < M; m += kMaxMR) {
+      const int64_t mr = std::min<int64_t>(kMaxMR, M - m);
+      for (int64_t t = 0; t * kTileRows < rows; ++t) {
+        dot_rows(x + m * K, panel + t * kTileRows * K, mr, K, dots);
+        const int64_t tile_rows = std::min(kTileRows, rows - t * kTileRows);
+        for (int64_t i = 0; i < mr; ++i)
+          for (int64_t r = 0; r < tile_rows; ++r) y[(m + i) * ldy + n0 + t * kTileRows + r] = Y(dots[i * kTileRows + r]);
       }
     }
+  }
+}
+
+// y[M, N] = x[M, K] W^T, panels split over the threads.
+template <int64_t QT, typename X, typename Y>
+void fused_linear(const X* x, const uint8_t* weight, int64_t M, int64_t N, int64_t K, Y* y) {
+  const int64_t panels = (N + kExactPanelRows - 1) / kExactPanelRows;
+  at::parallel_for(0, panels, 2, [&](int64_t first, int64_t last) {
+    std::vector<X> panel(kExactPanelRows * K);
+    fused_linear_rows<QT>(x, weight, M, K, first * kExactPanelRows, std::min(N, last * kExactPanelRows), y, N,
+                          panel.data());
   });
 }
 
@@ -176,20 +165,6 @@ void dequantize_rows(const uint8_t* weight, int64_t N, int64_t K, T* out) {
   at::parallel_for(0, N, 16, [&](int64_t first, int64_t last) {
     for (int64_t n = first; n < last; ++n) dequantize_row<QT>(weight + n * row_bytes, K, out + n * K);
   });
-}
-
-int64_t checked_in_features(const at::Tensor& qweight, int64_t qtype) {
-  TORCH_CHECK(qweight.device().is_cpu(), "qweight: GGML kernels run on the CPU, got ", qweight.device());
-  TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.dim() == 2 && qweight.is_contiguous(),
-              "qweight: expected a contiguous uint8 [rows, bytes per row] tensor");
-  int64_t weights = 0, bytes = 0;
-  dispatch_qtype(qtype, [&]<int64_t QT>() {
-    weights = Format<QT>::kWeights;
-    bytes = Format<QT>::kBytes;
-  });
-  TORCH_CHECK(qweight.size(1) % bytes == 0, "qweight: ", qweight.size(1), " bytes per row is not whole blocks of ",
-              bytes);
-  return qweight.size(1) / bytes * weights;
 }
 
 at::Tensor ggml_dequantize(const at::Tensor& qweight, int64_t qtype, at::ScalarType dtype) {
@@ -223,7 +198,7 @@ at::Tensor ggml_linear(const at::Tensor& input, const at::Tensor& qweight, int64
   dispatch_qtype(qtype, [&]<int64_t QT>() {
     if (dtype == at::kFloat) {
       fused_linear<QT>(x.data_ptr<float>(), blocks, M, N, K, y.data_ptr<float>());
-    } else if constexpr (kNativeBf16Dot) {
+    } else if constexpr (kExactBf16Dot) {
       fused_linear<QT>(x.data_ptr<c10::BFloat16>(), blocks, M, N, K, y.data_ptr<c10::BFloat16>());
     } else {
       const at::Tensor wide = x.to(at::kFloat);  // exact: the fp32 kernel on bf16 inputs and fp32 weights
@@ -234,6 +209,42 @@ at::Tensor ggml_linear(const at::Tensor& input, const at::Tensor& qweight, int64
 }
 
 }  // namespace
+
+namespace carpool::kernels {
+
+using namespace carpool::ggml;
+
+int64_t checked_in_features(const at::Tensor& qweight, int64_t qtype) {
+  TORCH_CHECK(qweight.device().is_cpu(), "qweight: GGML kernels run on the CPU, got ", qweight.device());
+  TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.dim() == 2 && qweight.is_contiguous(),
+              "qweight: expected a contiguous uint8 [rows, bytes per row] tensor");
+  int64_t weights = 0, bytes = 0;
+  dispatch_qtype(qtype, [&]<int64_t QT>() {
+    weights = Format<QT>::kWeights;
+    bytes = Format<QT>::kBytes;
+  });
+  TORCH_CHECK(qweight.size(1) % bytes == 0, "qweight: ", qweight.size(1), " bytes per row is not whole blocks of ",
+              bytes);
+  return qweight.size(1) / bytes * weights;
+}
+
+template <typename X, typename Y>
+void exact_gemv_rows(const X* x, int64_t M, const uint8_t* weight, int64_t qtype, int64_t K, int64_t first,
+                     int64_t last, Y* y, int64_t ldy, X* panel) {
+  if constexpr (std::is_same_v<X, float> || kExactBf16Dot)
+    carpool::ggml::dispatch_qtype(
+        qtype, [&]<int64_t QT>() { fused_linear_rows<QT>(x, weight, M, K, first, last, y, ldy, panel); });
+  else
+    TORCH_CHECK(false, "exact_gemv_rows: bf16 activations need the AVX-512 build (widen them to float elsewhere)");
+}
+template void exact_gemv_rows(const float*, int64_t, const uint8_t*, int64_t, int64_t, int64_t, int64_t, float*,
+                              int64_t, float*);
+template void exact_gemv_rows(const float*, int64_t, const uint8_t*, int64_t, int64_t, int64_t, int64_t,
+                              c10::BFloat16*, int64_t, float*);
+template void exact_gemv_rows(const c10::BFloat16*, int64_t, const uint8_t*, int64_t, int64_t, int64_t, int64_t,
+                              c10::BFloat16*, int64_t, c10::BFloat16*);
+
+}  // namespace carpool::kernels
 
 TORCH_LIBRARY_FRAGMENT(carpool, m) {
   m.def("ggml_dequantize(Tensor qweight, int qtype, ScalarType dtype) -> Tensor");

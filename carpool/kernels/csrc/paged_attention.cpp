@@ -7,6 +7,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "row_kernels.h"
 #include "vec.h"
 
 #include <algorithm>
@@ -16,6 +17,8 @@
 #include <type_traits>
 #include <utility>
 #include <vector>
+
+namespace carpool::kernels {
 
 namespace {
 
@@ -171,63 +174,83 @@ void store_heads(const float* acc, T* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = T(acc[i]);
 }
 
+}  // namespace
+
+template <typename T>
+void decode_attention_items(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,
+                            const int64_t* block_tables, const int64_t* context_lens, T* out, int64_t num_heads,
+                            int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
+                            float scale, int64_t window, int64_t first, int64_t last) {
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t token_stride = num_kv_heads * head_dim;  // between consecutive slots of the pool
+  std::vector<float> query(group * head_dim), acc(group * head_dim), scores;
+  std::vector<int64_t> offsets;
+  for (int64_t item = first; item < last; ++item) {
+    const int64_t b = item / num_kv_heads, kv_head = item % num_kv_heads;
+    // A sliding window keeps the last `window` keys, the query's own included: positions from first_key on.
+    const int64_t first_key = window > 0 ? std::max<int64_t>(0, context_lens[b] - window) : 0;
+    const int64_t context = context_lens[b] - first_key;
+    const int64_t* table = block_tables + b * max_blocks;
+    for (int64_t g = 0; g < group; ++g)
+      for (int64_t d = 0; d < head_dim; ++d)
+        query[g * head_dim + d] = static_cast<float>(q[b * q_stride + (kv_head * group + g) * head_dim + d]) * scale;
+    scores.resize(group * context);
+    auto slot = [&](int64_t t) {
+      const int64_t position = first_key + t;
+      return (table[position / block_size] * block_size + position % block_size) * token_stride + kv_head * head_dim;
+    };
+#ifdef CARPOOL_SIMD
+    offsets.resize(context);
+    for (int64_t t = 0; t < context; ++t) offsets[t] = slot(t);
+    if (attend_vectorized(query.data(), k_cache, v_cache, offsets.data(), context, group, head_dim, scores.data(),
+                          out + (b * num_heads + kv_head * group) * head_dim))
+      continue;
+#endif
+    for (int64_t t = 0; t < context; ++t) {
+      const T* key = k_cache + slot(t);
+      for (int64_t g = 0; g < group; ++g) {
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < head_dim; ++d) dot += query[g * head_dim + d] * static_cast<float>(key[d]);
+        scores[g * context + t] = dot;
+      }
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      float* row = scores.data() + g * context;
+      const float top = *std::max_element(row, row + context);
+      float total = 0.0f;
+      for (int64_t t = 0; t < context; ++t) total += (row[t] = std::exp(row[t] - top));
+      for (int64_t t = 0; t < context; ++t) row[t] /= total;
+    }
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t t = 0; t < context; ++t) {
+      const T* value = v_cache + slot(t);
+      for (int64_t g = 0; g < group; ++g) {
+        const float p = scores[g * context + t];
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; ++d) acc[g * head_dim + d] += p * static_cast<float>(value[d]);
+      }
+    }
+    store_heads(acc.data(), out + (b * num_heads + kv_head * group) * head_dim, group * head_dim);
+  }
+}
+
+template void decode_attention_items(const float*, int64_t, const float*, const float*, const int64_t*,
+                                     const int64_t*, float*, int64_t, int64_t, int64_t, int64_t, int64_t, float,
+                                     int64_t, int64_t, int64_t);
+template void decode_attention_items(const c10::BFloat16*, int64_t, const c10::BFloat16*, const c10::BFloat16*,
+                                     const int64_t*, const int64_t*, c10::BFloat16*, int64_t, int64_t, int64_t,
+                                     int64_t, int64_t, float, int64_t, int64_t, int64_t);
+
+namespace {
+
 template <typename T>
 void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
                       const int64_t* context_lens, T* out, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
                       int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale, int64_t window) {
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t token_stride = num_kv_heads * head_dim;  // between consecutive slots of the pool
   at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t first, int64_t last) {
-    std::vector<float> query(group * head_dim), acc(group * head_dim), scores;
-    std::vector<int64_t> offsets;
-    for (int64_t item = first; item < last; ++item) {
-      const int64_t b = item / num_kv_heads, kv_head = item % num_kv_heads;
-      // A sliding window keeps the last `window` keys, the query's own included: positions from first_key on.
-      const int64_t first_key = window > 0 ? std::max<int64_t>(0, context_lens[b] - window) : 0;
-      const int64_t context = context_lens[b] - first_key;
-      const int64_t* table = block_tables + b * max_blocks;
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t d = 0; d < head_dim; ++d)
-          query[g * head_dim + d] = static_cast<float>(q[(b * num_heads + kv_head * group + g) * head_dim + d]) * scale;
-      scores.resize(group * context);
-      auto slot = [&](int64_t t) {
-        const int64_t position = first_key + t;
-        return (table[position / block_size] * block_size + position % block_size) * token_stride + kv_head * head_dim;
-      };
-#ifdef CARPOOL_SIMD
-      offsets.resize(context);
-      for (int64_t t = 0; t < context; ++t) offsets[t] = slot(t);
-      if (attend_vectorized(query.data(), k_cache, v_cache, offsets.data(), context, group, head_dim, scores.data(),
-                            out + (b * num_heads + kv_head * group) * head_dim))
-        continue;
-#endif
-      for (int64_t t = 0; t < context; ++t) {
-        const T* key = k_cache + slot(t);
-        for (int64_t g = 0; g < group; ++g) {
-          float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < head_dim; ++d) dot += query[g * head_dim + d] * static_cast<float>(key[d]);
-          scores[g * context + t] = dot;
-        }
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        float* row = scores.data() + g * context;
-        const float top = *std::max_element(row, row + context);
-        float total = 0.0f;
-        for (int64_t t = 0; t < context; ++t) total += (row[t] = std::exp(row[t] - top));
-        for (int64_t t = 0; t < context; ++t) row[t] /= total;
-      }
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t t = 0; t < context; ++t) {
-        const T* value = v_cache + slot(t);
-        for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * context + t];
-#pragma omp simd
-          for (int64_t d = 0; d < head_dim; ++d) acc[g * head_dim + d] += p * static_cast<float>(value[d]);
-        }
-      }
-      store_heads(acc.data(), out + (b * num_heads + kv_head * group) * head_dim, group * head_dim);
-    }
+    decode_attention_items(q, num_heads * head_dim, k_cache, v_cache, block_tables, context_lens, out, num_heads,
+                           num_kv_heads, head_dim, block_size, max_blocks, scale, window, first, last);
   });
 }
 
@@ -289,6 +312,10 @@ void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache
 }
 
 }  // namespace
+
+}  // namespace carpool::kernels
+
+using namespace carpool::kernels;
 
 TORCH_LIBRARY_FRAGMENT(carpool, m) {
   m.def("write_kv_cache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");

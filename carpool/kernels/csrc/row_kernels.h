@@ -1,0 +1,62 @@
+// The kernels as work on one range (of weight rows, tokens, attention items) on the calling thread, with no
+// at::parallel_for inside. The fused decode step (decode_layer.cpp) splits each layer's work over the threads of
+// one parallel region with them: calling the ops instead forks and joins the threads once per op, ~150 times a
+// SmolLM2 step. The ops split the same functions with at::parallel_for, so both paths compute every element alike.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+
+#include <cstdint>
+
+#include "vec.h"
+
+namespace carpool::kernels {
+
+// The exact GGML path multiplies bf16 activations on the bf16 dot-product units in the AVX-512 build only;
+// elsewhere it widens them to float (exact) and runs the fp32 kernel.
+#ifdef CARPOOL_AVX512
+inline constexpr bool kExactBf16Dot = true;
+#else
+inline constexpr bool kExactBf16Dot = false;
+#endif
+// Above this many activation rows the exact path's fp32 ggml_linear dequantizes and calls MKL's GEMM, which beats
+// the fused loop there (measured). The bf16 fused loop on the bf16 dot-product units keeps up with oneDNN at every
+// size.
+inline constexpr int64_t kFp32FusedMaxRows = 256;
+// Weight rows the exact path dequantizes together: exact_gemv_rows' scratch holds this many rows of K values.
+inline constexpr int64_t kExactPanelRows = 16;
+
+// A GGML weight's in_features, after checking it is a contiguous CPU uint8 [rows, whole blocks of qtype] tensor.
+int64_t checked_in_features(const at::Tensor& qweight, int64_t qtype);
+
+// The exact (dequantizing) GGML linear on weight rows [first, last): y[m * ldy + n] = x[m] . W[n] for the M rows
+// of x [M, K]; X float, or bf16 where kExactBf16Dot; panel: scratch of kExactPanelRows * K values of X.
+template <typename X, typename Y>
+void exact_gemv_rows(const X* x, int64_t M, const uint8_t* weight, int64_t qtype, int64_t K, int64_t first,
+                     int64_t last, Y* y, int64_t ldy, X* panel);
+
+// RMSNorm of `rows` rows of `size` values (dst may be src).
+template <typename T>
+void rms_norm_rows(const T* src, const T* weight, T* dst, int64_t rows, int64_t size, float eps);
+
+// silu(gate) * up for `rows` rows of gate|up [rows, 2 * width] -> out [rows, width].
+template <typename T>
+void silu_mul_rows(const T* src, T* dst, int64_t rows, int64_t width);
+
+// Rotary embedding in place on one token's q heads and k heads (each head_dim contiguous values, heads adjacent),
+// with the token's rows of the cos/sin tables.
+template <typename T>
+void rotate_token(T* q, int64_t q_heads, T* k, int64_t k_heads, int64_t head_dim, const T* cos, const T* sin);
+
+// Paged decode attention for items [first, last) of batch x kv_heads: item b * num_kv_heads + h is sequence b's
+// KV head h with its group of query heads. q: sequence b's heads at q + b * q_stride ([heads, head_dim]);
+// out: [batch, heads, head_dim]; block_tables [batch, max_blocks]; context_lens checked by the caller (>= 1, within
+// the table).
+template <typename T>
+void decode_attention_items(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,
+                            const int64_t* block_tables, const int64_t* context_lens, T* out, int64_t num_heads,
+                            int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
+                            float scale, int64_t window, int64_t first, int64_t last);
+
+}  // namespace carpool::kernels
