@@ -77,12 +77,12 @@ def run(model_name: str, rounds: int, steps: int, threads: int, bandwidth_gbs: f
     torch.set_num_threads(threads)
     llm = LLM(model=model_name, max_num_seqs=1)
     engine, model = llm.engine, llm.engine.model
-    params = SamplingParams(max_tokens=rounds * 2 * (steps + 1) + 8, temperature=0, ignore_eos=True)
+    samples = {"fused": [], "fused-ops": [], "python": []}
+    params = SamplingParams(max_tokens=rounds * len(samples) * (steps + 1) + 8, temperature=0, ignore_eos=True)
     engine.add_request("bench", "Write a story about a dog and a cat.", params)
     for _ in range(3):  # prefill and warm-up
         engine.step()
     dtype = model.norm.weight.dtype
-    samples = {"fused": [], "fused-ops": [], "python": []}
     attention = []
     for _ in range(rounds):
         for mode in samples:
