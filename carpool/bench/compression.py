@@ -156,6 +156,7 @@ async def run_gsm8k(client, gate: RecordingGate, args: argparse.Namespace, rows:
                "prompt_tokens": sum(u["prompt_tokens"] for u in usage) / len(usage),
                "original_prompt_tokens": sum(u["prompt_tokens_details"].get("original_prompt_tokens", u["prompt_tokens"])
                                              for u in usage) / len(usage),
+               "completion_tokens": sum(u["completion_tokens"] for u in usage) / len(usage),
                "cost_per_request": _cost(gate.records[first_row:]) / len(usage),
                # What the scorer read per request, and how much of it came from its prefix cache.
                "scorer_prompt_tokens": sum(r.prompt_tokens for r in scorer_rows) / len(usage),
