@@ -115,6 +115,22 @@ inline __m256i sum8(__m256i v0, __m256i v1, __m256i v2, __m256i v3, __m256i v4, 
   return _mm256_add_epi32(_mm256_permute2x128_si256(low, high, 0x20), _mm256_permute2x128_si256(low, high, 0x31));
 }
 
+#if defined(CARPOOL_AVX512) && defined(__AVX512VNNI__)
+// The same from four 512-bit vectors, z_k = blocks 2k (lanes 0-7) and 2k + 1 (lanes 8-15): a row's eight blocks
+// take four vpdpbusd instead of eight and a 32-bit transpose instead of the hadd tree (Q4_1 at 4 rows 1.37x, at 1 row
+// 1.09x, a stand-alone loop on Zen 5).
+inline __m256i sum8(__m512i a, __m512i b, __m512i c, __m512i d) {
+  const __m512i ab = _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+  const __m512i cd = _mm512_add_epi32(_mm512_unpacklo_epi32(c, d), _mm512_unpackhi_epi32(c, d));
+  // 128-bit lane L: the sums of lane L's four values of a, b, c, d; L = 0, 1 a pair's first block, 2, 3 its second
+  const __m512i u = _mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd));
+  const __m512i v = _mm512_add_epi32(_mm512_shuffle_i64x2(u, u, _MM_SHUFFLE(2, 0, 2, 0)),
+                                     _mm512_shuffle_i64x2(u, u, _MM_SHUFFLE(3, 1, 3, 1)));
+  // v's low half: blocks 0, 2, 4, 6, 1, 3, 5, 7
+  return _mm256_permutevar8x32_epi32(_mm512_castsi512_si256(v), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+#endif
+
 // Blocks [0, 8 * octets) of one weight row against MR activation rows, into acc (8 lanes a row).
 template <int64_t QT, int MR>
 void dot_octets(const uint8_t* row, int64_t octets, const int8_t* const* xq, const float* const* xd,
@@ -133,11 +149,22 @@ void dot_octets(const uint8_t* row, int64_t octets, const int8_t* const* xq, con
     const __m256 d = _mm256_cvtph_ps(_mm256_castsi256_si128(halves));
     __m256i w[8];
     for (int j = 0; j < 8; ++j) w[j] = Octet<QT>::weights(p + j * kBytes);
+#if defined(CARPOOL_AVX512) && defined(__AVX512VNNI__)
+    __m512i pairs[4];
+    for (int k = 0; k < 4; ++k) pairs[k] = _mm512_inserti64x4(_mm512_castsi256_si512(w[2 * k]), w[2 * k + 1], 1);
+#endif
     for (int i = 0; i < MR; ++i) {
       const int8_t* q = xq[i] + 256 * o;
+#if defined(CARPOOL_AVX512) && defined(__AVX512VNNI__)
+      __m512i dots[4];
+      for (int k = 0; k < 4; ++k)
+        dots[k] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), pairs[k], _mm512_loadu_si512(q + 64 * k));
+      __m256i sums = sum8(dots[0], dots[1], dots[2], dots[3]);
+#else
       __m256i dots[8];
       for (int j = 0; j < 8; ++j) dots[j] = dot_u8s8(_mm256_setzero_si256(), w[j], load256(q + 32 * j));
       __m256i sums = sum8(dots[0], dots[1], dots[2], dots[3], dots[4], dots[5], dots[6], dots[7]);
+#endif
       const __m256 x_scale = _mm256_loadu_ps(xd[i] + 8 * o);
       const __m256i x_sums = load256(xbs[i] + 8 * o);
       if constexpr (Octet<QT>::kShift >= 0)
