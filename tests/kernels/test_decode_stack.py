@@ -5,6 +5,8 @@ matmul modes, fp32 and bf16, a Llama-like and a Gemma-like stack, batches that r
 (the GEMV kernels) and one that runs op by op (the batched int8 kernel), on an odd thread count. Runs on whatever
 kernel build is loaded (test_isa_paths.py runs it on every path this CPU can run)."""
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -28,6 +30,7 @@ BATCHES = {
 }
 
 
+@functools.cache  # gguf-py's reference dequantization (which random_blocks runs) is the slow part; weights are read-only
 def blocks(rows, cols, qtype, seed):
     return random_blocks(rows, cols, qtype, seed)[0]
 
@@ -116,19 +119,31 @@ def rotary_tables(dtype):
     return [c for c, _ in tables], [s for _, s in tables]
 
 
-@pytest.fixture(params=[1, 3], ids=["1-thread", "3-threads"])
+@pytest.fixture
 def threads(request):
+    """torch's thread count set to the test's `threads` (3: shares that split unevenly), restored after."""
     previous = torch.get_num_threads()
     torch.set_num_threads(request.param)
     yield request.param
     torch.set_num_threads(previous)
 
 
+@pytest.mark.parametrize("threads", [3], indirect=True)
 @pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("mode", [0, 1], ids=["exact", "int8-dot"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("gemma", [False, True], ids=["llama", "gemma"])
 def test_fused_step_equals_the_ops_bit_for_bit(threads, gemma, dtype, mode, batch):
+    check_step(gemma, dtype, mode, batch)
+
+
+@pytest.mark.parametrize("threads", [1], indirect=True)
+@pytest.mark.parametrize("gemma", [False, True], ids=["llama", "gemma"])
+def test_fused_step_on_one_thread(threads, gemma):
+    check_step(gemma, torch.bfloat16, 1, "verify")
+
+
+def check_step(gemma, dtype, mode, batch):
     positions, lens, table_rows = (torch.tensor(v) for v in BATCHES[batch])
     tables = torch.arange(NUM_BLOCKS).view(6, 4)[table_rows]  # each sequence its own 4 blocks
     slots = tables.gather(1, (positions // BLOCK_SIZE)[:, None])[:, 0] * BLOCK_SIZE + positions % BLOCK_SIZE
