@@ -250,7 +250,7 @@ def plot(report: dict, path: str) -> None:
     ax.set_xlabel("compression (original / kept prompt tokens)")
     ax.set_ylim(0, 1.02)
     ax.set_title(f"Prompt compression (scorer {report['scorer']})")
-    ax.legend(loc="lower left")
+    ax.legend(loc="upper right")
     ax.grid(alpha=0.3)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
