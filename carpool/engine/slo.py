@@ -58,7 +58,10 @@ DECAY = 0.98  # memory of ~50 steps: recent load, recent thread contention
 ERROR_SIGMAS = 2.0
 # The closed loop (TailFeedback).
 TAIL_QUANTILE = 0.99  # the SLO's own: the trace bench judges each minute's p99 of the gaps
-TAIL_AIM = 0.9  # of the SLO; the rest is for what the engine cannot see (event loop, HTTP, the client's read)
+# Of the SLO; the rest is for what the engine cannot see (event loop, HTTP, the client's read) and for the loop's
+# own slack. At 0.9 the trace's peak minutes (quiet machine, 2026-12-01) had an engine-side p99 of 93-98 ms, 3-9% over
+# the aim, and the client's p99 3-9 ms above that: 4-5 of 6 minutes within 100 ms.
+TAIL_AIM = 0.8
 # A window of gaps, not steps, as the SLO counts them; but a step's decodes share its gap, so the window's p99 is
 # about its 6th-worst step of ~60 at a 10-user peak (~5 s at 80 ms steps), of ~300 with 2 users (~25 s).
 TAIL_WINDOW = 600
