@@ -246,6 +246,19 @@ def test_policy_follows_a_change_of_workload():
     assert policy.best(1) == 0
 
 
+def test_policy_re_measures_plain_decoding_while_it_speculates():
+    """The baseline does not go stale: plain steps measured on a slow workload (long contexts, a busy machine) must
+    not keep speculation on once plain decoding got faster than it."""
+    policy = SpeculationPolicy(max_k=4)
+    for _ in range(200):  # steps cost 200 ms more than they will: plain is slow, long verifies hide in the base
+        k = policy.num_drafts(32)
+        policy.observe(32, k, 32 * sum(0.8**j for j in range(k + 1)), 0.200 + 0.002 * 32 * (k + 1))
+    assert policy.best(32) >= 2
+    chosen = simulated_steps(policy, 32, acceptance=0.5, row_cost=0.002, steps=300)  # plain is now best
+    assert policy.best(32) == 0 and chosen[-1] == 0
+    assert sum(k > 0 for k in chosen[-100:]) <= 100 // REFRESH + 1
+
+
 def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
     expected = probs * counts.sum()
     keep = expected > 0

@@ -13,11 +13,15 @@ large batches: there a verify pass costs its rows' full price and the measured r
 Exploration: a bucket first measures k = 0, 1, 2, ... (MIN_SAMPLES steps each), going on to k + 1 only while
 k measured better than k - 1, so a compute-bound bucket pays MIN_SAMPLES steps of k = 1 and no more; after that
 the neighbours of the best k are re-measured one step at a time every REFRESH steps of the bucket, so a change
-in workload (acceptance) or load moves the choice, at a cost of ~1 step in REFRESH.
+in workload (acceptance) or load moves the choice, at a cost of ~1 step in REFRESH. Plain decoding, what every k
+is judged against, is re-measured every BASELINE_REFRESH steps while the best k is above 0: as a mere neighbour
+it went stale (`carpool bench spec`, SmolLM2, 32 streams: k = 0 kept the 539 tok/s measured on the long-context
+documents workload while chat decoded plainly at 821, so k = 2 stayed on through the chat run at 0.82x plain).
 """
 
 MIN_SAMPLES = 3  # steps per (bucket, k) before its mean counts: one step on a shared machine is noise
 REFRESH = 100  # steps of a bucket between re-measuring the best k's neighbours
+BASELINE_REFRESH = 20  # steps of a bucket between re-measuring k = 0 while speculating (one plain step in 20)
 DECAY = 0.8  # weight of the old mean at each new step: recent steps dominate, one outlier fades in a few
 
 
@@ -64,6 +68,8 @@ class SpeculationPolicy:
             if k and rate.value <= rates[k - 1].value:
                 break  # more drafts measured worse: larger k are not tried
         best = self.best(batch_size)
+        if best and step - rates[0].last_step >= BASELINE_REFRESH:
+            return 0
         stale = [k for k in (best - 1, best + 1) if 0 <= k <= self.max_k and step - rates[k].last_step >= REFRESH]
         return stale[0] if stale else best
 
