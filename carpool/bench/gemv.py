@@ -1,20 +1,19 @@
-"""Kernel micro-benchmark: ggml_linear at decode's activation rows, matmul "exact" against "int8-dot" side by side
-in one run (the machine may be shared: compare the ratio, not the absolute figures).
+"""Kernel micro-benchmark: ggml_linear's exact path against its integer kernels side by side in one run (the machine
+may be shared: compare the ratio, not the absolute figures), at decode's activation rows or a prompt chunk's.
 
     python -m carpool.bench.gemv [--model qwen2.5-coder-1.5b] [--rows 1 4 8 16 32 64] [--threads 1 2] [--cpu-time]
 
-The int8-dot column runs the integer kernels at every row count (the GEMV up to 4 rows, the batched kernel above),
-whatever the format's row limit; "default" says which of the two int8-dot mode runs at that count in this build
-(torch.ops.carpool.int8_dot_max_rows). --cpu-time times the calling thread's CPU time instead of the wall clock:
-steadier on a loaded machine, meaningful at 1 thread only.
+The int8 column runs matmul "int8-dot-all": the integer kernels at every row count (the GEMV up to 4 rows, the
+batched kernel above); "int8-dot" says which of the two the default mode runs at that count in this build
+(torch.ops.carpool.int8_dot_max_rows; prompt chunks above it stay exact). --cpu-time times the calling thread's CPU
+time instead of the wall clock: steadier on a loaded machine, meaningful at 1 thread only.
 
 Q4_K and Q6_K come from the model's GGUF file (its largest tensor of each); Q4_0, Q4_1, Q5_0 and Q8_0 are the
-same shape quantized by gguf-py. GB/s counts the weight blocks one call streams. Then the error of one int8-dot
-call against the exact path.
+same shape quantized by gguf-py. GB/s counts the weight blocks one call streams. Then the error of one int8 call
+against the exact path.
 """
 
 import argparse
-import contextlib
 import functools
 import time
 
@@ -24,9 +23,10 @@ import torch
 
 from carpool.kernels import kernel_path
 from carpool.models.catalog import model_path
-from carpool.models.quantization import KERNEL_TYPES, MATMUL_MODES, set_matmul_mode
+from carpool.models.quantization import set_matmul_mode
 
 Q = gguf.GGMLQuantizationType
+COMPARED = ("exact", "int8-dot-all")
 FILE_TYPES = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
 QUANTIZED_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0)
 
@@ -69,17 +69,6 @@ def seconds_per_call(calls: dict, min_time: float = 0.1, rounds: int = 7, clock=
     return best
 
 
-@contextlib.contextmanager
-def integer_kernels_at_every_row_count():
-    """Lift every format's int8-dot row limit for the block: the bench compares the kernels, not the thresholds."""
-    previous = {qtype: torch.ops.carpool.set_int8_dot_max_rows(int(qtype), 1 << 20) for qtype in KERNEL_TYPES}
-    try:
-        yield
-    finally:
-        for qtype, rows in previous.items():
-            torch.ops.carpool.set_int8_dot_max_rows(int(qtype), rows)
-
-
 def linear(mode: str, x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch.Tensor:
     set_matmul_mode(mode)
     return torch.ops.carpool.ggml_linear(x, blocks, qtype)
@@ -97,30 +86,28 @@ def main() -> None:
     blocks = weights(args.model)
     print(f"kernel path {kernel_path()}, {args.dtype} activations, {'CPU' if args.cpu_time else 'wall'} time; "
           "GB/s of weight blocks (ms per call)")
-    print("| format | shape | threads | rows | " + " | ".join(MATMUL_MODES) + " | speed-up | default |")
-    print("| --- | --- | --- | --- | " + " | ".join("---" for _ in MATMUL_MODES) + " | --- | --- |")
+    print("| format | shape | threads | rows | " + " | ".join(COMPARED) + " | speed-up | int8-dot |")
+    print("| --- | --- | --- | --- | " + " | ".join("---" for _ in COMPARED) + " | --- | --- |")
     for qtype, data in sorted(blocks.items()):
         cols = data.shape[1] // gguf.GGML_QUANT_SIZES[qtype][1] * gguf.GGML_QUANT_SIZES[qtype][0]
         for threads in args.threads:
             torch.set_num_threads(threads)
             for rows in args.rows:
                 x = torch.randn(rows, cols).to(getattr(torch, args.dtype))
-                default = "int8-dot" if rows <= torch.ops.carpool.int8_dot_max_rows(int(qtype)) else "exact"
-                with integer_kernels_at_every_row_count():
-                    times = seconds_per_call({mode: functools.partial(linear, mode, x, data, int(qtype))
-                                              for mode in MATMUL_MODES}, clock=clock)
+                default = "int8" if rows <= torch.ops.carpool.int8_dot_max_rows(int(qtype)) else "exact"
+                times = seconds_per_call({mode: functools.partial(linear, mode, x, data, int(qtype))
+                                          for mode in COMPARED}, clock=clock)
                 cells = " | ".join(f"{data.numel() / t / 1e9:.1f} ({t * 1e3:.3f})" for t in times.values())
                 print(f"| {qtype.name} | {data.shape[0]}x{cols} | {threads} | {rows} | {cells} | "
-                      f"{times['exact'] / times['int8-dot']:.2f}x | {default} |", flush=True)
-    print("\nint8-dot against exact, fp32 rows of N(0, 1) activations (1 row: the GEMV, 32: the batched kernel): "
+                      f"{times['exact'] / times['int8-dot-all']:.2f}x | {default} |", flush=True)
+    print("\nint8 against exact, fp32 rows of N(0, 1) activations (1 row: the GEMV, 32 and 512: the batched kernel): "
           "max |error| / max |y|, rms error / rms y")
     print("| format | rows | max | rms |\n| --- | --- | --- | --- |")
     for qtype, data in sorted(blocks.items()):
         cols = data.shape[1] // gguf.GGML_QUANT_SIZES[qtype][1] * gguf.GGML_QUANT_SIZES[qtype][0]
-        for rows in (1, 32):
+        for rows in (1, 32, 512):
             x = torch.randn(rows, cols)
-            with integer_kernels_at_every_row_count():
-                exact, fast = (linear(mode, x, data, int(qtype)) for mode in MATMUL_MODES)
+            exact, fast = (linear(mode, x, data, int(qtype)) for mode in COMPARED)
             error = fast - exact
             print(f"| {qtype.name} | {rows} | {(error.abs().max() / exact.abs().max()).item():.2e} | "
                   f"{(error.norm() / exact.norm()).item():.2e} |")

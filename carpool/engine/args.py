@@ -19,8 +19,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="weight format: auto keeps a GGUF file's Q4_0/Q4_1/Q8_0 blocks (CPU kernels), none "
                              "dequantizes to --dtype, q8_0/q4_1/q4_0 quantize at load (default: auto)")
     parser.add_argument("--matmul", default=defaults.matmul, choices=list(MATMUL_MODES),
-                        help="block-format linear layers at decode: int8-dot quantizes activations to int8 and runs "
-                             "integer dot products (llama.cpp's method, faster), exact multiplies them as they are "
+                        help="block-format linear layers: int8-dot quantizes decode's activations to int8 and runs "
+                             "integer dot products (llama.cpp's method, faster), prompt chunks stay exact; "
+                             "int8-dot-all does so for prompt chunks too (faster prefill where there are no bf16 "
+                             "units, ~0.6%% error per linear); exact multiplies them as they are "
                              f"(default: {defaults.matmul})")
     parser.add_argument("--block-size", type=int, default=defaults.block_size,
                         help=f"tokens per KV-cache block, the unit of paging and prefix sharing (default: "

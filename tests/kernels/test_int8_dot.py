@@ -116,7 +116,7 @@ def test_exact_mode_is_the_default_and_modes_are_checked():
     exact = torch.ops.carpool.ggml_linear(x, blocks, int(Q.Q4_K))
     torch.testing.assert_close(exact, x @ weight.T, rtol=1e-5, atol=1e-4)
     with pytest.raises(RuntimeError, match="matmul"):
-        torch.ops.carpool.set_matmul_mode(2)
+        torch.ops.carpool.set_matmul_mode(3)
     assert torch.ops.carpool.get_matmul_mode() == EXACT
 
 

@@ -320,13 +320,12 @@ class DecodeStack : public torch::CustomClassHolder {
     const at::ScalarType dtype = x.scalar_type();
     if (dtype != at::kFloat && dtype != at::kBFloat16) return false;
     const int64_t M = x.size(0);
-    const bool int8_mode = carpool::ggml::matmul_mode() == carpool::ggml::MatmulMode::kInt8Dot;
     for (const Layer& layer : layers_) {
       if (layer.qkv.bias && (layer.qkv.bias->scalar_type() != dtype || !layer.qkv.bias->is_contiguous())) return false;
       for (const Projection* projection : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down})
         for (const int64_t qtype : projection->qtypes) {
           if (qtype < 0) return false;  // a dense matrix: at::linear
-          const bool part_int8 = int8_mode && M <= carpool::ggml::int8_dot_max_rows(qtype);
+          const bool part_int8 = carpool::ggml::int8_dot_applies(qtype, M);
           if (part_int8 && M > carpool::ggml::kInt8GemvMaxRows) return false;  // the batched int8 kernel
           if (!part_int8 && dtype == at::kFloat && M > carpool::kernels::kFp32FusedMaxRows) return false;  // MKL
           int8.push_back(part_int8);

@@ -464,7 +464,7 @@ void int8_dot_rows(const Int8Rows& x, const uint8_t* weight, int64_t first, int6
 }
 
 int64_t set_matmul_mode(int64_t mode) {
-  TORCH_CHECK(mode == 0 || mode == 1, "matmul: mode must be 0 (exact) or 1 (int8-dot), got ", mode);
+  TORCH_CHECK(mode >= 0 && mode <= 2, "matmul: mode must be 0 (exact), 1 (int8-dot) or 2 (int8-dot-all), got ", mode);
   const int64_t previous = static_cast<int64_t>(current_mode);
   current_mode = static_cast<MatmulMode>(mode);
   return previous;
@@ -512,6 +512,10 @@ int64_t set_int8_dot_max_rows(int64_t qtype, int64_t rows) {
 MatmulMode matmul_mode() { return current_mode; }
 
 int64_t int8_dot_max_rows(int64_t qtype) { return max_rows(qtype).load(std::memory_order_relaxed); }
+
+bool int8_dot_applies(int64_t qtype, int64_t M) {
+  return current_mode == MatmulMode::kInt8DotAll || (current_mode == MatmulMode::kInt8Dot && M <= int8_dot_max_rows(qtype));
+}
 
 int64_t block_weights(int64_t qtype) {
   int64_t weights = 0;

@@ -12,8 +12,9 @@
 
 namespace carpool::ggml {
 
-// How ggml_linear multiplies: what `matmul` names in the engine's config.
-enum class MatmulMode : int64_t { kExact = 0, kInt8Dot = 1 };
+// How ggml_linear multiplies: what `matmul` names in the engine's config. kInt8Dot runs the integer kernels on calls
+// of up to int8_dot_max_rows(qtype) rows (decode), kInt8DotAll on every call, prompt chunks included.
+enum class MatmulMode : int64_t { kExact = 0, kInt8Dot = 1, kInt8DotAll = 2 };
 
 // The calling thread's mode (kExact unless set_matmul_mode said otherwise on this thread): each engine sets its own
 // at the start of every step, so two engines on two threads never see each other's choice.
@@ -30,6 +31,10 @@ constexpr int64_t kInt8GemmMaxRows = 64;
 // Per format and per build, measured against the exact path (ggml_dot.cpp); set_int8_dot_max_rows (an op) moves
 // one, for benchmarks and tests.
 int64_t int8_dot_max_rows(int64_t qtype);
+
+// Whether a call of M activation rows of `qtype` on this thread runs the integer kernels (its matmul mode and, in
+// kInt8Dot, the format's row limit): ggml_linear and the fused decode step decide by this one rule.
+bool int8_dot_applies(int64_t qtype, int64_t M);
 
 // y[M, N] = x[M, K] W^T with x quantized to int8 as described above; y in x's dtype.
 at::Tensor int8_dot_linear(const at::Tensor& x, const uint8_t* weight, int64_t qtype, int64_t N);

@@ -225,7 +225,9 @@ InterleavedRows quantize_interleaved(const float* x, int64_t M, int64_t K, int64
   out.u.assign(K * out.rows, 128);
   out.d.assign(K / block * out.rows, 0.0f);
   if (with_sums) out.sums.assign(K / 32 * out.rows, 0.0f);
-  for (int64_t m = 0; m < M; ++m) {
+  // Rows split over the threads: a 512-row prompt chunk is 0.3-4.6 M values to quantize, every call.
+  at::parallel_for(0, M, 16, [&](int64_t first_row, int64_t last_row) {
+  for (int64_t m = first_row; m < last_row; ++m) {
     for (int64_t b = 0; b < K / block; ++b) {
       const float* xb = x + m * K + b * block;
       float amax = 0.0f;
@@ -244,27 +246,29 @@ InterleavedRows quantize_interleaved(const float* x, int64_t M, int64_t K, int64
       }
     }
   }
+  });
   return out;
 }
 
-// NR columns unpacked over all of K: what the tile's broadcasts read, once per call.
-template <int64_t QT, int NR>
+// `width` columns unpacked over all of K: what the tiles' broadcasts read, once per call.
+template <int64_t QT>
 struct Panel {
   using L = GemmLayout<QT>;
   static constexpr int64_t kW = Format<QT>::kWeights;
-  int64_t K;
-  std::vector<int8_t> w;       // [NR][K]
-  std::vector<int32_t> sc;     // [NR][K / kSub]
-  std::vector<int32_t> bias;   // [NR][K / kW]
-  std::vector<float> d;        // [NR][K / kW]
-  std::vector<float> negdm;    // [NR][K / 32] (formats with min terms)
+  int64_t K, width;
+  std::vector<int8_t> w;       // [width][K]
+  std::vector<int32_t> sc;     // [width][K / kSub]
+  std::vector<int32_t> bias;   // [width][K / kW]
+  std::vector<float> d;        // [width][K / kW]
+  std::vector<float> negdm;    // [width][K / 32] (formats with min terms)
 
-  explicit Panel(int64_t K)
-      : K(K), w(NR * K), sc(NR * K / L::kSub), bias(NR * K / kW), d(NR * K / kW), negdm(L::kMinGroups ? NR * K / 32 : 0) {}
+  Panel(int64_t K, int64_t width)
+      : K(K), width(width), w(width * K), sc(width * K / L::kSub), bias(width * K / kW), d(width * K / kW),
+        negdm(L::kMinGroups ? width * K / 32 : 0) {}
 
   void unpack(const uint8_t* weight, int64_t row_bytes, int64_t n0, int64_t columns) {
     const int64_t blocks = K / kW;
-    for (int n = 0; n < NR; ++n) {
+    for (int64_t n = 0; n < width; ++n) {
       if (n >= columns) {  // past the last column: zeros, whose outputs are dropped
         std::fill_n(w.begin() + n * K, K, 0);
         std::fill_n(sc.begin() + n * K / L::kSub, K / L::kSub, 0);
@@ -288,9 +292,9 @@ inline int32_t load4(const int8_t* p) {
   return v;
 }
 
-// out[n][r * lanes + l] = y of row (first_vector + r) * lanes + l, column n of the panel.
+// out[n][r * lanes + l] = y of row (first_vector + r) * lanes + l, column c0 + n of the panel.
 template <int64_t QT, typename V, int NR, int RV>
-void gemm_tile(const Panel<QT, NR>& panel, const InterleavedRows& x, int64_t first_vector, float* out) {
+void gemm_tile(const Panel<QT>& panel, int64_t c0, const InterleavedRows& x, int64_t first_vector, float* out) {
   using L = GemmLayout<QT>;
   constexpr int64_t kW = Format<QT>::kWeights;
   constexpr int kSubs = kW / L::kSub;
@@ -307,7 +311,7 @@ void gemm_tile(const Panel<QT, NR>& panel, const InterleavedRows& x, int64_t fir
         for (int r = 0; r < RV; ++r) part[n][r] = V::izero();
       const int64_t k0 = b * kW + s * L::kSub;
       const uint8_t* xp = xu + k0 / 4 * stride;
-      const int8_t* wp = panel.w.data() + k0;
+      const int8_t* wp = panel.w.data() + c0 * K + k0;
 #pragma GCC unroll 8
       for (int g = 0; g < L::kSub / 4; ++g, xp += stride, wp += 4) {
         typename V::I xv[RV];
@@ -322,7 +326,7 @@ void gemm_tile(const Panel<QT, NR>& panel, const InterleavedRows& x, int64_t fir
           if constexpr (!L::kScaled) {
             total[n][r] = part[n][r];
           } else {
-            const typename V::I scaled = V::mul(part[n][r], panel.sc[(n * K + k0) / L::kSub]);
+            const typename V::I scaled = V::mul(part[n][r], panel.sc[((c0 + n) * K + k0) / L::kSub]);
             total[n][r] = s == 0 ? scaled : V::add(total[n][r], scaled);
           }
         }
@@ -330,13 +334,14 @@ void gemm_tile(const Panel<QT, NR>& panel, const InterleavedRows& x, int64_t fir
     for (int r = 0; r < RV; ++r) {
       const typename V::F xd = V::fload(x.d.data() + b * x.rows + (first_vector + r) * V::kLanes);
       for (int n = 0; n < NR; ++n)
-        acc[n][r] = V::scaled(acc[n][r], V::sub(total[n][r], 128 * panel.bias[n * blocks + b]), xd, panel.d[n * blocks + b]);
+        acc[n][r] = V::scaled(acc[n][r], V::sub(total[n][r], 128 * panel.bias[(c0 + n) * blocks + b]), xd,
+                               panel.d[(c0 + n) * blocks + b]);
     }
     for (int g = 0; g < L::kMinGroups; ++g) {
       const int64_t group = b * kW / 32 + g;
       for (int r = 0; r < RV; ++r) {
         const typename V::F sums = V::fload(x.sums.data() + group * x.rows + (first_vector + r) * V::kLanes);
-        for (int n = 0; n < NR; ++n) acc[n][r] = V::fma(acc[n][r], sums, panel.negdm[n * K / 32 + group]);
+        for (int n = 0; n < NR; ++n) acc[n][r] = V::fma(acc[n][r], sums, panel.negdm[(c0 + n) * K / 32 + group]);
       }
     }
   }
@@ -352,34 +357,48 @@ constexpr int kTileColumns = 4, kTileVectors = 2;
 constexpr int kTileColumns = 2, kTileVectors = 2;
 #endif
 
+// Prompt chunks (hundreds of rows): x in row blocks of about kRowBlockBytes (L2-resident while a panel's tiles run
+// over them) and panels of kPanelTiles tiles unpacked together, so x streams from L3 once per panel instead of once
+// per tile, and each unpacked weight still serves every row of the call. A call whose x fits one row block (decode
+// batches) unpacks one tile at a time, as before. Each output is the same sum whatever the blocking.
+constexpr int64_t kRowBlockBytes = 128 << 10, kPanelTiles = 8;
+
 template <int64_t QT, typename V, typename Y>
 void int8_gemm(const float* x, const uint8_t* weight, int64_t M, int64_t N, int64_t K, Y* y) {
   constexpr int NR = kTileColumns, RV = kTileVectors;
   const InterleavedRows q = quantize_interleaved(x, M, K, Format<QT>::kWeights, V::kLanes, GemmLayout<QT>::kMinGroups > 0);
   const int64_t row_bytes = K / Format<QT>::kWeights * Format<QT>::kBytes, vectors = q.rows / V::kLanes;
-  const int64_t tiles = (N + NR - 1) / NR;
-  at::parallel_for(0, tiles, 4, [&](int64_t first, int64_t last) {
-    Panel<QT, NR> panel(K);
+  const int64_t block_vectors = std::max<int64_t>(RV, kRowBlockBytes / (K * V::kLanes) / RV * RV);
+  const int64_t panel_tiles = vectors > block_vectors ? kPanelTiles : 1, width = panel_tiles * NR;
+  const int64_t panels = (N + width - 1) / width;
+  at::parallel_for(0, panels, std::max<int64_t>(1, 4 / panel_tiles), [&](int64_t first, int64_t last) {
+    Panel<QT> panel(K, width);
     alignas(64) float out[NR * RV * V::kLanes];
-    for (int64_t t = first; t < last; ++t) {
-      const int64_t n0 = t * NR, columns = std::min<int64_t>(NR, N - n0);
+    for (int64_t p = first; p < last; ++p) {
+      const int64_t n0 = p * width, columns = std::min<int64_t>(width, N - n0);
       panel.unpack(weight, row_bytes, n0, columns);
-      // The next tile's blocks (contiguous rows) on their way from memory while this one computes: unpacking is
+      // The next panel's blocks (contiguous rows) on their way from memory while this one computes: unpacking is
       // where the weights first arrive, and it waited on them (40% of a 32-row Q4_K call, measured).
-      if (t + 1 < last)
-        for (int64_t offset = 0; offset < std::min<int64_t>(NR, N - n0 - NR) * row_bytes; offset += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(weight + (n0 + NR) * row_bytes + offset), _MM_HINT_T0);
-      for (int64_t v = 0; v < vectors; v += RV) {
-        const int rv = static_cast<int>(std::min<int64_t>(RV, vectors - v));
-        if (rv == RV)
-          gemm_tile<QT, V, NR, RV>(panel, q, v, out);
-        else
-          gemm_tile<QT, V, NR, 1>(panel, q, v, out);
-        for (int r = 0; r < rv; ++r)
-          for (int l = 0; l < V::kLanes && (v + r) * V::kLanes + l < M; ++l) {
-            Y* row = y + ((v + r) * V::kLanes + l) * N + n0;
-            for (int n = 0; n < columns; ++n) row[n] = Y(out[(n * rv + r) * V::kLanes + l]);
+      if (p + 1 < last)
+        for (int64_t offset = 0; offset < std::min<int64_t>(width, N - n0 - width) * row_bytes; offset += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(weight + (n0 + width) * row_bytes + offset), _MM_HINT_T0);
+      for (int64_t v0 = 0; v0 < vectors; v0 += block_vectors) {
+        const int64_t v1 = std::min(vectors, v0 + block_vectors);
+        for (int64_t c0 = 0; c0 < columns; c0 += NR) {
+          const int64_t tile_columns = std::min<int64_t>(NR, columns - c0);
+          for (int64_t v = v0; v < v1; v += RV) {
+            const int rv = static_cast<int>(std::min<int64_t>(RV, v1 - v));
+            if (rv == RV)
+              gemm_tile<QT, V, NR, RV>(panel, c0, q, v, out);
+            else
+              gemm_tile<QT, V, NR, 1>(panel, c0, q, v, out);
+            for (int r = 0; r < rv; ++r)
+              for (int l = 0; l < V::kLanes && (v + r) * V::kLanes + l < M; ++l) {
+                Y* row = y + ((v + r) * V::kLanes + l) * N + n0 + c0;
+                for (int n = 0; n < tile_columns; ++n) row[n] = Y(out[(n * rv + r) * V::kLanes + l]);
+              }
           }
+        }
       }
     }
   });

@@ -190,7 +190,7 @@ at::Tensor ggml_linear(const at::Tensor& input, const at::Tensor& qweight, int64
   const int64_t M = x.size(0);
   std::vector<int64_t> out_shape(input.sizes().begin(), input.sizes().end());
   out_shape.back() = N;
-  if (matmul_mode() == MatmulMode::kInt8Dot && M <= int8_dot_max_rows(qtype))
+  if (int8_dot_applies(qtype, M))
     return int8_dot_linear(x, qweight.data_ptr<uint8_t>(), qtype, N).view(out_shape);
   if (dtype == at::kFloat && M > kFp32FusedMaxRows) return at::mm(x, ggml_dequantize(qweight, qtype, dtype).t()).view(out_shape);
   at::Tensor y = at::empty({M, N}, x.options());
