@@ -3,7 +3,7 @@
 
 import argparse
 
-from carpool.engine.config import DTYPES, EngineConfig
+from carpool.engine.config import DRAFT_VOCAB_SIZE, DTYPES, EngineConfig
 from carpool.models.quantization import MATMUL_MODES, QUANTIZATION_MODES
 
 
@@ -53,6 +53,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-speculative-tokens", type=int, default=defaults.num_speculative_tokens,
                         help=f"draft tokens per sequence and step at most; fewer, down to none, as the batch grows "
                              f"(default: {defaults.num_speculative_tokens})")
+    parser.add_argument("--speculative-quantization", default=None, choices=list(QUANTIZATION_MODES),
+                        help="the draft model's weight format, as --quantization (default: --quantization's)")
+    parser.add_argument("--speculative-vocab-size", type=int, default=None, metavar="N",
+                        help=f"the draft model drafts only from its vocabulary's first N token ids (BPE merge "
+                             f"order: the most frequent) plus its special tokens; its LM head computes N logits "
+                             f"instead of all; the vocabulary's size drafts from all of it (default: "
+                             f"{DRAFT_VOCAB_SIZE} where the vocabulary is larger)")
     parser.add_argument("--ngram-min", type=int, default=defaults.ngram_min,
                         help=f"shortest n-gram the ngram drafter matches (default: {defaults.ngram_min})")
     parser.add_argument("--ngram-max", type=int, default=defaults.ngram_max,

@@ -7,6 +7,8 @@ from carpool.kernels import kernel_path
 from carpool.models.quantization import MATMUL_MODES, QUANTIZATION_MODES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# The draft model's default vocabulary subset (speculative_vocab_size): its first ids, in BPE merge order.
+DRAFT_VOCAB_SIZE = 32768
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -62,6 +64,12 @@ class EngineConfig:
     # or catalog name) sharing the target's tokenizer, with its own KV pool inside kv_cache_gb.
     speculative_model: str | None = None
     num_speculative_tokens: int = 4  # drafts per sequence per step at most; the engine picks 0..this by load
+    # A draft model's weight format (as `quantization`); None: the target's.
+    speculative_quantization: str | None = None
+    # A draft model drafts from its vocabulary's first speculative_vocab_size ids (plus its special tokens):
+    # its LM head computes only those logits (carpool.engine.spec_decode.draft_model). None: the default,
+    # DRAFT_VOCAB_SIZE where the vocabulary is larger; the vocabulary's size: all of it.
+    speculative_vocab_size: int | None = None
     ngram_min: int = 1
     ngram_max: int = 4
     # SLO-driven step sizing (carpool.engine.slo): {tier: milliseconds}. With any set, each step's token budget
@@ -93,6 +101,12 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.speculative_quantization is not None and self.speculative_quantization not in QUANTIZATION_MODES:
+            raise ValueError(f"speculative_quantization must be one of {QUANTIZATION_MODES}, "
+                             f"got {self.speculative_quantization!r}")
+        vocab = self.speculative_vocab_size
+        if vocab is not None and (isinstance(vocab, bool) or not isinstance(vocab, int) or vocab <= 0):
+            raise ValueError(f"speculative_vocab_size must be a positive integer, got {vocab!r}")
         self.slo_itl_ms = check_slos("slo_itl_ms", self.slo_itl_ms)
         self.slo_ttft_ms = check_slos("slo_ttft_ms", self.slo_ttft_ms)
         if self.ngram_min > self.ngram_max:

@@ -93,7 +93,8 @@ class LLMEngine:
         probe = "def speculative(x):\n    return x  # Speculation, 12 tokens!"
         if tokenizer.vocab_size != self.tokenizer.vocab_size or tokenizer.encode(probe) != self.tokenizer.encode(probe):
             raise ValueError(f"speculative_model: {name} does not share the target model's tokenizer")
-        model, _, config = load_model(name, self.device, self.dtype, self.config.quantization)
+        quantization = self.config.speculative_quantization or self.config.quantization
+        model, _, config = load_model(name, self.device, self.dtype, quantization)
         if any(config.layer_window(i) for i in range(config.num_layers)):
             raise ValueError(f"speculative_model: {name} has sliding-window layers, which a draft cannot have")
         return model
@@ -107,7 +108,8 @@ class LLMEngine:
         else:
             drafter = DraftModelDrafter(config.speculative_model, draft_model, num_blocks, config.block_size,
                                         self.device, self.dtype, self.model_config.vocab_size,
-                                        self.tokenizer.stop_token_ids, config.enable_prefix_caching)
+                                        self.tokenizer.stop_token_ids, config.enable_prefix_caching,
+                                        config.speculative_vocab_size, self.tokenizer.added_token_ids)
         return Speculator(drafter, config.num_speculative_tokens)
 
     # Requests ----------------------------------------------------------------------------------------

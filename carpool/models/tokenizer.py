@@ -184,6 +184,11 @@ class Tokenizer:
         """The tokenizer as a tokenizer.json text (what grammar libraries build their token tables from)."""
         return self._tokenizer.to_str()
 
+    @property
+    def added_token_ids(self) -> frozenset[int]:
+        """The ids of tokens added to the vocabulary: special and control tokens (chat turn markers, EOS, tool tags)."""
+        return frozenset(self._tokenizer.get_added_tokens_decoder())
+
     def id_to_token(self, token_id: int) -> str:
         return self._tokenizer.id_to_token(token_id)
 
