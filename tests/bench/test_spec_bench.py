@@ -21,5 +21,8 @@ def test_bench_spec_reports_both_engines_side_by_side(tmp_path):
     assert plain["draft_tokens"] == 0
     # Every step's choice of drafts is counted, and the policy's measurements per batch-size bucket reported.
     assert sum(ngram["steps_by_num_drafts"].values()) > 0
-    assert "2-2" in report["policy_measured_tok_per_s"]["ngram"]
+    assert report["policy_measured_vs_plain"]["ngram"]["2-2"]["vs_plain"]["0"] == 1.0
+    # The end-to-end figure's parts: the share of request time before the first token, decode-only tok/s.
+    for result in (plain, ngram):
+        assert 0 < result["ttft_share"] < 1 and result["decode_tokens_per_s"] > 0
     assert png.read_bytes().startswith(b"\x89PNG")
