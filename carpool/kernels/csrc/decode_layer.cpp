@@ -154,6 +154,7 @@ struct GroupMeta {
   const int64_t* tables;
   const int64_t* lens;
   int64_t max_blocks;
+  std::vector<int64_t> runs;  // the rows that attend together (shared_context_runs): a verifying sequence's rows
 };
 
 // A projection's input, prepared by one thread for all of them: in float where a kernel needs it, quantized to
@@ -360,13 +361,13 @@ class DecodeStack : public torch::CustomClassHolder {
                   "slots/tables/lens: one row per token");
       return GroupMeta{s.data_ptr<int64_t>(), t.data_ptr<int64_t>(), l.data_ptr<int64_t>(), t.size(1)};
     };
-    const GroupMeta full = group(slots, tables, lens);
-    const std::optional<GroupMeta> sliding =
+    GroupMeta full = group(slots, tables, lens);
+    std::optional<GroupMeta> sliding =
         sliding_slots ? std::optional(group(*sliding_slots, *sliding_tables, *sliding_lens)) : std::nullopt;
     std::vector<GroupMeta> groups;
     for (const Layer& layer : layers_) {
       TORCH_CHECK(layer.rotary < static_cast<int64_t>(cos.size()), "cos: no table for rotary ", layer.rotary);
-      const GroupMeta& meta = layer.window > 0 && sliding ? *sliding : full;
+      GroupMeta& meta = layer.window > 0 && sliding ? *sliding : full;
       const at::Tensor& cache = layer.k_cache;
       TORCH_CHECK(cache.scalar_type() == dtype && layer.v_cache.scalar_type() == dtype && cache.is_contiguous() &&
                       layer.v_cache.is_contiguous() && cache.dim() == 4 && layer.v_cache.sizes() == cache.sizes() &&
@@ -384,6 +385,8 @@ class DecodeStack : public torch::CustomClassHolder {
           TORCH_CHECK(meta.tables[t * meta.max_blocks + b] >= 0 && meta.tables[t * meta.max_blocks + b] < cache.size(0),
                       "block_tables: block outside the pool");
       }
+      if (meta.runs.empty())  // once per cache group, after its lengths are checked against its table
+        meta.runs = carpool::kernels::shared_context_runs(meta.tables, meta.lens, batch, meta.max_blocks, block_size);
       groups.push_back(meta);
     }
     return groups;
@@ -444,9 +447,11 @@ class DecodeStack : public torch::CustomClassHolder {
 #pragma omp single
         for (int64_t t = 0; t < M; ++t)
           position_token(layer, group, qkv + t * qkv_width, t, position[t], cos, sin, eps);
-        const auto [first, last] = share(M * num_kv_heads_, 1, tid, threads);
+        const int64_t runs = static_cast<int64_t>(group.runs.size()) - 1;
+        const auto [first, last] = share(runs * num_kv_heads_, 1, tid, threads);
         carpool::kernels::decode_attention_items(qkv, qkv_width, layer.k_cache.data_ptr<T>(),
-                                                 layer.v_cache.data_ptr<T>(), group.tables, group.lens, attended,
+                                                 layer.v_cache.data_ptr<T>(), group.tables, group.lens,
+                                                 group.runs.data(), attended,
                                                  num_heads_, num_kv_heads_, head_dim_, layer.k_cache.size(1),
                                                  group.max_blocks, scale, layer.window, first, last);
 #pragma omp barrier

@@ -48,35 +48,41 @@ void with_tile(int n, Fn&& fn) {
   fn(std::integral_constant<int, MAX>{});
 }
 
-// scores[h * context + t] = q_h . key_t for HEADS heads; keys four at a time so the horizontal sums of four
-// share one reduction.
-template <typename T, int CHUNKS, int HEADS>
-void score_heads(const float* query, int64_t head_dim, const T* k_cache, const int64_t* offsets, int64_t context,
-                 float* scores) {
-  int64_t t = 0;
-  for (; t + 4 <= context; t += 4) {
-    simd::Vec acc[HEADS][4];
-    for (int h = 0; h < HEADS; ++h)
+// Keys a pass over the query tiles covers: their K (or V) rows, 16 KiB (128 bf16 keys of 64 values), stay in L1
+// while every tile of the run's rows x heads reads them.
+constexpr int64_t kKeyBlockBytes = 16 * 1024;
+
+// scores[i * stride + t] = q_i . key_t for QUERIES query vectors and keys [first, last) (whole fours): the horizontal
+// sums of four keys share one reduction. reduce4 sums each key's lanes alike whichever of the four it is, so a key's
+// score does not depend on the keys beside it.
+template <typename T, int CHUNKS, int QUERIES>
+void score_keys(const float* query, const T* k_cache, const int64_t* offsets, int64_t first, int64_t last,
+                int64_t stride, float* scores) {
+  constexpr int64_t kHeadDim = CHUNKS * kLanes;
+  for (int64_t t = first; t < last; t += 4) {
+    simd::Vec acc[QUERIES][4];
+    for (int h = 0; h < QUERIES; ++h)
       for (int j = 0; j < 4; ++j) acc[h][j] = simd::zero();
     for (int c = 0; c < CHUNKS; ++c) {
       simd::Vec key[4];
       for (int j = 0; j < 4; ++j) key[j] = simd::load(k_cache + offsets[t + j] + c * kLanes);
-      for (int h = 0; h < HEADS; ++h) {
-        const simd::Vec q = simd::load(query + h * head_dim + c * kLanes);
+      for (int h = 0; h < QUERIES; ++h) {
+        const simd::Vec q = simd::load(query + h * kHeadDim + c * kLanes);
         for (int j = 0; j < 4; ++j) acc[h][j] = simd::fmadd(q, key[j], acc[h][j]);
       }
     }
-    for (int h = 0; h < HEADS; ++h)
-      simd::store4(scores + h * context + t, simd::reduce4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]));
+    for (int h = 0; h < QUERIES; ++h)
+      simd::store4(scores + h * stride + t, simd::reduce4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]));
   }
-  for (; t < context; ++t)
-    for (int h = 0; h < HEADS; ++h) {
-      simd::Vec acc = simd::zero();
-      for (int c = 0; c < CHUNKS; ++c)
-        acc = simd::fmadd(simd::load(query + h * head_dim + c * kLanes), simd::load(k_cache + offsets[t] + c * kLanes),
-                          acc);
-      scores[h * context + t] = simd::reduce_add(acc);
-    }
+}
+
+// q . key for a key past a context's last whole four (its len % 4 last keys): one horizontal sum of its own, as the
+// one-row kernel has always summed them (reduce_add adds the lanes in another order than reduce4).
+template <typename T, int CHUNKS>
+float score_lone_key(const float* query, const T* key) {
+  simd::Vec acc = simd::zero();
+  for (int c = 0; c < CHUNKS; ++c) acc = simd::fmadd(simd::load(query + c * kLanes), simd::load(key + c * kLanes), acc);
+  return simd::reduce_add(acc);
 }
 
 // One row of scores -> softmax weights (unnormalized: exp(score - max)); returns their sum. torch's vector exp.
@@ -101,62 +107,99 @@ inline float exponentiate(float* scores, int64_t context) {
   return total;
 }
 
-// out_h[first chunk ..] = sum_t weight_h[t] * value_t / total_h for HEADS heads and BLOCK chunks of the head.
-template <typename T, int HEADS, int BLOCK>
-void weigh_values(const T* v_cache, const int64_t* offsets, int64_t context, const float* weights,
-                  const float* totals, int64_t head_dim, T* out) {
-  simd::Vec acc[HEADS][BLOCK];
-  for (int h = 0; h < HEADS; ++h)
-    for (int c = 0; c < BLOCK; ++c) acc[h][c] = simd::zero();
-  for (int64_t t = 0; t < context; ++t) {
+// acc_i[BLOCK chunks] += sum over keys [first, last) of weight_i[t] * value_t, for QUERIES query vectors; acc is
+// fp32 scratch ([query][head_dim], at the block's first column) that carries the sums from one key block to the
+// next exactly (stored and reloaded in fp32), so the sums add in key order as one pass over the context would.
+template <typename T, int QUERIES, int BLOCK>
+void weigh_values(const T* v_cache, const int64_t* offsets, int64_t first, int64_t last, const float* weights,
+                  int64_t stride, int64_t head_dim, float* acc_out) {
+  simd::Vec acc[QUERIES][BLOCK];
+  for (int h = 0; h < QUERIES; ++h)
+    for (int c = 0; c < BLOCK; ++c) acc[h][c] = simd::load(acc_out + h * head_dim + c * kLanes);
+  for (int64_t t = first; t < last; ++t) {
     simd::Vec value[BLOCK];
     for (int c = 0; c < BLOCK; ++c) value[c] = simd::load(v_cache + offsets[t] + c * kLanes);
-    for (int h = 0; h < HEADS; ++h) {
-      const simd::Vec p = simd::set1(weights[h * context + t]);
+    for (int h = 0; h < QUERIES; ++h) {
+      const simd::Vec p = simd::set1(weights[h * stride + t]);
       for (int c = 0; c < BLOCK; ++c) acc[h][c] = simd::fmadd(p, value[c], acc[h][c]);
     }
   }
-  for (int h = 0; h < HEADS; ++h) {
-    const simd::Vec inv = simd::set1(1.0f / totals[h]);
-    for (int c = 0; c < BLOCK; ++c) simd::store(out + h * head_dim + c * kLanes, simd::mul(acc[h][c], inv));
-  }
+  for (int h = 0; h < QUERIES; ++h)
+    for (int c = 0; c < BLOCK; ++c) simd::store(acc_out + h * head_dim + c * kLanes, acc[h][c]);
 }
 
-// The `group` query heads of one KV head against its context (CHUNKS = head_dim / lanes). `offsets` are the
-// context's rows in the pool, shared by K and V; `scores` is scratch of group x context floats.
+// The query rows of one run (rows that share a sequence's block table: a verifying sequence's last token and its
+// drafts) with the `group` query heads of one KV head, against the union of their contexts: keys [0, span) at
+// `offsets` (the pool rows of K and V; padded to whole fours with repeats of the last). Row j sees keys
+// [starts[j], starts[j] + lens[j]): the causal limit of a verify row, and a sliding window's first key. Query
+// vector i = row * group + head (scaled, fp32); out: [rows * group, head_dim].
+//
+// The rows x heads fill the register tiles together, so each key and value vector is loaded (and widened from
+// bf16) once per tile of query vectors and read from memory once per run, not once per row. Every row's weights
+// equal the one-row kernel's to the bit: its scores are the same sums (its whole fours by reduce4, its last
+// len % 4 keys by reduce_add), its softmax runs over its own keys, and keys outside its range get weight 0, which
+// leaves its fp32 value sums exactly as they were (0 * v + acc == acc).
 template <typename T, int CHUNKS>
-void attend_group(const float* query, const T* k_cache, const T* v_cache, const int64_t* offsets, int64_t context,
-                  int group, float* scores, T* out) {
+void attend_run(const float* query, const T* k_cache, const T* v_cache, const int64_t* offsets, int64_t span,
+                int rows, int group, const int64_t* starts, const int64_t* lens, std::vector<float>& scores,
+                std::vector<float>& acc, T* out) {
   constexpr int64_t kHeadDim = CHUNKS * kLanes;
-  for (int g = 0; g < group; g += kScoreHeads)
-    with_tile<kScoreHeads>(std::min(kScoreHeads, group - g), [&](auto heads) {
-      score_heads<T, CHUNKS, decltype(heads)::value>(query + g * kHeadDim, kHeadDim, k_cache, offsets, context,
-                                                     scores + g * context);
-    });
-  float totals[64];
-  for (int g = 0; g < group; ++g) totals[g] = exponentiate(scores + g * context, context);
-  constexpr int kBlock = std::min(CHUNKS, kValueChunks), kHeads = kValueAccs / kBlock;
-  for (int first = 0; first < CHUNKS; first += kBlock)
-    for (int g = 0; g < group; g += kHeads)
-      with_tile<kHeads>(std::min(kHeads, group - g), [&](auto heads) {
-        weigh_values<T, decltype(heads)::value, kBlock>(v_cache + first * kLanes, offsets, context,
-                                                        scores + g * context, totals + g, kHeadDim,
-                                                        out + g * kHeadDim + first * kLanes);
+  const int queries = rows * group;
+  const int64_t stride = (span + 3) / 4 * 4;
+  const int64_t key_block = std::max<int64_t>(4, kKeyBlockBytes / static_cast<int64_t>(kHeadDim * sizeof(T)) / 4 * 4);
+  scores.resize(queries * stride);
+  for (int64_t first = 0; first < stride; first += key_block) {
+    const int64_t last = std::min(stride, first + key_block);
+    for (int i = 0; i < queries; i += kScoreHeads)
+      with_tile<kScoreHeads>(std::min(kScoreHeads, queries - i), [&](auto tile) {
+        score_keys<T, CHUNKS, decltype(tile)::value>(query + i * kHeadDim, k_cache, offsets, first, last, stride,
+                                                     scores.data() + i * stride);
       });
+  }
+  std::vector<float> totals(queries);
+  for (int j = 0; j < rows; ++j)
+    for (int g = 0; g < group; ++g) {
+      const int i = j * group + g;
+      float* row = scores.data() + i * stride;
+      for (int64_t t = starts[j] + lens[j] / 4 * 4; t < starts[j] + lens[j]; ++t)
+        row[t] = score_lone_key<T, CHUNKS>(query + i * kHeadDim, k_cache + offsets[t]);
+      totals[i] = exponentiate(row + starts[j], lens[j]);
+      std::fill(row, row + starts[j], 0.0f);
+      std::fill(row + starts[j] + lens[j], row + span, 0.0f);
+    }
+  acc.assign(queries * kHeadDim, 0.0f);
+  constexpr int kBlock = std::min(CHUNKS, kValueChunks), kQueries = kValueAccs / kBlock;
+  for (int64_t first = 0; first < span; first += key_block) {
+    const int64_t last = std::min(span, first + key_block);
+    for (int column = 0; column < CHUNKS; column += kBlock)
+      for (int i = 0; i < queries; i += kQueries)
+        with_tile<kQueries>(std::min(kQueries, queries - i), [&](auto tile) {
+          weigh_values<T, decltype(tile)::value, kBlock>(v_cache + column * kLanes, offsets, first, last,
+                                                         scores.data() + i * stride, stride, kHeadDim,
+                                                         acc.data() + i * kHeadDim + column * kLanes);
+        });
+  }
+  for (int i = 0; i < queries; ++i) {
+    const simd::Vec inv = simd::set1(1.0f / totals[i]);
+    for (int c = 0; c < CHUNKS; ++c)
+      simd::store(out + i * kHeadDim + c * kLanes, simd::mul(simd::load(acc.data() + i * kHeadDim + c * kLanes), inv));
+  }
 }
 
 // The vectorized path for the common head sizes (64: Llama/SmolLM2, Qwen2.5-0.5B; 128: Qwen2.5-1.5B; 256:
 // Gemma 3) and groups of up to 64 query heads per KV head; false when there is none.
 template <typename T>
-bool attend_vectorized(const float* query, const T* k_cache, const T* v_cache, const int64_t* offsets, int64_t context,
-                       int64_t group, int64_t head_dim, float* scores, T* out) {
+bool attend_vectorized(const float* query, const T* k_cache, const T* v_cache, const int64_t* offsets, int64_t span,
+                       int64_t rows, int64_t group, const int64_t* starts, const int64_t* lens, int64_t head_dim,
+                       std::vector<float>& scores, std::vector<float>& acc, T* out) {
   if constexpr (std::is_same_v<T, double>) {
     return false;
   } else {
     if (group > 64) return false;
     auto run = [&](auto dims) {
       constexpr int kChunks = decltype(dims)::value / kLanes;
-      attend_group<T, kChunks>(query, k_cache, v_cache, offsets, context, static_cast<int>(group), scores, out);
+      attend_run<T, kChunks>(query, k_cache, v_cache, offsets, span, static_cast<int>(rows), static_cast<int>(group),
+                             starts, lens, scores, acc, out);
       return true;
     };
     switch (head_dim) {
@@ -169,78 +212,119 @@ bool attend_vectorized(const float* query, const T* k_cache, const T* v_cache, c
 }
 #endif
 
-template <typename T>
-void store_heads(const float* acc, T* out, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) out[i] = T(acc[i]);
+// One row's group of query heads against its keys [first_key, first_key + context), scalar: the portable build,
+// other head sizes, fp64. query: the group's scaled heads; out: the row's heads of this KV head.
+template <typename T, typename Slot>
+void attend_row_scalar(const float* query, const T* k_cache, const T* v_cache, Slot slot, int64_t first_key,
+                       int64_t context, int64_t group, int64_t head_dim, std::vector<float>& scores,
+                       std::vector<float>& acc, T* out) {
+  scores.resize(group * context);
+  for (int64_t t = 0; t < context; ++t) {
+    const T* key = k_cache + slot(first_key + t);
+    for (int64_t g = 0; g < group; ++g) {
+      float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < head_dim; ++d) dot += query[g * head_dim + d] * static_cast<float>(key[d]);
+      scores[g * context + t] = dot;
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float* row = scores.data() + g * context;
+    const float top = *std::max_element(row, row + context);
+    float total = 0.0f;
+    for (int64_t t = 0; t < context; ++t) total += (row[t] = std::exp(row[t] - top));
+    for (int64_t t = 0; t < context; ++t) row[t] /= total;
+  }
+  acc.assign(group * head_dim, 0.0f);
+  for (int64_t t = 0; t < context; ++t) {
+    const T* value = v_cache + slot(first_key + t);
+    for (int64_t g = 0; g < group; ++g) {
+      const float p = scores[g * context + t];
+#pragma omp simd
+      for (int64_t d = 0; d < head_dim; ++d) acc[g * head_dim + d] += p * static_cast<float>(value[d]);
+    }
+  }
+  for (int64_t i = 0; i < group * head_dim; ++i) out[i] = T(acc[i]);
 }
 
 }  // namespace
 
+std::vector<int64_t> shared_context_runs(const int64_t* block_tables, const int64_t* context_lens, int64_t batch,
+                                         int64_t max_blocks, int64_t block_size) {
+  std::vector<int64_t> runs{0};
+  for (int64_t b = 1; b < batch; ++b) {
+    const int64_t* previous = block_tables + (b - 1) * max_blocks;
+    const int64_t blocks = (context_lens[b - 1] + block_size - 1) / block_size;
+    const bool extends = context_lens[b] == context_lens[b - 1] + 1 && b - runs.back() < kMaxRunRows &&
+                         std::equal(previous, previous + blocks, block_tables + b * max_blocks);
+    if (!extends) runs.push_back(b);
+  }
+  if (batch > 0) runs.push_back(batch);
+  return runs;
+}
+
 template <typename T>
 void decode_attention_items(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,
-                            const int64_t* block_tables, const int64_t* context_lens, T* out, int64_t num_heads,
-                            int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
-                            float scale, int64_t window, int64_t first, int64_t last) {
+                            const int64_t* block_tables, const int64_t* context_lens, const int64_t* runs, T* out,
+                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                            int64_t max_blocks, float scale, int64_t window, int64_t first, int64_t last) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * head_dim;  // between consecutive slots of the pool
-  std::vector<float> query(group * head_dim), acc(group * head_dim), scores;
+  std::vector<float> query, acc, scores;
   std::vector<int64_t> offsets;
+  std::vector<T> attended;
+  int64_t starts[kMaxRunRows], lens[kMaxRunRows];
   for (int64_t item = first; item < last; ++item) {
-    const int64_t b = item / num_kv_heads, kv_head = item % num_kv_heads;
-    // A sliding window keeps the last `window` keys, the query's own included: positions from first_key on.
-    const int64_t first_key = window > 0 ? std::max<int64_t>(0, context_lens[b] - window) : 0;
-    const int64_t context = context_lens[b] - first_key;
-    const int64_t* table = block_tables + b * max_blocks;
-    for (int64_t g = 0; g < group; ++g)
-      for (int64_t d = 0; d < head_dim; ++d)
-        query[g * head_dim + d] = static_cast<float>(q[b * q_stride + (kv_head * group + g) * head_dim + d]) * scale;
-    scores.resize(group * context);
-    auto slot = [&](int64_t t) {
-      const int64_t position = first_key + t;
+    const int64_t run = item / num_kv_heads, kv_head = item % num_kv_heads;
+    const int64_t row0 = runs[run], rows = runs[run + 1] - row0;
+    // A sliding window keeps the last `window` keys, the query's own included: positions from its first key on.
+    // The run reads the union of its rows' keys, from the first row's first key to the last row's last.
+    int64_t begin = context_lens[row0], end = 0;
+    for (int64_t j = 0; j < rows; ++j) {
+      const int64_t length = context_lens[row0 + j];
+      starts[j] = window > 0 ? std::max<int64_t>(0, length - window) : 0;
+      lens[j] = length - starts[j];
+      begin = std::min(begin, starts[j]);
+      end = std::max(end, length);
+    }
+    // The run's rows agree on every block any of them reads (shared_context_runs), so the last row's table serves.
+    const int64_t* table = block_tables + (row0 + rows - 1) * max_blocks;
+    auto slot = [&](int64_t position) {
       return (table[position / block_size] * block_size + position % block_size) * token_stride + kv_head * head_dim;
     };
+    query.resize(rows * group * head_dim);
+    for (int64_t j = 0; j < rows; ++j)
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t d = 0; d < head_dim; ++d)
+          query[(j * group + g) * head_dim + d] =
+              static_cast<float>(q[(row0 + j) * q_stride + (kv_head * group + g) * head_dim + d]) * scale;
+    auto out_row = [&](int64_t j) { return out + ((row0 + j) * num_heads + kv_head * group) * head_dim; };
 #ifdef CARPOOL_SIMD
-    offsets.resize(context);
-    for (int64_t t = 0; t < context; ++t) offsets[t] = slot(t);
-    if (attend_vectorized(query.data(), k_cache, v_cache, offsets.data(), context, group, head_dim, scores.data(),
-                          out + (b * num_heads + kv_head * group) * head_dim))
+    const int64_t span = end - begin;
+    offsets.resize((span + 3) / 4 * 4);
+    for (int64_t t = 0; t < static_cast<int64_t>(offsets.size()); ++t) offsets[t] = slot(begin + std::min(t, span - 1));
+    for (int64_t j = 0; j < rows; ++j) starts[j] -= begin;
+    attended.resize(rows * group * head_dim);
+    if (attend_vectorized(query.data(), k_cache, v_cache, offsets.data(), span, rows, group, starts, lens, head_dim,
+                          scores, acc, attended.data())) {
+      for (int64_t j = 0; j < rows; ++j)
+        std::copy_n(attended.data() + j * group * head_dim, group * head_dim, out_row(j));
       continue;
+    }
+    for (int64_t j = 0; j < rows; ++j) starts[j] += begin;
 #endif
-    for (int64_t t = 0; t < context; ++t) {
-      const T* key = k_cache + slot(t);
-      for (int64_t g = 0; g < group; ++g) {
-        float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < head_dim; ++d) dot += query[g * head_dim + d] * static_cast<float>(key[d]);
-        scores[g * context + t] = dot;
-      }
-    }
-    for (int64_t g = 0; g < group; ++g) {
-      float* row = scores.data() + g * context;
-      const float top = *std::max_element(row, row + context);
-      float total = 0.0f;
-      for (int64_t t = 0; t < context; ++t) total += (row[t] = std::exp(row[t] - top));
-      for (int64_t t = 0; t < context; ++t) row[t] /= total;
-    }
-    std::fill(acc.begin(), acc.end(), 0.0f);
-    for (int64_t t = 0; t < context; ++t) {
-      const T* value = v_cache + slot(t);
-      for (int64_t g = 0; g < group; ++g) {
-        const float p = scores[g * context + t];
-#pragma omp simd
-        for (int64_t d = 0; d < head_dim; ++d) acc[g * head_dim + d] += p * static_cast<float>(value[d]);
-      }
-    }
-    store_heads(acc.data(), out + (b * num_heads + kv_head * group) * head_dim, group * head_dim);
+    for (int64_t j = 0; j < rows; ++j)
+      attend_row_scalar(query.data() + j * group * head_dim, k_cache, v_cache, slot, starts[j], lens[j], group,
+                        head_dim, scores, acc, out_row(j));
   }
 }
 
 template void decode_attention_items(const float*, int64_t, const float*, const float*, const int64_t*,
-                                     const int64_t*, float*, int64_t, int64_t, int64_t, int64_t, int64_t, float,
-                                     int64_t, int64_t, int64_t);
+                                     const int64_t*, const int64_t*, float*, int64_t, int64_t, int64_t, int64_t,
+                                     int64_t, float, int64_t, int64_t, int64_t);
 template void decode_attention_items(const c10::BFloat16*, int64_t, const c10::BFloat16*, const c10::BFloat16*,
-                                     const int64_t*, const int64_t*, c10::BFloat16*, int64_t, int64_t, int64_t,
-                                     int64_t, int64_t, float, int64_t, int64_t, int64_t);
+                                     const int64_t*, const int64_t*, const int64_t*, c10::BFloat16*, int64_t, int64_t,
+                                     int64_t, int64_t, int64_t, float, int64_t, int64_t, int64_t);
 
 namespace {
 
@@ -248,9 +332,11 @@ template <typename T>
 void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
                       const int64_t* context_lens, T* out, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
                       int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale, int64_t window) {
-  at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t first, int64_t last) {
-    decode_attention_items(q, num_heads * head_dim, k_cache, v_cache, block_tables, context_lens, out, num_heads,
-                           num_kv_heads, head_dim, block_size, max_blocks, scale, window, first, last);
+  const std::vector<int64_t> runs = shared_context_runs(block_tables, context_lens, batch, max_blocks, block_size);
+  const int64_t num_runs = static_cast<int64_t>(runs.size()) - 1;
+  at::parallel_for(0, num_runs * num_kv_heads, 1, [&](int64_t first, int64_t last) {
+    decode_attention_items(q, num_heads * head_dim, k_cache, v_cache, block_tables, context_lens, runs.data(), out,
+                           num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale, window, first, last);
   });
 }
 
@@ -283,6 +369,21 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
                                window);
   });
   return out;
+}
+
+// Which rows paged_decode_attention reads together (shared_context_runs): the runs' first rows, then the batch size.
+at::Tensor paged_attention_runs(const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t block_size) {
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong &&
+                  block_tables.dim() == 2 && context_lens.numel() == block_tables.size(0),
+              "block_tables/context_lens: expected int64, one row per query row");
+  TORCH_CHECK(block_size >= 1, "block_size: expected >= 1, got ", block_size);
+  const at::Tensor tables = block_tables.contiguous(), lens = context_lens.contiguous();
+  if (lens.numel() > 0)
+    TORCH_CHECK(lens.min().item<int64_t>() >= 1 && lens.max().item<int64_t>() <= tables.size(1) * block_size,
+                "context_lens: each between 1 and the block table's keys");
+  const std::vector<int64_t> runs = shared_context_runs(tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
+                                                        tables.size(0), tables.size(1), block_size);
+  return at::tensor(runs, at::kLong);
 }
 
 // Writes each new token's key and value rows into its cache slot: k, v [T, kv_heads, head_dim] (rows may be
@@ -320,9 +421,11 @@ using namespace carpool::kernels;
 TORCH_LIBRARY_FRAGMENT(carpool, m) {
   m.def("write_kv_cache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, float scale, int window=0) -> Tensor");
+  m.def("paged_attention_runs(Tensor block_tables, Tensor context_lens, int block_size) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(carpool, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("write_kv_cache", &write_kv_cache);
+  m.impl("paged_attention_runs", &paged_attention_runs);
 }

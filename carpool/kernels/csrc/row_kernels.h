@@ -8,6 +8,7 @@
 #include <c10/util/BFloat16.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "vec.h"
 
@@ -49,14 +50,23 @@ void silu_mul_rows(const T* src, T* dst, int64_t rows, int64_t width);
 template <typename T>
 void rotate_token(T* q, int64_t q_heads, T* k, int64_t k_heads, int64_t head_dim, const T* cos, const T* sin);
 
-// Paged decode attention for items [first, last) of batch x kv_heads: item b * num_kv_heads + h is sequence b's
-// KV head h with its group of query heads. q: sequence b's heads at q + b * q_stride ([heads, head_dim]);
-// out: [batch, heads, head_dim]; block_tables [batch, max_blocks]; context_lens checked by the caller (>= 1, within
-// the table).
+// Rows of one decode attention call that read one sequence's keys: consecutive rows whose contexts grow by one key
+// a row over the same blocks (a verifying sequence's last token and its drafts), up to kMaxRunRows a run. Returns
+// the runs' first rows and then `batch`: run r is rows [runs[r], runs[r + 1]). context_lens checked by the caller
+// (within the table).
+inline constexpr int64_t kMaxRunRows = 16;
+std::vector<int64_t> shared_context_runs(const int64_t* block_tables, const int64_t* context_lens, int64_t batch,
+                                         int64_t max_blocks, int64_t block_size);
+
+// Paged decode attention for items [first, last) of runs x kv_heads: item r * num_kv_heads + h is run r's rows
+// (runs from shared_context_runs) with KV head h and its group of query heads, each K/V vector read once for all of
+// them. q: row b's heads at q + b * q_stride ([heads, head_dim]); out: [batch, heads, head_dim]; block_tables
+// [batch, max_blocks]; context_lens checked by the caller (>= 1, within the table). Each row's output is what it
+// would be in a run of its own, to the bit.
 template <typename T>
 void decode_attention_items(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,
-                            const int64_t* block_tables, const int64_t* context_lens, T* out, int64_t num_heads,
-                            int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
-                            float scale, int64_t window, int64_t first, int64_t last);
+                            const int64_t* block_tables, const int64_t* context_lens, const int64_t* runs, T* out,
+                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                            int64_t max_blocks, float scale, int64_t window, int64_t first, int64_t last);
 
 }  // namespace carpool::kernels
