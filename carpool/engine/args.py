@@ -4,7 +4,7 @@
 import argparse
 
 from carpool.engine.config import DRAFT_VOCAB_SIZE, DTYPES, EngineConfig
-from carpool.models.quantization import MATMUL_MODES, QUANTIZATION_MODES
+from carpool.models.quantization import MATMUL_SETTINGS, QUANTIZATION_MODES
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -18,12 +18,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization", default=defaults.quantization, choices=list(QUANTIZATION_MODES),
                         help="weight format: auto keeps a GGUF file's Q4_0/Q4_1/Q8_0 blocks (CPU kernels), none "
                              "dequantizes to --dtype, q8_0/q4_1/q4_0 quantize at load (default: auto)")
-    parser.add_argument("--matmul", default=defaults.matmul, choices=list(MATMUL_MODES),
+    parser.add_argument("--matmul", default="auto", choices=list(MATMUL_SETTINGS),
                         help="block-format linear layers: int8-dot quantizes decode's activations to int8 and runs "
                              "integer dot products (llama.cpp's method, faster), prompt chunks stay exact; "
                              "int8-dot-all does so for prompt chunks too (faster prefill where there are no bf16 "
-                             "units, ~0.6%% error per linear); exact multiplies them as they are "
-                             f"(default: {defaults.matmul})")
+                             "units, ~0.6%% error per linear); exact multiplies them as they are; auto: "
+                             "int8-dot-all on the avx2 kernel path, int8-dot elsewhere (default: auto)")
     parser.add_argument("--block-size", type=int, default=defaults.block_size,
                         help=f"tokens per KV-cache block, the unit of paging and prefix sharing (default: "
                              f"{defaults.block_size})")

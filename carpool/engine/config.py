@@ -4,7 +4,7 @@ import torch
 
 from carpool.engine.slo import check_slos
 from carpool.kernels import kernel_path
-from carpool.models.quantization import MATMUL_MODES, QUANTIZATION_MODES
+from carpool.models.quantization import QUANTIZATION_MODES, resolve_matmul
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # The draft model's default vocabulary subset (speculative_vocab_size): its first ids, in BPE merge order.
@@ -42,8 +42,10 @@ class EngineConfig:
     quantization: str = "auto"
     # How block-format linear layers multiply (carpool.models.quantization.MATMUL_MODES): "int8-dot" (llama.cpp's
     # method) quantizes activations to int8 and runs integer dot products at decode's few rows, 2-3x faster at batch
-    # 1; "exact" dequantizes the weights and multiplies the activations as they are (bit-faithful to gguf-py).
-    matmul: str = "int8-dot"
+    # 1; "int8-dot-all" does so for prompt chunks too; "exact" dequantizes the weights and multiplies the activations
+    # as they are (bit-faithful to gguf-py). "auto" (resolved at init, resolve_matmul): int8-dot-all on the avx2
+    # kernel path, int8-dot elsewhere.
+    matmul: str = "auto"
     block_size: int = 16
     num_kv_blocks: int | None = None  # exact pool size; overrides kv_cache_gb
     kv_cache_gb: float = 1.0
@@ -93,8 +95,7 @@ class EngineConfig:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.quantization not in QUANTIZATION_MODES:
             raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, got {self.quantization!r}")
-        if self.matmul not in MATMUL_MODES:
-            raise ValueError(f"matmul must be one of {MATMUL_MODES}, got {self.matmul!r}")
+        self.matmul = resolve_matmul(self.matmul, kernel_path())
         if self.priority_aging_seconds <= 0:
             raise ValueError(f"priority_aging_seconds must be > 0, got {self.priority_aging_seconds!r}")
         for name in ("num_speculative_tokens", "ngram_min", "ngram_max"):

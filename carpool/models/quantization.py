@@ -36,6 +36,8 @@ QUANTIZATION_MODES = ("auto", "none", *GGML_TYPES)
 # "int8-dot-all" runs the integer kernels on every call, prompt chunks too (llama.cpp does at every row count): the
 # same ~0.6% error per linear, now in prefill as well; faster prefill where the exact path is fp32 FMAs (AVX2).
 MATMUL_MODES = ("exact", "int8-dot", "int8-dot-all")
+# The engine's `matmul` setting: a mode, or "auto" (the default), resolved by resolve_matmul.
+MATMUL_SETTINGS = ("auto", *MATMUL_MODES)
 # Every format torch.ops.carpool.ggml_linear / ggml_dequantize run from a GGUF file's own blocks.
 KERNEL_TYPES = frozenset(
     {
@@ -71,6 +73,18 @@ class GGMLWeight:
     def quantize(cls, weight: torch.Tensor, qtype: gguf.GGMLQuantizationType) -> "GGMLWeight":
         array = weight.detach().float().cpu().numpy()
         return cls(qtype, torch.from_numpy(np.ascontiguousarray(gguf.quants.quantize(array, qtype))))
+
+
+def resolve_matmul(matmul: str, path: str) -> str:
+    """The mode `matmul` (one of MATMUL_SETTINGS) names on kernel path `path`. "auto": "int8-dot-all" on avx2, whose
+    exact path multiplies prompt chunks in fp32 FMAs (no bf16 units; the int8 kernels 1.6-1.9x faster at 128-512
+    rows, one thread, docs/benchmarks.md), else "int8-dot": prompts stay exact where bf16 units are within 1.1-1.5x
+    of the int8 kernels (avx512) or where there is no batched int8 kernel (portable)."""
+    if matmul not in MATMUL_SETTINGS:
+        raise ValueError(f"matmul must be one of {MATMUL_SETTINGS}, got {matmul!r}")
+    if matmul != "auto":
+        return matmul
+    return "int8-dot-all" if path == "avx2" else "int8-dot"
 
 
 def set_matmul_mode(matmul: str) -> str:

@@ -1,5 +1,6 @@
-"""The `matmul` engine setting end to end: "int8-dot" (the default) and "exact" both generate, each engine's steps
-run its own mode even when two share a thread (and leave the thread's mode as they found it), and a bad value is refused naming the field."""
+"""The `matmul` engine setting end to end: "int8-dot", "int8-dot-all" and "exact" all generate, each engine's steps
+run its own mode even when two share a thread (and leave the thread's mode as they found it), "auto" resolves per
+kernel path, and a bad value is refused naming the field."""
 
 import argparse
 
@@ -9,6 +10,8 @@ import torch
 from carpool import LLM, SamplingParams
 from carpool.engine.args import add_engine_args, engine_config
 from carpool.engine.config import EngineConfig
+from carpool.kernels import kernel_path
+from carpool.models.quantization import resolve_matmul
 
 from test_reference import PROMPTS
 
@@ -20,8 +23,7 @@ def logprobs(llm: LLM) -> list[list[float]]:
 
 
 def test_exact_and_int8_dot_engines_each_run_their_own_mode():
-    assert EngineConfig().matmul == "int8-dot"
-    fast = LLM(dtype="float32", max_num_seqs=2, num_kv_blocks=32)
+    fast = LLM(dtype="float32", max_num_seqs=2, num_kv_blocks=32, matmul="int8-dot")
     exact = LLM(dtype="float32", max_num_seqs=2, num_kv_blocks=32, matmul="exact")
     fast_run, exact_run, fast_again = logprobs(fast), logprobs(exact), logprobs(fast)
     assert fast_again == fast_run  # deterministic, and not left in the other engine's mode
@@ -35,6 +37,27 @@ def test_exact_and_int8_dot_engines_each_run_their_own_mode():
         assert all(len(output.token_ids) == 8 for output in llm.generate(PROMPTS[:2], GREEDY))
 
 
+def test_int8_dot_all_runs_prompt_chunks_in_integers():
+    # 100 prompt tokens: more rows than int8-dot's limit (64 at most), so only int8-dot-all's prefill is int8
+    prompt = list(range(1000, 1100))
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=0)
+    runs = {}
+    for matmul in ("int8-dot", "int8-dot-all"):
+        output = LLM(dtype="float32", max_num_seqs=1, num_kv_blocks=16, matmul=matmul).generate([prompt], greedy)[0]
+        runs[matmul] = [token.logprob for token in output.logprobs]
+        assert len(output.token_ids) == 4
+    first = runs["int8-dot"][0], runs["int8-dot-all"][0]  # the prefill step's token: the LM head alike, one row
+    assert first[0] != first[1] and abs(first[0] - first[1]) < 0.1
+
+
+def test_auto_resolves_per_kernel_path():
+    assert resolve_matmul("auto", "avx2") == "int8-dot-all"  # fp32 FMAs for prompts there: int8 is faster
+    assert resolve_matmul("auto", "avx512") == resolve_matmul("auto", "portable") == "int8-dot"
+    assert resolve_matmul("exact", "avx2") == "exact"
+    assert EngineConfig().matmul == resolve_matmul("auto", kernel_path())
+    assert EngineConfig(matmul="int8-dot-all").matmul == "int8-dot-all"
+
+
 def test_a_bad_matmul_value_names_the_field():
     with pytest.raises(ValueError, match="matmul"):
         LLM(matmul="int4")
@@ -44,6 +67,7 @@ def test_the_cli_flag_sets_the_field():
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     assert engine_config(parser.parse_args(["--matmul", "exact"])).matmul == "exact"
-    assert engine_config(parser.parse_args([])).matmul == "int8-dot"
+    assert engine_config(parser.parse_args(["--matmul", "int8-dot-all"])).matmul == "int8-dot-all"
+    assert engine_config(parser.parse_args([])).matmul == resolve_matmul("auto", kernel_path())
     with pytest.raises(SystemExit):
         parser.parse_args(["--matmul", "int4"])

@@ -11,9 +11,9 @@
 // per block and column, subtracted once for all rows. Register tile: NR columns x RV vectors of rows; each thread
 // unpacks NR columns over all of K, prefetches the next NR while it computes, and runs every row vector on them.
 //
-// AVX-512: vpdpbusd on 16 rows (zmm) or 8 (ymm, batches of up to 8). AVX2: vpmaddubsw + vpmaddwd on 8 rows; its
-// int16 pairs saturate above 2 * 255 * 64, so Q8_0's full-range bytes stay on the GEMV there (ggml_dot.cpp's
-// thresholds). The portable build has no GEMM: its GEMV runs every batch size the thresholds allow.
+// AVX-512: vpdpbusd on 16 rows (zmm) or 8 (ymm, batches of up to 8). AVX2: vpmaddubsw on 8 rows, its int16 pairs
+// summed over a few steps before one vpmaddwd (GemmLayout::kPairSteps); they saturate above 2 * 255 * 64, so Q8_0's
+// full-range bytes stay on the GEMV there. The portable build has no GEMM: its GEMV runs every batch size the thresholds allow.
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
@@ -33,14 +33,29 @@ namespace {
 
 // How a format's blocks split for the GEMM: integer-scaled sub-blocks of kSub weights (one per block, scale 1,
 // unless kScaled) and kMinGroups 32-weight groups per block with a float term on x's sums (0 without one).
+// kPairSteps (AVX2 without VNNI): how many vpmaddubsw results of 4 weights an int16 lane holds before it must widen,
+// 2 * 255 * max|w| each (x + 128 <= 255): 4080 for Q4_0's [-8, 7], 8160 for Q5_0's [-16, 15], 7650 for [0, 15],
+// 15810 for Q5_K's [0, 31], 16320 for Q6_K's [-32, 31]. Q8_0 has no AVX2 GEMM (a single step would saturate).
 template <int64_t QT> struct GemmLayout;
-template <> struct GemmLayout<kQ8_0> { static constexpr int kSub = 32, kMinGroups = 0; static constexpr bool kScaled = false; };
-template <> struct GemmLayout<kQ4_0> : GemmLayout<kQ8_0> {};
-template <> struct GemmLayout<kQ5_0> : GemmLayout<kQ8_0> {};
-template <> struct GemmLayout<kQ4_1> { static constexpr int kSub = 32, kMinGroups = 1; static constexpr bool kScaled = false; };
-template <> struct GemmLayout<kQ4_K> { static constexpr int kSub = 32, kMinGroups = 8; static constexpr bool kScaled = true; };
-template <> struct GemmLayout<kQ5_K> : GemmLayout<kQ4_K> {};
-template <> struct GemmLayout<kQ6_K> { static constexpr int kSub = 16, kMinGroups = 0; static constexpr bool kScaled = true; };
+template <> struct GemmLayout<kQ8_0> {
+  static constexpr int kSub = 32, kMinGroups = 0, kPairSteps = 1;
+  static constexpr bool kScaled = false;
+};
+template <> struct GemmLayout<kQ4_0> : GemmLayout<kQ8_0> { static constexpr int kPairSteps = 8; };
+template <> struct GemmLayout<kQ5_0> : GemmLayout<kQ8_0> { static constexpr int kPairSteps = 4; };
+template <> struct GemmLayout<kQ4_1> {
+  static constexpr int kSub = 32, kMinGroups = 1, kPairSteps = 4;
+  static constexpr bool kScaled = false;
+};
+template <> struct GemmLayout<kQ4_K> {
+  static constexpr int kSub = 32, kMinGroups = 8, kPairSteps = 4;
+  static constexpr bool kScaled = true;
+};
+template <> struct GemmLayout<kQ5_K> : GemmLayout<kQ4_K> { static constexpr int kPairSteps = 2; };
+template <> struct GemmLayout<kQ6_K> {
+  static constexpr int kSub = 16, kMinGroups = 0, kPairSteps = 2;
+  static constexpr bool kScaled = true;
+};
 
 // 256-bit helpers (both SIMD builds) for unpacking: bytes of nibbles, sums of unsigned bytes.
 inline __m256i load256(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
@@ -167,6 +182,7 @@ int32_t unpack_block(const uint8_t* p, int8_t* w, int32_t* sc, float& d, float* 
 #ifdef CARPOOL_AVX512
 struct Rows16 {
   static constexpr int kLanes = 16;
+  static constexpr bool kInt16Pairs = false;
   using I = __m512i;
   using F = __m512;
   static I izero() { return _mm512_setzero_si512(); }
@@ -189,17 +205,24 @@ struct Rows8 {
   static constexpr int kLanes = 8;
   using I = __m256i;
   using F = __m256;
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  static constexpr bool kInt16Pairs = false;
+  static I dot(I acc, I x, int32_t w4) { return _mm256_dpbusd_epi32(acc, x, _mm256_set1_epi32(w4)); }
+#else
+  // vpmaddubsw's int16 pairs summed with vpaddw over GemmLayout::kPairSteps steps, then one vpmaddwd by the
+  // sub-block's scale widens them: per 4 weights x 8 rows 1 + 1/steps multiplies instead of 2 (and no vpmulld).
+  static constexpr bool kInt16Pairs = true;
+  static I pairs(I acc16, I x, int32_t w4) {
+    return _mm256_add_epi16(acc16, _mm256_maddubs_epi16(x, _mm256_set1_epi32(w4)));
+  }
+  static I widen(I acc, I pairs16, int32_t scale) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs16, _mm256_set1_epi16(static_cast<int16_t>(scale))));
+  }
+#endif
   static I izero() { return _mm256_setzero_si256(); }
   static F fzero() { return _mm256_setzero_ps(); }
   static I iload(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
   static F fload(const float* p) { return _mm256_loadu_ps(p); }
-  static I dot(I acc, I x, int32_t w4) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(acc, x, _mm256_set1_epi32(w4));
-#else  // pairs of u8 x s8 in int16: exact while 2 * 255 * |w| < 2^15 (every format but Q8_0, see the top)
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(x, _mm256_set1_epi32(w4)), _mm256_set1_epi16(1)));
-#endif
-  }
   static I mul(I a, int32_t s) { return _mm256_mullo_epi32(a, _mm256_set1_epi32(s)); }
   static I add(I a, I b) { return _mm256_add_epi32(a, b); }
   static I sub(I a, int32_t s) { return _mm256_sub_epi32(a, _mm256_set1_epi32(s)); }
@@ -305,31 +328,59 @@ void gemm_tile(const Panel<QT>& panel, int64_t c0, const InterleavedRows& x, int
     for (int r = 0; r < RV; ++r) acc[n][r] = V::fzero();
   for (int64_t b = 0; b < blocks; ++b) {
     typename V::I total[NR][RV];
+    if constexpr (V::kInt16Pairs) {
+      for (int n = 0; n < NR; ++n)
+        for (int r = 0; r < RV; ++r) total[n][r] = V::izero();
+    }
     for (int s = 0; s < kSubs; ++s) {
-      typename V::I part[NR][RV];
-      for (int n = 0; n < NR; ++n)
-        for (int r = 0; r < RV; ++r) part[n][r] = V::izero();
-      const int64_t k0 = b * kW + s * L::kSub;
-      const uint8_t* xp = xu + k0 / 4 * stride;
-      const int8_t* wp = panel.w.data() + c0 * K + k0;
+      if constexpr (V::kInt16Pairs) {
+        const int64_t k0 = b * kW + s * L::kSub;
+        const uint8_t* xp = xu + k0 / 4 * stride;
+        const int8_t* wp = panel.w.data() + c0 * K + k0;
+        for (int g0 = 0; g0 < L::kSub / 4; g0 += L::kPairSteps) {
+          typename V::I pairs[NR][RV];
+          for (int n = 0; n < NR; ++n)
+            for (int r = 0; r < RV; ++r) pairs[n][r] = V::izero();
 #pragma GCC unroll 8
-      for (int g = 0; g < L::kSub / 4; ++g, xp += stride, wp += 4) {
-        typename V::I xv[RV];
-        for (int r = 0; r < RV; ++r) xv[r] = V::iload(xp + r * V::kLanes * 4);
-        for (int n = 0; n < NR; ++n) {
-          const int32_t w4 = load4(wp + n * K);
-          for (int r = 0; r < RV; ++r) part[n][r] = V::dot(part[n][r], xv[r], w4);
-        }
-      }
-      for (int n = 0; n < NR; ++n)
-        for (int r = 0; r < RV; ++r) {
-          if constexpr (!L::kScaled) {
-            total[n][r] = part[n][r];
-          } else {
-            const typename V::I scaled = V::mul(part[n][r], panel.sc[((c0 + n) * K + k0) / L::kSub]);
-            total[n][r] = s == 0 ? scaled : V::add(total[n][r], scaled);
+          for (int g = 0; g < L::kPairSteps; ++g, xp += stride, wp += 4) {
+            typename V::I xv[RV];
+            for (int r = 0; r < RV; ++r) xv[r] = V::iload(xp + r * V::kLanes * 4);
+            for (int n = 0; n < NR; ++n) {
+              const int32_t w4 = load4(wp + n * K);
+              for (int r = 0; r < RV; ++r) pairs[n][r] = V::pairs(pairs[n][r], xv[r], w4);
+            }
+          }
+          for (int n = 0; n < NR; ++n) {
+            const int32_t scale = L::kScaled ? panel.sc[((c0 + n) * K + k0) / L::kSub] : 1;
+            for (int r = 0; r < RV; ++r) total[n][r] = V::widen(total[n][r], pairs[n][r], scale);
           }
         }
+      } else {
+        typename V::I part[NR][RV];
+        for (int n = 0; n < NR; ++n)
+          for (int r = 0; r < RV; ++r) part[n][r] = V::izero();
+        const int64_t k0 = b * kW + s * L::kSub;
+        const uint8_t* xp = xu + k0 / 4 * stride;
+        const int8_t* wp = panel.w.data() + c0 * K + k0;
+#pragma GCC unroll 8
+        for (int g = 0; g < L::kSub / 4; ++g, xp += stride, wp += 4) {
+          typename V::I xv[RV];
+          for (int r = 0; r < RV; ++r) xv[r] = V::iload(xp + r * V::kLanes * 4);
+          for (int n = 0; n < NR; ++n) {
+            const int32_t w4 = load4(wp + n * K);
+            for (int r = 0; r < RV; ++r) part[n][r] = V::dot(part[n][r], xv[r], w4);
+          }
+        }
+        for (int n = 0; n < NR; ++n)
+          for (int r = 0; r < RV; ++r) {
+            if constexpr (!L::kScaled) {
+              total[n][r] = part[n][r];
+            } else {
+              const typename V::I scaled = V::mul(part[n][r], panel.sc[((c0 + n) * K + k0) / L::kSub]);
+              total[n][r] = s == 0 ? scaled : V::add(total[n][r], scaled);
+            }
+          }
+      }
     }
     for (int r = 0; r < RV; ++r) {
       const typename V::F xd = V::fload(x.d.data() + b * x.rows + (first_vector + r) * V::kLanes);
