@@ -77,7 +77,7 @@ class GGMLWeight:
 
 def resolve_matmul(matmul: str, path: str) -> str:
     """The mode `matmul` (one of MATMUL_SETTINGS) names on kernel path `path`. "auto": "int8-dot-all" on avx2, whose
-    exact path multiplies prompt chunks in fp32 FMAs (no bf16 units; the int8 kernels 1.6-1.9x faster at 128-512
+    exact path multiplies prompt chunks in fp32 FMAs (no bf16 units; the int8 kernels 1.5-2.0x faster at 128-512
     rows, one thread, docs/benchmarks.md), else "int8-dot": prompts stay exact where bf16 units are within 1.1-1.5x
     of the int8 kernels (avx512) or where there is no batched int8 kernel (portable)."""
     if matmul not in MATMUL_SETTINGS:

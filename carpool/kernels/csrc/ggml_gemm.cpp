@@ -13,7 +13,8 @@
 //
 // AVX-512: vpdpbusd on 16 rows (zmm) or 8 (ymm, batches of up to 8). AVX2: vpmaddubsw on 8 rows, its int16 pairs
 // summed over a few steps before one vpmaddwd (GemmLayout::kPairSteps); they saturate above 2 * 255 * 64, so Q8_0's
-// full-range bytes stay on the GEMV there. The portable build has no GEMM: its GEMV runs every batch size the thresholds allow.
+// full-range bytes stay on the GEMV there. The portable build has no GEMM: its GEMV runs every batch size the
+// thresholds allow.
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
