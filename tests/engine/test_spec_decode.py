@@ -15,8 +15,6 @@ from carpool.engine.block_manager import cdiv
 from carpool.engine.sampling_params import SamplingParams
 from carpool.engine.sequence import Sequence
 from carpool.engine.spec_decode import rejection_sampler
-from carpool.engine.spec_decode.ngram import propose_ngram
-from carpool.engine.spec_decode.policy import MIN_SAMPLES, REFRESH, SpeculationPolicy
 from tests.block_invariants import check_block_invariants, run_with_aborts
 
 PROMPTS = [
@@ -197,66 +195,6 @@ def test_a_request_can_opt_out(ngram_llm):
 def test_a_draft_model_must_share_the_target_s_tokenizer():
     with pytest.raises(ValueError, match="speculative_model: qwen2.5-coder-0.5b does not share"):
         LLM(speculative_model="qwen2.5-coder-0.5b")  # SmolLM2's tokenizer is another
-
-
-def test_ngram_lookup_prefers_the_longest_latest_match():
-    tokens = [1, 2, 3, 9, 2, 3, 7, 8, 1, 2, 3]
-    assert propose_ngram(tokens, 2, 1, 3) == [9, 2]  # "1 2 3" occurred once, followed by 9 2
-    assert propose_ngram([5, 2, 3, 6, 4, 3], 3, 1, 2) == [6, 4, 3]  # only "3" matches
-    assert propose_ngram([1, 2, 3], 2, 1, 3) == []
-
-
-def simulated_steps(policy: SpeculationPolicy, batch_size: int, acceptance: float, row_cost: float,
-                    steps: int = 400) -> list[int]:
-    """Run the policy against a synthetic machine: a step of M rows takes 10 ms + row_cost * M, each draft is
-    accepted with probability `acceptance` (expected tokens, no noise). Returns the k chosen at each step."""
-    chosen = []
-    for _ in range(steps):
-        k = policy.num_drafts(batch_size)
-        tokens = batch_size * sum(acceptance**j for j in range(k + 1))
-        policy.observe(batch_size, k, tokens, 0.010 + row_cost * batch_size * (k + 1))
-        chosen.append(k)
-    return chosen
-
-
-def test_policy_speculates_where_it_measured_a_gain_and_stops_where_it_costs():
-    policy = SpeculationPolicy(max_k=4)
-    # Bandwidth-bound single stream (a row costs 5% of the step) with drafts mostly accepted: speculate.
-    assert simulated_steps(policy, 1, acceptance=0.8, row_cost=0.0005)[-1] >= 2
-    assert policy.best(1) >= 2
-    # Compute-bound 32 streams: verify rows cost their full price. After trying k = 1 a few times the policy
-    # decodes plainly, re-trying k = 1 one step in REFRESH: the loss stays within a few percent of plain.
-    chosen = simulated_steps(policy, 32, acceptance=0.8, row_cost=0.002)
-    assert policy.best(32) == 0 and chosen[-1] == 0
-    assert sum(k > 0 for k in chosen) <= MIN_SAMPLES + len(chosen) // REFRESH + 1
-    assert max(chosen) == 1  # larger k never tried once k = 1 measured worse
-    # Drafts that are never accepted: no speculation even where rows are cheap.
-    assert SpeculationPolicy(max_k=4).best(1) == 0
-    rejecting = SpeculationPolicy(max_k=4)
-    simulated_steps(rejecting, 1, acceptance=0.0, row_cost=0.0005)
-    assert rejecting.best(1) == 0
-
-
-def test_policy_follows_a_change_of_workload():
-    """Measured rates decay: when drafts stop being accepted the policy re-measures and turns speculation off."""
-    policy = SpeculationPolicy(max_k=3)
-    simulated_steps(policy, 1, acceptance=0.9, row_cost=0.0005)
-    assert policy.best(1) > 0
-    simulated_steps(policy, 1, acceptance=0.0, row_cost=0.0005, steps=2000)
-    assert policy.best(1) == 0
-
-
-def test_policy_re_measures_plain_decoding_while_it_speculates():
-    """The baseline does not go stale: plain steps measured on a slow workload (long contexts, a busy machine) must
-    not keep speculation on once plain decoding got faster than it."""
-    policy = SpeculationPolicy(max_k=4)
-    for _ in range(200):  # steps cost 200 ms more than they will: plain is slow, long verifies hide in the base
-        k = policy.num_drafts(32)
-        policy.observe(32, k, 32 * sum(0.8**j for j in range(k + 1)), 0.200 + 0.002 * 32 * (k + 1))
-    assert policy.best(32) >= 2
-    chosen = simulated_steps(policy, 32, acceptance=0.5, row_cost=0.002, steps=300)  # plain is now best
-    assert policy.best(32) == 0 and chosen[-1] == 0
-    assert sum(k > 0 for k in chosen[-100:]) <= 100 // REFRESH + 1
 
 
 def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:

@@ -150,3 +150,10 @@ def test_the_ngram_drafter_keeps_an_index_per_running_sequence_only():
     assert first.spec_token_ids == scan(first.token_ids, 2, 1, 3) == [5, 6]
     drafter.retain({2})
     assert set(drafter.indexes) == {2}
+    # Indexing a whole context is a one-off set-up the policy must not see as drafting cost; a step's lookup is not.
+    long = Seq(3, [i % 97 for i in range(2000)])
+    drafter.propose([long])
+    assert drafter.setup_seconds > 0
+    long.token_ids.append(5)
+    drafter.propose([long])
+    assert drafter.setup_seconds == 0
