@@ -13,9 +13,10 @@ off at large batches: there a verify pass costs its rows' full price.
 Every comparison is paired: a step with another k (a probe) is judged against the incumbent's steps right
 around it at the probe's batch size (IncumbentWindow), never against a rate remembered from other steps. The
 policy before this one remembered a rate per k, which compared steps of other batch sizes and workloads: a
-bucket spans 2x in batch size (SmolLM2's plain decoding: ~680 tok/s at 17 sequences, ~820 at 32), and plain steps
-measured on the long-context documents workload (539 tok/s) stood for chat's (821): `carpool bench spec`,
-SmolLM2, 32 streams, chat at 0.82x plain, 0.90x once plain decoding was re-measured every 20 steps. On the fake
+bucket spans 2x in batch size (SmolLM2's plain decoding: ~680 tok/s at 17 sequences, ~820 at 32, estimated
+from the 8- and 32-stream rows of `carpool bench spec`), and plain steps measured on the long-context documents
+workload (539 tok/s) stood for chat's (821): `carpool bench spec`, SmolLM2, 32 streams, chat at 0.82x plain,
+0.90x once plain decoding was re-measured every 20 steps. On the fake
 clock of tests/engine/test_spec_policy.py (documents at 17-20 sequences where speculation gains ~25%, chat at
 28-32 where it loses ~20%, alternating) remembered rates gave chat 0.84x plain, paired probes >= 0.97x.
 
@@ -69,7 +70,7 @@ class Ratio:
 class IncumbentWindow:
     """The incumbent's last few steps (decayed by INCUMBENT_DECAY): its step seconds as a straight line in the
     batch size and its tokens per sequence, so a probe is judged against the incumbent at the probe's own batch
-    size. Within a bucket that matters: SmolLM2's plain steps yield ~680 tok/s at 17 sequences, ~820 at 32."""
+    size. Within a bucket that matters: SmolLM2's plain decoding, ~680 tok/s at 17 sequences, ~820 at 32."""
 
     def __init__(self):
         self.weight = self.sizes = self.sizes_squared = self.seconds = self.sizes_seconds = self.tokens = 0.0
