@@ -58,7 +58,8 @@ def test_verify_rows_match_sdpa_and_each_row_alone(dtype, head_dim, heads, kv_he
     # The rows in reverse order: no row extends the one before it, so each is attended alone, as plain decoding does.
     backwards = torch.arange(len(lens) - 1, -1, -1)
     assert len(ops.paged_attention_runs(tables[backwards], lens[backwards], BLOCK_SIZE)) == len(lens) + 1
-    alone = ops.paged_decode_attention(q[backwards], k_cache, v_cache, tables[backwards], lens[backwards], scale, window)
+    alone = ops.paged_decode_attention(q[backwards], k_cache, v_cache, tables[backwards], lens[backwards], scale,
+                                       window)
     assert torch.equal(together, alone[backwards])
 
 

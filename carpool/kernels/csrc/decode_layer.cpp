@@ -9,13 +9,13 @@
 // Python, no autograd bookkeeping), so the outputs are bit-identical to the Python path, which stays the
 // reference (prefill, mixed batches, other devices).
 //
-// When every projection runs a GEMV kernel (GGML blocks; int8-dot at up to 4 rows, or the exact path), the whole
-// step runs in one OpenMP parallel region instead: each op called on its own forks and joins the threads (SmolLM2:
-// 5 parallel ops a layer, 150 a step, each a few microseconds of fork, join and imbalance around 10-70 us of work).
-// In the region the threads split each projection's weight rows and the attention's (sequence, KV head) items,
-// one thread does the few-microsecond element-wise steps, and they meet at a barrier only where the next step
-// reads what the last one wrote. The kernels are the ops' own (row_kernels.h, ggml_dot.h) on ranges, so every
-// value is computed as the op-by-op step computes it.
+// When every projection runs a GEMV kernel (GGML blocks; int8-dot up to kInt8GemvMaxRows rows, or the exact path), the
+// whole step runs in one OpenMP parallel region instead: each op called on its own forks and joins the threads
+// (SmolLM2: 5 parallel ops a layer, 150 a step, each a few microseconds of fork, join and imbalance around 10-70 us
+// of work). In the region the threads split each projection's weight rows and the attention's (run of a sequence's
+// rows, KV head) items, one thread does the few-microsecond element-wise steps, and they meet at a barrier only where
+// the next step reads what the last one wrote. The kernels are the ops' own (row_kernels.h, ggml_dot.h) on ranges,
+// so every value is computed as the op-by-op step computes it.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>

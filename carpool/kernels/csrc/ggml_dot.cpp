@@ -443,15 +443,18 @@ void dot_block_rows(const uint8_t* row, const Int8Rows& x, int64_t m0, float* ou
 
 #endif
 
-// Weight rows [first, last) against every activation row, up to kInt8GemvMaxRows at a time per unpacked block.
+// Activation rows one pass of the GEMV dots with an unpacked weight block.
+constexpr int64_t kGemvPassRows = 4;
+
+// Weight rows [first, last) against every activation row, up to kGemvPassRows at a time per unpacked block.
 template <int64_t QT, typename Y>
 void int8_dot_rows(const Int8Rows& x, const uint8_t* weight, int64_t first, int64_t last, Y* y, int64_t ldy) {
   const int64_t row_bytes = x.K / Format<QT>::kWeights * Format<QT>::kBytes, M = x.M;
-  float out[kInt8GemvMaxRows];
+  float out[kGemvPassRows];
   for (int64_t n = first; n < last; ++n) {
     const uint8_t* row = weight + n * row_bytes;
-    for (int64_t m = 0; m < M; m += kInt8GemvMaxRows) {
-      const int64_t mr = std::min(kInt8GemvMaxRows, M - m);
+    for (int64_t m = 0; m < M; m += kGemvPassRows) {
+      const int64_t mr = std::min(kGemvPassRows, M - m);
       switch (mr) {
         case 1: dot_block_rows<QT, 1>(row, x, m, out); break;
         case 2: dot_block_rows<QT, 2>(row, x, m, out); break;
@@ -475,15 +478,15 @@ int64_t get_matmul_mode() { return static_cast<int64_t>(current_mode); }
 // Rows up to which int8-dot mode runs the integer kernels, per format, in this build (1 thread, 8960x1536 and
 // 1536x8960, docs/benchmarks.md). AVX-512: the batched kernel against the exact bf16 path is 1.3-2.2x at 8-64 rows
 // for the K-quants, 1.0-1.3x at 8-64 for Q5_0 and Q8_0 and 0.9x at 8 / 1.3x at 16-64 for Q4_1. AVX2 (the exact path
-// runs fp32 FMAs there): 1.5-2.0x at 8-64 rows; Q8_0 has no batched kernel there and keeps the GEMV's 4 rows, as
-// does every format in the portable build.
+// runs fp32 FMAs there): 1.5-2.0x at 8-64 rows; Q8_0 has no batched kernel there and keeps 4 rows (one GEMV pass),
+// as does every format in the portable build.
 constexpr int64_t default_max_rows([[maybe_unused]] int64_t qtype) {
 #if defined(CARPOOL_AVX512)
   return kInt8GemmMaxRows;
 #elif defined(CARPOOL_AVX2)
-  return qtype == kQ8_0 ? kInt8GemvMaxRows : kInt8GemmMaxRows;
+  return qtype == kQ8_0 ? kGemvPassRows : kInt8GemmMaxRows;
 #else
-  return kInt8GemvMaxRows;
+  return kGemvPassRows;
 #endif
 }
 
