@@ -9,7 +9,7 @@ from carpool.models.quantization import QUANTIZATION_MODES, resolve_matmul
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # The draft model's default vocabulary subset (speculative_vocab_size): its first ids, in BPE merge order. Qwen2.5-
 # Coder-0.5B drafting for 1.5B (k = 4, greedy): 65536 keeps acceptance within 2-4% of the full 151,936 (chat 0.556
-# vs 0.580, docs 0.773 vs 0.788) for a 16% cheaper draft pass; 32768 saves 21% but loses 7-11%.
+# vs 0.580, docs 0.773 vs 0.788) for a 15% cheaper draft pass; 32768 saves 22% but loses 7-11%.
 DRAFT_VOCAB_SIZE = 65536
 
 

@@ -11,7 +11,7 @@ The draft drafts from a subset of the vocabulary (FR-Spec; SGLang's --speculativ
 only the rows of the first N token ids plus the special ones, so a pass computes N logits instead of every one.
 Byte-level BPE numbers tokens in merge order, which follows corpus frequency, so the first ids are a data-free
 stand-in for the most frequent. Qwen2.5-Coder-0.5B's head is 146 MB of Q8_0 for 151,936 tokens, over a third of
-the 409 MB a draft pass reads; at N = 65536 (the default) it is 63 MB, and a pass costs 16% less CPU time
+the 409 MB a draft pass reads; at N = 65536 (the default) it is 63 MB, and a pass costs 15% less CPU time
 (docs/benchmarks.md). Speculation stays lossless: the target verifies, and a sampled draft's q is the
 distribution it was drawn from (zero outside the subset).
 """
