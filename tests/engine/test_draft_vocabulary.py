@@ -99,6 +99,7 @@ def test_subset_drafts_keep_the_target_distribution():
         drafted[seq.spec_token_ids[0]] += 1
         generators = [torch.Generator().manual_seed(7919 * i + j) for j in range(2)]
         counts[rejection_sampler.rejection_sample(p, torch.stack(q), seq.spec_token_ids, generators)[0]] += 1
+    assert drafted[inside].sum() == 2000 and drafted[special] > 0  # each logit row maps to its own token
     assert chi_square_p_value(drafted, q[0]) > SIGNIFICANCE  # drafts follow the q handed to verification
     assert counts[outside].sum() > 0 and counts[special] > 0
     assert chi_square_p_value(counts, p[0]) > SIGNIFICANCE
