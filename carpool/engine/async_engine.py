@@ -239,17 +239,19 @@ class AsyncEngine:
         else:
             output = self.engine.abort(command.request_id)
             if output is not None:
-                self._deliver([(command.request_id, output)])
                 for listener in self._step_listeners:
                     listener(None, [output])
+                self._deliver([(command.request_id, output)])
 
     def _step(self) -> None:
+        # Listeners (metrics) before delivery: a client that has its response finds its step in /metrics. The other
+        # way round, a busy machine let a test read /dashboard/data between the two and miss the last step.
         previous = self.engine.last_step
         outputs = self.engine.step()
-        self._deliver([(output.request_id, output) for output in outputs])
         if self.engine.last_step is not previous:
             for listener in self._step_listeners:
                 listener(self.engine.last_step, outputs)
+        self._deliver([(output.request_id, output) for output in outputs])
 
     def _fail(self, error: BaseException) -> None:
         self.error = error
