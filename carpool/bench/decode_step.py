@@ -22,6 +22,7 @@ import torch
 
 from carpool import LLM, SamplingParams
 from carpool.models.layers import projection_parts
+from carpool.models.quantization import matmul_mode
 
 
 def weight_bytes(model) -> int:
@@ -96,7 +97,8 @@ def run(model_name: str, rounds: int, steps: int, threads: int, bandwidth_gbs: f
             samples[mode].append((wall, cpu))
         attention.append(attention_ms(engine, dtype, 3))
     model.decode_stack().set_one_region(True)
-    matmuls = matmuls_ms(model, dtype, 5)
+    with matmul_mode(engine.config.matmul):  # the engine's mode, as its steps run (a thread's default is exact)
+        matmuls = matmuls_ms(model, dtype, 5)
     attend = tuple(statistics.mean(a[i] for a in attention) for i in range(2))
     floor = weight_bytes(model) / (bandwidth_gbs * 1e9) * 1000
     report = {"model": model_name, "threads": threads, "dtype": str(dtype), "steps_per_round": steps, "rounds": rounds,
