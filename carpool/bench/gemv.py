@@ -3,7 +3,7 @@ may be shared: compare the ratio, not the absolute figures), at decode's activat
 
     python -m carpool.bench.gemv [--model qwen2.5-coder-1.5b] [--rows 1 4 8 16 32 64] [--threads 1 2] [--cpu-time]
 
-The int8 column runs matmul "int8-dot-all": the integer kernels at every row count (the GEMV up to 4 rows, the
+The int8 column runs matmul "int8-dot-all": the integer kernels at every row count (the GEMV up to 5 rows, the
 batched kernel above); "int8-dot" says which of the two the default mode runs at that count in this build
 (torch.ops.carpool.int8_dot_max_rows; prompt chunks above it stay exact). --cpu-time times the calling thread's CPU
 time instead of the wall clock: steadier on a loaded machine, meaningful at 1 thread only.

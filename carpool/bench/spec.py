@@ -8,9 +8,9 @@ engine may verify no drafts at all, which is the point of the 32-stream row. Rep
 second, the speedup over the plain engine, the acceptance rate (accepted / proposed drafts) and the mean
 accepted length (drafts kept per verification), how many drafts per sequence the policy chose at each step
 (its choice and each k's measured tok/s over plain decoding's, per batch-size bucket, are in the JSON), and
-with --plot a PNG of output tok/s against the batch size (the stream counts), plain and per drafter, one panel per workload. Beside the
-end-to-end tok/s (the headline), each run reports what it mixes: the share of request time before the first
-token (prefill) and the output tok/s of decode-only steps, where speculation acts.
+with --plot a PNG of output tok/s against the batch size (the stream counts), plain and per drafter, one panel
+per workload. Beside the end-to-end tok/s (the headline), each run reports what it mixes: the share of request
+time before the first token (prefill) and the output tok/s of decode-only steps, where speculation acts.
 """
 
 import argparse

@@ -1,5 +1,5 @@
-// Integer-dot linear layers for decode's activation rows (a few: the GEMV in ggml_dot.cpp; decode batches and
-// verify rows up to 64: the batched kernel in ggml_gemm.cpp): each activation row is quantized once per call to
+// Integer-dot linear layers (a few activation rows: the GEMV in ggml_dot.cpp; decode batches and verify rows up to
+// 64, and under int8-dot-all prompt chunks of any size: the batched kernel in ggml_gemm.cpp): each activation row is quantized once per call to
 // int8 (per 32 values for the 32-weight formats, per 256 with sums per 16 for the K-quants, as llama.cpp's Q8_0 and
 // Q8_K), then every weight block is dotted in integers and scaled once. The exact path dequantizes every weight to
 // floats first, which made single-stream decode compute-bound (Q4_K 8.9 GB/s on one Zen 5 core, measured).
@@ -26,8 +26,8 @@ MatmulMode matmul_mode();
 // (SmolLM2's matmuls, 1 thread, loaded machine: 5 rows 16.2 ms batched, 12.9 ms as two GEMV calls of 4 + 1 rows on
 // AVX-512, 15.6 vs 13.0 on AVX2; at 6-8 rows the GEMV gained at most 16% there and lost 6% on AVX2 at 8).
 constexpr int64_t kInt8GemvMaxRows = 5;
-// The most rows any format's int8-dot path takes by default: decode batches and verify rows, not prompts (prefill
-// stays exact); measured up to here.
+// The most rows any format's int8-dot mode takes: decode batches and verify rows, not prompts (prefill stays exact
+// unless the mode is int8-dot-all); measured up to here.
 constexpr int64_t kInt8GemmMaxRows = 64;
 
 // Activation rows up to which int8-dot mode takes the integer path for `qtype`; more rows run the exact path.
