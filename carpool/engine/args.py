@@ -20,7 +20,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "dequantizes to --dtype, q8_0/q4_1/q4_0 quantize at load (default: auto)")
     parser.add_argument("--matmul", default="auto", choices=list(MATMUL_SETTINGS),
                         help="block-format linear layers: int8-dot quantizes decode's activations to int8 and runs "
-                             "integer dot products (llama.cpp's method, faster), prompt chunks stay exact; "
+                             "integer dot products (llama.cpp's method, faster), prompt chunks stay exact "
+                             "except the K-quants' on avx512; "
                              "int8-dot-all does so for prompt chunks too (faster prefill where there are no bf16 "
                              "units, ~0.6%% error per linear); exact multiplies them as they are; auto: "
                              "int8-dot-all on the avx2 kernel path, int8-dot elsewhere (default: auto)")

@@ -30,9 +30,10 @@ QUANTIZATION_MODES = ("auto", "none", *GGML_TYPES)
 # How the block kernels multiply (torch.ops.carpool.set_matmul_mode): "exact" dequantizes every weight and
 # dots it with the activations as they are (bit-faithful to gguf-py's values); "int8-dot" quantizes each activation
 # row to int8 (per 32 values, or per 256 for K-quants) and runs integer dot products when a call has at most
-# int8_dot_max_rows(qtype) rows (decode batches: up to 64 for the K-quants, fewer where the exact path is as fast;
-# per format and kernel build), what llama.cpp does: 2-3x faster at batch 1, 1.2-2x at 16-64 rows, ~1% error per
-# linear. The limit counts a step's rows, prompt chunks included: only calls with more rows stay exact.
+# int8_dot_max_rows(qtype) rows (decode batches: up to 64, fewer where the exact path is as fast; every row for the
+# K-quants on avx512, where the integer kernels stay ahead at prompt sizes; per format and kernel build), what
+# llama.cpp does: 2-3x faster at batch 1, 1.2-2x at 16-64 rows, ~1% error per linear. The limit counts a step's rows,
+# prompt chunks included: only calls with more rows stay exact.
 # "int8-dot-all" runs the integer kernels on every call, prompt chunks too (llama.cpp does at every row count): the
 # same ~0.6% error per linear, now in prefill as well; faster prefill where the exact path is fp32 FMAs (AVX2).
 MATMUL_MODES = ("exact", "int8-dot", "int8-dot-all")
@@ -78,8 +79,9 @@ class GGMLWeight:
 def resolve_matmul(matmul: str, path: str) -> str:
     """The mode `matmul` (one of MATMUL_SETTINGS) names on kernel path `path`. "auto": "int8-dot-all" on avx2, whose
     exact path multiplies prompt chunks in fp32 FMAs (no bf16 units; the int8 kernels 1.5-2.0x faster at 128-512
-    rows, one thread, docs/benchmarks.md), else "int8-dot": prompts stay exact where bf16 units are within 1.1-1.5x
-    of the int8 kernels (avx512) or where there is no batched int8 kernel (portable)."""
+    rows, one thread, docs/benchmarks.md), else "int8-dot": prompts stay exact where bf16 units are as fast end to end
+    (avx512's 32-weight formats; its K-quants take every row, int8_dot_max_rows) or where there is no batched int8
+    kernel (portable)."""
     if matmul not in MATMUL_SETTINGS:
         raise ValueError(f"matmul must be one of {MATMUL_SETTINGS}, got {matmul!r}")
     if matmul != "auto":

@@ -7,7 +7,7 @@ import pytest
 import torch
 from test_ggml_quants import QTYPES, Q, random_blocks
 
-import carpool.kernels  # noqa: F401
+from carpool.kernels import kernel_path
 
 EXACT, INT8_DOT = 0, 1
 GEMV_ROWS = 5  # kInt8GemvMaxRows (a pass of four rows and one): more rows take the batched kernel
@@ -77,13 +77,30 @@ def test_int8_dot_equals_quantized_activations_times_weights(every_row_count_int
     assert (error <= 8e-3 * expected_bf16.double().abs() + 1e-5 * magnitude).all()
 
 
+# The formats whose integer kernels stay ahead of the exact path at prompt sizes, per kernel path: their int8-dot
+# mode takes every row (ggml_dot.cpp's default_max_rows); every other format takes decode batches only.
+EVERY_ROW = {"avx512": {Q.Q4_K, Q.Q5_K, Q.Q6_K}, "avx2": set(), "portable": set()}
+
+
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
+def test_each_format_has_its_builds_row_limit(qtype):
+    limit = torch.ops.carpool.int8_dot_max_rows(int(qtype))
+    if qtype in EVERY_ROW[kernel_path()]:
+        assert limit >= 1 << 62  # prompt chunks of any size
+    else:
+        assert 1 <= limit <= 64  # decode batches only: prompts stay exact
+
+
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
 def test_rows_above_the_formats_limit_run_the_exact_path_bit_for_bit(int8_dot, qtype):
-    limit = torch.ops.carpool.int8_dot_max_rows(int(qtype))
-    assert 1 <= limit <= 64  # decode batches only: prompts stay exact
-    blocks, _ = random_blocks(37, 512, qtype)
-    x = torch.randn(limit + 1, 512)
-    out = torch.ops.carpool.ggml_linear(x, blocks, int(qtype))
+    limit = min(torch.ops.carpool.int8_dot_max_rows(int(qtype)), 64)
+    previous = torch.ops.carpool.set_int8_dot_max_rows(int(qtype), limit)
+    try:
+        blocks, _ = random_blocks(37, 512, qtype)
+        x = torch.randn(limit + 1, 512)
+        out = torch.ops.carpool.ggml_linear(x, blocks, int(qtype))
+    finally:
+        torch.ops.carpool.set_int8_dot_max_rows(int(qtype), previous)
     torch.ops.carpool.set_matmul_mode(EXACT)
     assert torch.equal(out, torch.ops.carpool.ggml_linear(x, blocks, int(qtype)))
 

@@ -477,12 +477,15 @@ int64_t get_matmul_mode() { return static_cast<int64_t>(current_mode); }
 
 // Rows up to which int8-dot mode runs the integer kernels, per format, in this build (1 thread, 8960x1536 and
 // 1536x8960, docs/benchmarks.md). AVX-512: the batched kernel against the exact bf16 path is 1.3-2.2x at 8-64 rows
-// for the K-quants, 1.0-1.3x at 8-64 for Q5_0 and Q8_0 and 0.9x at 8 / 1.3x at 16-64 for Q4_1. AVX2 (the exact path
-// runs fp32 FMAs there): 1.5-2.0x at 8-64 rows; Q8_0 has no batched kernel there and keeps 4 rows (one GEMV pass),
-// as does every format in the portable build.
+// for the K-quants, 1.0-1.3x at 8-64 for Q5_0 and Q8_0 and 0.9x at 8 / 1.3x at 16-64 for Q4_1. The K-quants keep
+// their lead at prompt sizes (1.36-1.61x at 128 and 512 rows, all three, both shapes; a 512-token prefill of
+// Qwen2.5-Coder-1.5B Q4_K_M 1.26x end to end), so they take every row; the 32-weight formats do not end to end
+// (SmolLM2's Q4_1 prefill 0.89x: widening and quantizing 576-wide bf16 rows costs what the dots save). AVX2 (the
+// exact path runs fp32 FMAs there): 1.5-2.0x at 8-64 rows; Q8_0 has no batched kernel there and keeps 4 rows (one
+// GEMV pass), as does every format in the portable build.
 constexpr int64_t default_max_rows([[maybe_unused]] int64_t qtype) {
 #if defined(CARPOOL_AVX512)
-  return kInt8GemmMaxRows;
+  return qtype == kQ4_K || qtype == kQ5_K || qtype == kQ6_K ? kEveryRow : kInt8GemmMaxRows;
 #elif defined(CARPOOL_AVX2)
   return qtype == kQ8_0 ? kGemvPassRows : kInt8GemmMaxRows;
 #else

@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 namespace carpool::ggml {
@@ -26,9 +27,11 @@ MatmulMode matmul_mode();
 // (SmolLM2's matmuls, 1 thread, loaded machine: 5 rows 16.2 ms batched, 12.9 ms as two GEMV calls of 4 + 1 rows on
 // AVX-512, 15.6 vs 13.0 on AVX2; at 6-8 rows the GEMV gained at most 16% there and lost 6% on AVX2 at 8).
 constexpr int64_t kInt8GemvMaxRows = 5;
-// The most rows any format's int8-dot mode takes: decode batches and verify rows, not prompts (prefill stays exact
-// unless the mode is int8-dot-all); measured up to here.
+// The most rows int8-dot mode takes for a format whose integer kernels beat the exact path on decode batches and
+// verify rows only: its prompts stay exact (unless the mode is int8-dot-all); measured up to here.
 constexpr int64_t kInt8GemmMaxRows = 64;
+// The row limit of a format whose integer kernels beat the exact path at every row count, prompt chunks included.
+constexpr int64_t kEveryRow = std::numeric_limits<int64_t>::max();
 
 // Activation rows up to which int8-dot mode takes the integer path for `qtype`; more rows run the exact path.
 // Per format and per build, measured against the exact path (ggml_dot.cpp); set_int8_dot_max_rows (an op) moves
