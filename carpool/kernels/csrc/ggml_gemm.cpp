@@ -407,9 +407,9 @@ void gemm_tile(const Panel<QT>& panel, int64_t c0, const InterleavedRows& x, int
 // Columns per tile and row vectors per tile: NR * RV accumulators three times over (partial, total, float) plus RV
 // x vectors within the register file (AVX-512: 32 registers, AVX2: 16). On AVX-512 a call of one row vector (up to
 // 16 rows) takes twice the columns instead: its NR partial sums are the independent vpdpbusd chains that hide the
-// instruction's latency (4 cycles at 2 a cycle on Zen 5, so 4 chains run it at half rate; Q4_K 8960x1536, 2 threads:
-// 6 rows 0.91 -> 0.58 ms, 8 rows 0.69 -> 0.61, 16 rows 0.74 -> 0.71). AVX2's int16 pairs add with 1-cycle vpaddw and
-// gain nothing from more columns (0.81 vs 0.84 ms at 8 rows).
+// instruction's latency (4 cycles at 2 a cycle on Zen 5, so 4 chains run it at half rate; 8960x1536 at 6-16 rows,
+// 2 threads, `python -m carpool.bench.gemv --rows 6 8 12 16`: Q4_K 1.15-1.19x, Q4_1 1.12-1.17x, Q8_0 and Q6_K within
+// 5%). AVX2's int16 pairs add with 1-cycle vpaddw and gain nothing from more columns (0.81 vs 0.84 ms at 8 rows).
 #ifdef CARPOOL_AVX512
 constexpr int kTileColumns = 4, kTileVectors = 2, kOneVectorColumns = 8;
 #else
