@@ -27,7 +27,7 @@ from carpool.engine.structured.masks import prefetch_grammar_masks
 from carpool.engine.tiers import BY_NAME, DEFAULT_TIER, TIER_NAMES
 from carpool.models import Tokenizer, load_model
 from carpool.models.loader import resolve_model_dir
-from carpool.models.quantization import matmul_mode
+from carpool.models.quantization import check_quantization, matmul_mode
 
 
 class ContextLengthExceeded(ValueError):
@@ -55,6 +55,10 @@ class LLMEngine:
             torch.set_num_threads(self.config.num_threads)
         self.device = torch.device(self.config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = resolve_dtype(self.config.dtype, self.device)
+        # Both weight settings checked against the device before any weights load, each error naming its own field.
+        check_quantization(self.config.quantization, self.device)
+        if self.config.speculative_quantization is not None:
+            check_quantization(self.config.speculative_quantization, self.device, "speculative_quantization")
         self.model, self.tokenizer, self.model_config = load_model(
             self.config.model, self.device, self.dtype, self.config.quantization
         )

@@ -119,6 +119,13 @@ def test_bad_draft_settings_are_errors_naming_the_field(field, value, message):
         LLM(speculative_model="smollm2-135m", **{field: value})
 
 
+@pytest.mark.parametrize("field", ["quantization", "speculative_quantization"])
+def test_a_cpu_weight_format_on_another_device_is_an_error_naming_its_own_field(field):
+    # checked before any weights load, so no CUDA device is needed to see it refused
+    with pytest.raises(ValueError, match=f"^{field}: q4_0 runs on CPU kernels; on cuda"):
+        LLM(speculative_model="smollm2-135m", device="cuda", **{field: "q4_0"})
+
+
 def test_the_cli_names_a_bad_draft_setting(capsys):
     assert main(["generate", "hi", "--speculative-model", "smollm2-135m", "--speculative-vocab-size", "0"]) == 2
     assert "speculative_vocab_size must be a positive integer" in capsys.readouterr().err
