@@ -14,6 +14,22 @@ from carpool.kernels import kernel_path
 from carpool.models.quantization import MATMUL_MODES
 
 
+def run(model: str, tokens: int, modes: list[str], rounds: int) -> dict:
+    """{"tokens": the prompt's length, "seconds": {mode: best CPU seconds of one prefill}}."""
+    engines = {mode: LLM(model, matmul=mode, num_threads=1, max_num_seqs=1, enable_prefix_caching=False,
+                         max_num_batched_tokens=max(512, tokens), num_kv_blocks=tokens // 16 + 8)
+               for mode in modes}
+    prompt = engines[modes[0]].tokenizer.encode(next(long_docs())["document"])[:tokens]
+    one_token = SamplingParams(max_tokens=1, temperature=0)
+    best = dict.fromkeys(modes, float("inf"))
+    for _ in range(rounds):
+        for mode, llm in engines.items():
+            start = time.thread_time()
+            llm.generate([prompt], one_token)
+            best[mode] = min(best[mode], time.thread_time() - start)
+    return {"tokens": len(prompt), "seconds": best}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
@@ -21,19 +37,9 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=["exact", "int8-dot-all"], choices=MATMUL_MODES)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    engines = {mode: LLM(args.model, matmul=mode, num_threads=1, max_num_seqs=1, enable_prefix_caching=False,
-                         max_num_batched_tokens=max(512, args.tokens), num_kv_blocks=args.tokens // 16 + 8)
-               for mode in args.modes}
-    prompt = engines[args.modes[0]].tokenizer.encode(next(long_docs())["document"])[: args.tokens]
-    one_token = SamplingParams(max_tokens=1, temperature=0)
-    best = dict.fromkeys(args.modes, float("inf"))
-    for _ in range(args.rounds):
-        for mode, llm in engines.items():
-            start = time.thread_time()
-            llm.generate([prompt], one_token)
-            best[mode] = min(best[mode], time.thread_time() - start)
-    first = args.modes[0]
-    print(f"{args.model}, kernel path {kernel_path()}, a {len(prompt)}-token prompt, 1 thread, CPU seconds: " +
+    report = run(args.model, args.tokens, args.modes, args.rounds)
+    best, first = report["seconds"], args.modes[0]
+    print(f"{args.model}, kernel path {kernel_path()}, a {report['tokens']}-token prompt, 1 thread, CPU seconds: " +
           ", ".join(f"{mode} {seconds:.3f} ({best[first] / seconds:.2f}x {first})" for mode, seconds in best.items()))
 
 
