@@ -4,7 +4,7 @@ import torch
 
 from carpool.engine.slo import check_slos
 from carpool.kernels import kernel_path
-from carpool.models.quantization import QUANTIZATION_MODES, resolve_matmul
+from carpool.models.quantization import check_quantization, resolve_matmul
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # The draft model's default vocabulary subset (speculative_vocab_size): its first ids, in BPE merge order. Qwen2.5-
@@ -95,8 +95,7 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be > 0, got {self.max_model_len!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.quantization not in QUANTIZATION_MODES:
-            raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, got {self.quantization!r}")
+        check_quantization(self.quantization)
         self.matmul = resolve_matmul(self.matmul, kernel_path())
         if self.priority_aging_seconds <= 0:
             raise ValueError(f"priority_aging_seconds must be > 0, got {self.priority_aging_seconds!r}")
@@ -104,9 +103,8 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.speculative_quantization is not None and self.speculative_quantization not in QUANTIZATION_MODES:
-            raise ValueError(f"speculative_quantization must be one of {QUANTIZATION_MODES}, "
-                             f"got {self.speculative_quantization!r}")
+        if self.speculative_quantization is not None:
+            check_quantization(self.speculative_quantization, "speculative_quantization")
         vocab = self.speculative_vocab_size
         if vocab is not None and (isinstance(vocab, bool) or not isinstance(vocab, int) or vocab <= 0):
             raise ValueError(f"speculative_vocab_size must be a positive integer, got {vocab!r}")

@@ -56,9 +56,9 @@ class LLMEngine:
         self.device = torch.device(self.config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = resolve_dtype(self.config.dtype, self.device)
         # Both weight settings checked against the device before any weights load, each error naming its own field.
-        check_quantization(self.config.quantization, self.device)
+        check_quantization(self.config.quantization, device=self.device)
         if self.config.speculative_quantization is not None:
-            check_quantization(self.config.speculative_quantization, self.device, "speculative_quantization")
+            check_quantization(self.config.speculative_quantization, "speculative_quantization", self.device)
         self.model, self.tokenizer, self.model_config = load_model(
             self.config.model, self.device, self.dtype, self.config.quantization
         )

@@ -152,17 +152,18 @@ class GGMLEmbedding(nn.Module):
         return torch.ops.carpool.ggml_dequantize(rows, self.qtype, self.dtype).view(*ids.shape, -1)
 
 
-def check_quantization(quantization: str, device: torch.device, field: str = "quantization") -> None:
-    """ValueError naming `field` (the setting it came from) unless `quantization` is a mode `device` runs."""
+def check_quantization(quantization: str, field: str = "quantization", device: torch.device | None = None) -> None:
+    """ValueError naming `field` (the setting it came from) unless `quantization` is a mode (that `device`, when
+    given, runs)."""
     if quantization not in QUANTIZATION_MODES:
         raise ValueError(f"{field} must be one of {QUANTIZATION_MODES}, got {quantization!r}")
-    if device.type != "cpu" and quantization in GGML_TYPES:
+    if device is not None and device.type != "cpu" and quantization in GGML_TYPES:
         raise ValueError(f"{field}: {quantization} runs on CPU kernels; on {device.type} use 'auto' or 'none'")
 
 
 def resolve_weights(state: dict, quantization: str, device: torch.device) -> dict:
     """Apply the `quantization` mode to a loaded state dict (values: dense tensors or GGMLWeights)."""
-    check_quantization(quantization, device)
+    check_quantization(quantization, device=device)
     if quantization == "none" or device.type != "cpu":
         return {k: v.dequantize() if isinstance(v, GGMLWeight) else v for k, v in state.items()}
     if quantization in GGML_TYPES:

@@ -15,7 +15,10 @@ class NgramIndex:
 
     def __init__(self, min_n: int, max_n: int):
         self.min_n, self.max_n = min_n, max_n
-        self.latest: dict[int, dict[tuple, int]] = {n: {} for n in range(min_n, max_n + 1)}
+        self._clear()
+
+    def _clear(self) -> None:
+        self.latest: dict[int, dict[tuple, int]] = {n: {} for n in range(self.min_n, self.max_n + 1)}
         self.length = 1  # the n-grams ending before token length - 1 are indexed (none yet)
 
     def propose(self, token_ids: list[int], k: int) -> list[int]:
@@ -23,7 +26,7 @@ class NgramIndex:
         if k <= 0 or len(token_ids) <= self.min_n:
             return []
         if len(token_ids) < self.length:  # not the tokens indexed: start over
-            self.__init__(self.min_n, self.max_n)
+            self._clear()
         for end in range(self.length, len(token_ids)):  # n-grams ending at `end`, which may overlap the suffix
             for n, latest in self.latest.items():
                 if end >= n:
