@@ -1,5 +1,7 @@
 """The verify-step bench splits a step of verify rows into attention and the rest, per case."""
 
+import torch
+
 from carpool.bench.verify_step import run, verify_rows
 
 
@@ -13,7 +15,9 @@ def test_verify_rows_are_one_sequence_s_growing_contexts():
 def test_the_step_accounts_for_its_attention():
     report = run("smollm2-135m", contexts=[40], rows=[1, 5], seqs=[1], repeats=1)
     assert [(c["rows"], c["seqs"], c["context"]) for c in report["cases"]] == [(1, 1, 40), (5, 1, 40)]
+    assert report["dtype"] in ("torch.bfloat16", "torch.float32")  # bf16 where the CPU has it, fp32 on AVX2-only
+    element_bytes = getattr(torch, report["dtype"].removeprefix("torch.")).itemsize
     for case in report["cases"]:
         assert 0 < case["attention_cpu_ms"] < case["step_cpu_ms"]
         assert case["rest_cpu_ms"] == case["step_cpu_ms"] - case["attention_cpu_ms"]
-        assert case["kv_bytes"] == 40 * 2 * 3 * 64 * 2 * 30  # SmolLM2: 3 KV heads of 64, bf16, 30 layers
+        assert case["kv_bytes"] == 40 * 2 * 3 * 64 * element_bytes * 30  # SmolLM2: 3 KV heads of 64, 30 layers
