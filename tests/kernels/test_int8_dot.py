@@ -77,6 +77,24 @@ def test_int8_dot_equals_quantized_activations_times_weights(every_row_count_int
     assert (error <= 8e-3 * expected_bf16.double().abs() + 1e-5 * magnitude).all()
 
 
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", (1, 8, 40))  # the GEMV, one row vector, tiles of two vectors and one left over
+def test_activations_round_half_to_even(every_row_count_int8, qtype, rows):
+    """Every block's largest value is 127, so d = 1 and each half-integer in x is a tie: the kernels' vector
+    quantization must round it as nearbyint does (to even), not away from zero."""
+    cols = 1024
+    blocks, weight = random_blocks(37, cols, qtype, seed=rows)
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randint(-60, 60, (rows, cols), generator=generator).float() + 0.5
+    x[:, :: block_of(qtype)] = 127.0
+    out = torch.ops.carpool.ggml_linear(x, blocks, int(qtype)).double()
+    magnitude = (x.abs().double() @ weight.abs().double().T).max(-1, keepdim=True).values
+    to_even = torch.round(x).double() @ weight.double().T
+    away_from_zero = (torch.sign(x) * torch.floor(x.abs() + 0.5)).double() @ weight.double().T
+    assert ((out - to_even).abs() / magnitude).max().item() < 2e-6
+    assert ((out - away_from_zero).abs() / magnitude).max().item() > 1e-4
+
+
 # The formats whose integer kernels stay ahead of the exact path at prompt sizes, per kernel path: their int8-dot
 # mode takes every row (ggml_dot.cpp's default_max_rows); every other format takes decode batches only.
 EVERY_ROW = {"avx512": {Q.Q4_K, Q.Q5_K, Q.Q6_K}, "avx2": set(), "portable": set()}

@@ -530,6 +530,37 @@ int64_t block_weights(int64_t qtype) {
 }
 
 // Symmetric int8 per `block` values: d = max|x| / 127, q = round-half-even(x * (1 / d)) (0 where the block is 0).
+float quantize_int8(const float* x, int64_t n, int8_t* q) {
+#ifdef CARPOOL_SIMD
+  // 8 lanes at a time (a 32-value block is 4 loads): a scalar loop took ~23 cycles a value, 20% of a 32-row call
+  // of a 8960-wide down projection (Zen 3, forced through the batched kernel's quantization).
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 amax8 = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) amax8 = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(x + i), magnitude), amax8);
+  __m128 amax4 = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
+  amax4 = _mm_max_ps(amax4, _mm_movehl_ps(amax4, amax4));
+  const float amax = _mm_cvtss_f32(_mm_max_ss(amax4, _mm_movehdup_ps(amax4)));
+  const float d = amax / 127.0f, inverse = d != 0.0f ? 1.0f / d : 0.0f;
+  const __m256 scale = _mm256_set1_ps(inverse);
+  // cvtps rounds half to even (the default MXCSR mode, as nearbyint); the packs interleave 4-value groups per
+  // 128-bit lane, which the permute puts back in order.
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t i = 0; i < n; i += 32) {
+    __m256i v[4];
+    for (int j = 0; j < 4; ++j) v[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8 * j), scale));
+    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i), _mm256_permutevar8x32_epi32(packed, order));
+  }
+  return d;
+#else
+  float amax = 0.0f;
+  for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float d = amax / 127.0f, inverse = d != 0.0f ? 1.0f / d : 0.0f;
+  for (int64_t i = 0; i < n; ++i) q[i] = static_cast<int8_t>(std::nearbyint(x[i] * inverse));
+  return d;
+#endif
+}
+
 void quantize_rows(const float* x, int64_t M, int64_t K, int64_t block, Int8Rows& out) {
   out.M = M;
   out.K = K;
@@ -538,15 +569,7 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int64_t block, Int8Rows
   out.q.resize(M * K);
   out.d.resize(M * K / block);
   out.sums.resize(M * K / 16);
-  for (int64_t b = 0; b < M * K / block; ++b) {
-    const float* xb = x + b * block;
-    int8_t* qb = out.q.data() + b * block;
-    float amax = 0.0f;
-    for (int64_t i = 0; i < block; ++i) amax = std::max(amax, std::fabs(xb[i]));
-    const float d = amax / 127.0f, inverse = d != 0.0f ? 1.0f / d : 0.0f;
-    out.d[b] = d;
-    for (int64_t i = 0; i < block; ++i) qb[i] = static_cast<int8_t>(std::nearbyint(xb[i] * inverse));
-  }
+  for (int64_t b = 0; b < M * K / block; ++b) out.d[b] = quantize_int8(x + b * block, block, out.q.data() + b * block);
   for (int64_t s = 0; s < M * K / 16; ++s) {
     int sum = 0;
     for (int i = 0; i < 16; ++i) sum += out.q[s * 16 + i];

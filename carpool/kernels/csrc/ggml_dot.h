@@ -62,6 +62,10 @@ struct Int8Rows {
 // Weights per block of `qtype` (32, or 256 for the K-quants): the block its activations quantize by.
 int64_t block_weights(int64_t qtype);
 
+// Symmetric int8 of n values (a multiple of 32), the one rounding of every int8 kernel: d = max|x| / 127,
+// q = round-half-even(x / d) (all 0 where d is 0); returns d. Vector code where the build has it, the same values.
+float quantize_int8(const float* x, int64_t n, int8_t* q);
+
 // x [M, K] (float) quantized into `out` (its buffers reused): symmetric int8 per `block` values.
 void quantize_rows(const float* x, int64_t M, int64_t K, int64_t block, Int8Rows& out);
 

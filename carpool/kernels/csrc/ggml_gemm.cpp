@@ -212,13 +212,8 @@ struct Rows8 {
 #else
   // vpmaddubsw's int16 pairs summed with vpaddw over GemmLayout::kPairSteps steps, then one vpmaddwd by the
   // sub-block's scale widens them: per 4 weights x 8 rows 1 + 1/steps multiplies instead of 2 (and no vpmulld).
+  // block_totals_pairs does it.
   static constexpr bool kInt16Pairs = true;
-  static I pairs(I acc16, I x, int32_t w4) {
-    return _mm256_add_epi16(acc16, _mm256_maddubs_epi16(x, _mm256_set1_epi32(w4)));
-  }
-  static I widen(I acc, I pairs16, int32_t scale) {
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs16, _mm256_set1_epi16(static_cast<int16_t>(scale))));
-  }
 #endif
   static I izero() { return _mm256_setzero_si256(); }
   static F fzero() { return _mm256_setzero_ps(); }
@@ -254,25 +249,23 @@ InterleavedRows quantize_interleaved(const float* x, int64_t M, int64_t K, int64
   if (with_sums) out.sums.assign(K / 32 * out.rows, 0.0f);
   // Rows split over the threads: a 512-row prompt chunk is 0.3-4.6 M values to quantize, every call.
   at::parallel_for(0, M, 16, [&](int64_t first_row, int64_t last_row) {
-  for (int64_t m = first_row; m < last_row; ++m) {
-    for (int64_t b = 0; b < K / block; ++b) {
-      const float* xb = x + m * K + b * block;
-      float amax = 0.0f;
-      for (int64_t i = 0; i < block; ++i) amax = std::max(amax, std::fabs(xb[i]));
-      const float d = amax / 127.0f, inverse = d != 0.0f ? 1.0f / d : 0.0f;
-      out.d[b * out.rows + m] = d;
-      for (int64_t g = 0; g < block; g += 32) {
-        int32_t sum = 0;
-        for (int64_t i = g; i < g + 32; ++i) {
-          const int q = static_cast<int>(std::nearbyint(xb[i] * inverse));
-          const int64_t k = b * block + i;
-          out.u[((m / lanes * K + k) / 4 * lanes + m % lanes) * 4 + k % 4] = static_cast<uint8_t>(q + 128);
-          sum += q;
+    alignas(32) int8_t q[256];
+    for (int64_t m = first_row; m < last_row; ++m) {
+      // Row m's 4-value groups, lanes * 4 bytes apart in its vector of rows.
+      uint8_t* groups = out.u.data() + (m / lanes * K * lanes) + m % lanes * 4;
+      for (int64_t b = 0; b < K / block; ++b) {
+        const float d = quantize_int8(x + m * K + b * block, block, q);
+        out.d[b * out.rows + m] = d;
+        for (int64_t g = 0; g < block; g += 32) {
+          const __m256i biased = _mm256_xor_si256(load256(reinterpret_cast<const uint8_t*>(q + g)), bytes(-128));
+          alignas(32) uint8_t u[32];
+          _mm256_store_si256(reinterpret_cast<__m256i*>(u), biased);
+          uint8_t* to = groups + (b * block + g) / 4 * lanes * 4;
+          for (int j = 0; j < 8; ++j) std::memcpy(to + j * lanes * 4, u + 4 * j, 4);
+          if (with_sums) out.sums[(b * block + g) / 32 * out.rows + m] = d * static_cast<float>(byte_sum32(biased) - 32 * 128);
         }
-        if (with_sums) out.sums[(b * block + g) / 32 * out.rows + m] = d * static_cast<float>(sum);
       }
     }
-  }
   });
   return out;
 }
@@ -319,72 +312,110 @@ inline int32_t load4(const int8_t* p) {
   return v;
 }
 
+// Holds v in a register at this point: without it GCC re-associates the AVX2 tile's int16 sums into trees of
+// products, which need more than the 16 ymm registers (x reloaded and sums spilled in the inner loop, seen in the
+// disassembly of the 2x2 tile).
+template <typename T>
+inline void keep_in_register(T& v) {
+  asm("" : "+x"(v));
+}
+
+// One block's integer sums for NR columns x RV row vectors: total = sum_s sc_s sum_s((x_q + 128) w).
+// VNNI: vpdpbusd into a partial sum per sub-block, times its scale (vpmulld) for the K-quants.
+template <int64_t QT, typename V, int NR, int RV>
+inline void block_totals(const uint8_t* xu, int64_t vector_bytes, const int8_t* const* w, const int32_t* const* sc,
+                         int64_t b, typename V::I (&total)[NR][RV]) {
+  using L = GemmLayout<QT>;
+  constexpr int64_t kW = Format<QT>::kWeights;
+  constexpr int64_t stride = V::kLanes * 4;
+  for (int s = 0; s < kW / L::kSub; ++s) {
+    const int64_t k0 = b * kW + s * L::kSub;
+    typename V::I part[NR][RV];
+    for (int n = 0; n < NR; ++n)
+      for (int r = 0; r < RV; ++r) part[n][r] = V::izero();
+    const uint8_t* xp = xu + k0 / 4 * stride;
+#pragma GCC unroll 8
+    for (int g = 0; g < L::kSub / 4; ++g, xp += stride) {
+      typename V::I xv[RV];
+      for (int r = 0; r < RV; ++r) xv[r] = V::iload(xp + r * vector_bytes);
+      for (int n = 0; n < NR; ++n) {
+        const int32_t w4 = load4(w[n] + k0 + 4 * g);
+        for (int r = 0; r < RV; ++r) part[n][r] = V::dot(part[n][r], xv[r], w4);
+      }
+    }
+    for (int n = 0; n < NR; ++n)
+      for (int r = 0; r < RV; ++r) {
+        if constexpr (!L::kScaled) {
+          total[n][r] = part[n][r];
+        } else {
+          const typename V::I scaled = V::mul(part[n][r], sc[n][k0 / L::kSub]);
+          total[n][r] = s == 0 ? scaled : V::add(total[n][r], scaled);
+        }
+      }
+  }
+}
+
+// AVX2 (int16 pairs): per step RV x loads serve all NR columns and each column's broadcast serves all RV vectors;
+// each (column, vector) adds its vpmaddubsw into its own int16 sums, widened by the sub-block's scale every
+// kPairSteps steps.
+template <int64_t QT, int NR, int RV>
+inline void block_totals_pairs(const uint8_t* xu, int64_t vector_bytes, const int8_t* const* w,
+                               const int32_t* const* sc, int64_t b, __m256i (&total)[NR][RV]) {
+  using L = GemmLayout<QT>;
+  constexpr int64_t kW = Format<QT>::kWeights;
+  for (int n = 0; n < NR; ++n)
+    for (int r = 0; r < RV; ++r) total[n][r] = _mm256_setzero_si256();
+  for (int s = 0; s < kW / L::kSub; ++s) {
+    const int64_t k0 = b * kW + s * L::kSub;
+    for (int g0 = 0; g0 < L::kSub / 4; g0 += L::kPairSteps) {
+      const uint8_t* xp = xu + (k0 / 4 + g0) * 32;
+      __m256i pairs[NR][RV];
+#pragma GCC unroll 8
+      for (int g = 0; g < L::kPairSteps; ++g) {
+        __m256i xv[RV];
+        for (int r = 0; r < RV; ++r) xv[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + 32 * g + r * vector_bytes));
+        for (int n = 0; n < NR; ++n) {
+          const __m256i w4 = _mm256_set1_epi32(load4(w[n] + k0 + 4 * (g0 + g)));
+          for (int r = 0; r < RV; ++r) {
+            const __m256i product = _mm256_maddubs_epi16(xv[r], w4);
+            pairs[n][r] = g == 0 ? product : _mm256_add_epi16(pairs[n][r], product);
+            keep_in_register(pairs[n][r]);
+          }
+        }
+      }
+      for (int n = 0; n < NR; ++n) {
+        const __m256i scale = _mm256_set1_epi16(L::kScaled ? static_cast<int16_t>(sc[n][k0 / L::kSub]) : 1);
+        for (int r = 0; r < RV; ++r) {
+          total[n][r] = _mm256_add_epi32(total[n][r], _mm256_madd_epi16(pairs[n][r], scale));
+          keep_in_register(total[n][r]);
+        }
+      }
+    }
+  }
+}
+
 // out[n][r * lanes + l] = y of row (first_vector + r) * lanes + l, column c0 + n of the panel.
 template <int64_t QT, typename V, int NR, int RV>
 void gemm_tile(const Panel<QT>& panel, int64_t c0, const InterleavedRows& x, int64_t first_vector, float* out) {
   using L = GemmLayout<QT>;
   constexpr int64_t kW = Format<QT>::kWeights;
-  constexpr int kSubs = kW / L::kSub;
-  const int64_t K = panel.K, blocks = K / kW, stride = V::kLanes * 4, vector_bytes = K * V::kLanes;
+  const int64_t K = panel.K, blocks = K / kW, vector_bytes = K * V::kLanes;
   const uint8_t* xu = x.u.data() + first_vector * vector_bytes;
+  const int8_t* w[NR];
+  const int32_t* sc[NR];
+  for (int n = 0; n < NR; ++n) {
+    w[n] = panel.w.data() + (c0 + n) * K;
+    sc[n] = panel.sc.data() + (c0 + n) * (K / L::kSub);
+  }
   typename V::F acc[NR][RV];
   for (int n = 0; n < NR; ++n)
     for (int r = 0; r < RV; ++r) acc[n][r] = V::fzero();
   for (int64_t b = 0; b < blocks; ++b) {
     typename V::I total[NR][RV];
     if constexpr (V::kInt16Pairs) {
-      for (int n = 0; n < NR; ++n)
-        for (int r = 0; r < RV; ++r) total[n][r] = V::izero();
-    }
-    for (int s = 0; s < kSubs; ++s) {
-      if constexpr (V::kInt16Pairs) {
-        const int64_t k0 = b * kW + s * L::kSub;
-        const uint8_t* xp = xu + k0 / 4 * stride;
-        const int8_t* wp = panel.w.data() + c0 * K + k0;
-        for (int g0 = 0; g0 < L::kSub / 4; g0 += L::kPairSteps) {
-          typename V::I pairs[NR][RV];
-          for (int n = 0; n < NR; ++n)
-            for (int r = 0; r < RV; ++r) pairs[n][r] = V::izero();
-#pragma GCC unroll 8
-          for (int g = 0; g < L::kPairSteps; ++g, xp += stride, wp += 4) {
-            typename V::I xv[RV];
-            for (int r = 0; r < RV; ++r) xv[r] = V::iload(xp + r * vector_bytes);
-            for (int n = 0; n < NR; ++n) {
-              const int32_t w4 = load4(wp + n * K);
-              for (int r = 0; r < RV; ++r) pairs[n][r] = V::pairs(pairs[n][r], xv[r], w4);
-            }
-          }
-          for (int n = 0; n < NR; ++n) {
-            const int32_t scale = L::kScaled ? panel.sc[((c0 + n) * K + k0) / L::kSub] : 1;
-            for (int r = 0; r < RV; ++r) total[n][r] = V::widen(total[n][r], pairs[n][r], scale);
-          }
-        }
-      } else {
-        typename V::I part[NR][RV];
-        for (int n = 0; n < NR; ++n)
-          for (int r = 0; r < RV; ++r) part[n][r] = V::izero();
-        const int64_t k0 = b * kW + s * L::kSub;
-        const uint8_t* xp = xu + k0 / 4 * stride;
-        const int8_t* wp = panel.w.data() + c0 * K + k0;
-#pragma GCC unroll 8
-        for (int g = 0; g < L::kSub / 4; ++g, xp += stride, wp += 4) {
-          typename V::I xv[RV];
-          for (int r = 0; r < RV; ++r) xv[r] = V::iload(xp + r * vector_bytes);
-          for (int n = 0; n < NR; ++n) {
-            const int32_t w4 = load4(wp + n * K);
-            for (int r = 0; r < RV; ++r) part[n][r] = V::dot(part[n][r], xv[r], w4);
-          }
-        }
-        for (int n = 0; n < NR; ++n)
-          for (int r = 0; r < RV; ++r) {
-            if constexpr (!L::kScaled) {
-              total[n][r] = part[n][r];
-            } else {
-              const typename V::I scaled = V::mul(part[n][r], panel.sc[((c0 + n) * K + k0) / L::kSub]);
-              total[n][r] = s == 0 ? scaled : V::add(total[n][r], scaled);
-            }
-          }
-      }
+      block_totals_pairs<QT, NR, RV>(xu, vector_bytes, w, sc, b, total);
+    } else {
+      block_totals<QT, V, NR, RV>(xu, vector_bytes, w, sc, b, total);
     }
     for (int r = 0; r < RV; ++r) {
       const typename V::F xd = V::fload(x.d.data() + b * x.rows + (first_vector + r) * V::kLanes);
@@ -409,11 +440,18 @@ void gemm_tile(const Panel<QT>& panel, int64_t c0, const InterleavedRows& x, int
 // 16 rows) takes twice the columns instead: its NR partial sums are the independent vpdpbusd chains that hide the
 // instruction's latency (4 cycles at 2 a cycle on Zen 5, so 4 chains run it at half rate; 8960x1536 at 6-16 rows,
 // 2 threads, `python -m carpool.bench.gemv --rows 6 8 12 16`: Q4_K 1.15-1.19x, Q4_1 1.12-1.17x, Q8_0 and Q6_K within
-// 5%). AVX2's int16 pairs add with 1-cycle vpaddw and gain nothing from more columns (0.81 vs 0.84 ms at 8 rows).
+// 5%). AVX2: 3 x 2 keeps 6 int16 sums, 2 x vectors and a broadcast in registers (3 of the 6 int32 totals spill
+// once per kPairSteps steps); every vector instruction takes one of the 4 FP pipes, and per vpmaddubsw a tile pays
+// one vpaddw and 1 / RV broadcasts (llvm-mca -mcpu=znver3 on the 4 x 1 loop: broadcasts as many as multiplies, 27
+// cycles for 32 of them). Zen 3, one thread, CPU time, min of 3 interleaved runs, 32 / 128 rows against the old
+// 2 x 2 tile (which GCC compiled with x reloaded and sums spilled in the inner loop): Q4_K 1.52x / 1.56x, Q4_0 1.63x /
+// 1.51x, Q4_1 1.43x / 1.69x, Q5_0 1.15x / 1.33x, Q6_K 1.13x / 1.23x; 4 x 1, 6 x 1 and 2 x 2 were 0-15% behind
+// (docs/benchmarks.md). One-vector calls (up to 8 rows) spend as long unpacking as multiplying, and 2-6 columns
+// there were within the noise.
 #ifdef CARPOOL_AVX512
 constexpr int kTileColumns = 4, kTileVectors = 2, kOneVectorColumns = 8;
 #else
-constexpr int kTileColumns = 2, kTileVectors = 2, kOneVectorColumns = 2;
+constexpr int kTileColumns = 3, kTileVectors = 2, kOneVectorColumns = 3;
 #endif
 
 // Prompt chunks (hundreds of rows): x in row blocks of about kRowBlockBytes (L2-resident while a panel's tiles run
