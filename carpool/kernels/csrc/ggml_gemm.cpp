@@ -443,8 +443,9 @@ void gemm_tile(const Panel<QT>& panel, int64_t c0, const InterleavedRows& x, int
 // 5%). AVX2: 3 x 2 keeps 6 int16 sums, 2 x vectors and a broadcast in registers (3 of the 6 int32 totals spill
 // once per kPairSteps steps); every vector instruction takes one of the 4 FP pipes, and per vpmaddubsw a tile pays
 // one vpaddw and 1 / RV broadcasts (llvm-mca -mcpu=znver3 on the 4 x 1 loop: broadcasts as many as multiplies, 27
-// cycles for 32 of them). Zen 3, one thread, CPU time, min of 3 interleaved runs, 32 / 128 rows against the old
-// 2 x 2 tile (which GCC compiled with x reloaded and sums spilled in the inner loop): Q4_K 1.52x / 1.56x, Q4_0 1.63x /
+// cycles for 32 of them). Zen 3, one thread, CPU time, min of 3 interleaved runs, 32 / 128 rows, 8960x1536, against
+// the old 2 x 2 tile (which GCC compiled with x reloaded and sums spilled in the inner loop) and its scalar
+// quantization (~4% of these calls): Q4_K 1.52x / 1.56x, Q4_0 1.63x /
 // 1.51x, Q4_1 1.43x / 1.69x, Q5_0 1.15x / 1.33x, Q6_K 1.13x / 1.23x; 4 x 1, 6 x 1 and 2 x 2 were 0-15% behind
 // (docs/benchmarks.md). One-vector calls (up to 8 rows) spend as long unpacking as multiplying, and 2-6 columns
 // there were within the noise.
