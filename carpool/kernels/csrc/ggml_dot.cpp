@@ -529,11 +529,10 @@ int64_t block_weights(int64_t qtype) {
   return weights;
 }
 
-// Symmetric int8 per `block` values: d = max|x| / 127, q = round-half-even(x * (1 / d)) (0 where the block is 0).
 float quantize_int8(const float* x, int64_t n, int8_t* q) {
 #ifdef CARPOOL_SIMD
-  // 8 lanes at a time (a 32-value block is 4 loads): a scalar loop took ~23 cycles a value, 20% of a 32-row call
-  // of a 8960-wide down projection (Zen 3, forced through the batched kernel's quantization).
+  // 8 lanes at a time (a 32-value block is 4 loads): the batched kernel's scalar loop took ~23 cycles a value on
+  // Zen 3, 20% of a 32-row call of a 8960-wide down projection.
   const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   __m256 amax8 = _mm256_setzero_ps();
   for (int64_t i = 0; i < n; i += 8) amax8 = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(x + i), magnitude), amax8);
@@ -561,6 +560,7 @@ float quantize_int8(const float* x, int64_t n, int8_t* q) {
 #endif
 }
 
+// Symmetric int8 per `block` values: d = max|x| / 127, q = round-half-even(x * (1 / d)) (0 where the block is 0).
 void quantize_rows(const float* x, int64_t M, int64_t K, int64_t block, Int8Rows& out) {
   out.M = M;
   out.K = K;

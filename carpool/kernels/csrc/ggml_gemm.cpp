@@ -445,10 +445,10 @@ void gemm_tile(const Panel<QT>& panel, int64_t c0, const InterleavedRows& x, int
 // one vpaddw and 1 / RV broadcasts (llvm-mca -mcpu=znver3 on the 4 x 1 loop: broadcasts as many as multiplies, 27
 // cycles for 32 of them). Zen 3, one thread, CPU time, min of 3 interleaved runs, 32 / 128 rows, 8960x1536, against
 // the old 2 x 2 tile (which GCC compiled with x reloaded and sums spilled in the inner loop) and its scalar
-// quantization (~4% of these calls): Q4_K 1.52x / 1.56x, Q4_0 1.63x /
-// 1.51x, Q4_1 1.43x / 1.69x, Q5_0 1.15x / 1.33x, Q6_K 1.13x / 1.23x; 4 x 1, 6 x 1 and 2 x 2 were 0-15% behind
-// (docs/benchmarks.md). One-vector calls (up to 8 rows) spend as long unpacking as multiplying, and 2-6 columns
-// there were within the noise.
+// quantization (~4% of these calls): Q4_K 1.52x / 1.56x, Q4_0 1.63x / 1.52x, Q4_1 1.44x / 1.69x, Q5_0 1.15x /
+// 1.33x, Q6_K 1.13x / 1.23x. 4 x 1 and 6 x 1 were behind; a pinned 2 x 2 was 12-13% slower on Q4_K (the bulk of a
+// Q4_K_M model) and 1-12% faster on Q6_K, Q5_0 and Q4_1 at 32 rows (docs/benchmarks.md). One-vector calls (up to
+// 8 rows) spend as long unpacking as multiplying, and 2-6 columns there were within the noise.
 #ifdef CARPOOL_AVX512
 constexpr int kTileColumns = 4, kTileVectors = 2, kOneVectorColumns = 8;
 #else
