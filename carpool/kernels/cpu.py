@@ -27,7 +27,11 @@ def cpu_features() -> frozenset[str]:
 
 @cache
 def cpu_model() -> str:
+    """The brand string with CPUID's family and model: 'AMD EPYC (family 25, model 17, stepping 1)'."""
     model = _cpu_features.cpu_model().strip()
+    signature = _cpu_features.cpu_signature()
+    if model and signature:
+        return "{} (family {}, model {}, stepping {})".format(model, *signature)
     if model:
         return model
     try:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from carpool.kernels import _cpu_features, amx_probe, built_paths, cpu_features, kernel_path
+from carpool.kernels import _cpu_features, amx_probe, built_paths, cpu_features, cpu_model, kernel_path
 from carpool.kernels.isa import PATHS, REQUIRED_FEATURES, X86_64_V3, choose_path, missing_features
 
 ZEN3 = set(X86_64_V3)  # AVX2, FMA, F16C, BMI...: no AVX-512
@@ -80,6 +80,18 @@ def test_cpu_features_agree_with_the_kernel():
     listed = {aliases.get(flag, flag) for flag in flags.split(":", 1)[1].split()}
     names = {name for names in REQUIRED_FEATURES.values() for name in names} | {"amx_tile", "amx_bf16", "amx_int8"}
     assert {name for name in names if name in listed} == {name for name in names if name in cpu_features()}
+
+
+@pytest.mark.skipif(not Path("/proc/cpuinfo").exists() or not X86, reason="needs Linux on x86-64")
+def test_the_cpu_is_named_with_the_family_and_model_the_os_reports():
+    """A VM's brand string can be just "AMD EPYC" for Zen 3, 4 and 5 alike: figures name the family and model."""
+    info = dict(
+        (key.strip(), value.strip())
+        for key, _, value in (line.partition(":") for line in Path("/proc/cpuinfo").read_text().splitlines())
+        if key.strip() in ("cpu family", "model", "stepping")
+    )
+    expected = f"(family {info['cpu family']}, model {info['model']}, stepping {info['stepping']})"
+    assert cpu_model().endswith(expected)
 
 
 @pytest.mark.skipif("amx_tile" in cpu_features(), reason="this CPU lists AMX")

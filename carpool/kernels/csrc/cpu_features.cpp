@@ -84,6 +84,17 @@ PyObject* cpu_model(PyObject*, PyObject*) {
   return PyUnicode_FromString(text);
 }
 
+// CPUID leaf 1's family, model and stepping, as the OS reports them (/proc/cpuinfo): a VM's brand string is often
+// just "AMD EPYC", and family 25 model 1 (Zen 3) and model 17 (Zen 4) differ in ways every figure depends on.
+PyObject* cpu_signature(PyObject*, PyObject*) {
+  unsigned eax, ebx, ecx, edx;
+  if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx)) Py_RETURN_NONE;
+  const unsigned base_family = (eax >> 8) & 0xF, base_model = (eax >> 4) & 0xF;
+  const unsigned family = base_family == 0xF ? base_family + ((eax >> 20) & 0xFF) : base_family;
+  const unsigned model = base_family == 0x6 || base_family == 0xF ? (((eax >> 16) & 0xF) << 4) | base_model : base_model;
+  return Py_BuildValue("(III)", family, model, eax & 0xF);
+}
+
 // Linux keeps AMX tile data off until a process asks for it (kernel 5.16+); without it the first tile
 // instruction faults. Children forked afterwards inherit the permission.
 PyObject* request_tile_permission(PyObject*, PyObject*) {
@@ -149,6 +160,7 @@ PyObject* tile_multiply_in_child(PyObject*, PyObject*) {
 namespace {
 PyObject* features(PyObject*, PyObject*) { return PyList_New(0); }
 PyObject* cpu_model(PyObject*, PyObject*) { return PyUnicode_FromString(""); }
+PyObject* cpu_signature(PyObject*, PyObject*) { Py_RETURN_NONE; }
 constexpr const char* kNoProbe = "the AMX probe needs Linux on x86-64";
 PyObject* request_tile_permission(PyObject*, PyObject*) { return PyUnicode_FromString(kNoProbe); }
 PyObject* tile_multiply_in_child(PyObject*, PyObject*) { return PyUnicode_FromString(kNoProbe); }
@@ -158,6 +170,7 @@ PyObject* tile_multiply_in_child(PyObject*, PyObject*) { return PyUnicode_FromSt
 static PyMethodDef kMethods[] = {
     {"features", features, METH_NOARGS, "x86 features the CPU lists and the OS enables, /proc/cpuinfo names"},
     {"cpu_model", cpu_model, METH_NOARGS, "the CPU's brand string ('' where CPUID has none)"},
+    {"cpu_signature", cpu_signature, METH_NOARGS, "CPUID's (family, model, stepping), or None off x86"},
     {"request_tile_permission", request_tile_permission, METH_NOARGS, "None, or why AMX tile data is not allowed"},
     {"tile_multiply_in_child", tile_multiply_in_child, METH_NOARGS, "None, or why a bf16 tile multiply failed"},
     {nullptr, nullptr, 0, nullptr},
