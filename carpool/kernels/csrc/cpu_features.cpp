@@ -91,7 +91,8 @@ PyObject* cpu_signature(PyObject*, PyObject*) {
   if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx)) Py_RETURN_NONE;
   const unsigned base_family = (eax >> 8) & 0xF, base_model = (eax >> 4) & 0xF;
   const unsigned family = base_family == 0xF ? base_family + ((eax >> 20) & 0xFF) : base_family;
-  const unsigned model = base_family == 0x6 || base_family == 0xF ? (((eax >> 16) & 0xF) << 4) | base_model : base_model;
+  const unsigned extended_model = ((eax >> 16) & 0xF) << 4;
+  const unsigned model = base_family == 0x6 || base_family == 0xF ? extended_model | base_model : base_model;
   return Py_BuildValue("(III)", family, model, eax & 0xF);
 }
 
