@@ -163,3 +163,33 @@ def test_the_mode_belongs_to_the_thread_that_set_it(int8_dot):
     thread.start()
     thread.join()
     assert seen == [EXACT] and torch.ops.carpool.get_matmul_mode() == INT8_DOT
+
+
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", (1, GEMV_ROWS, *BATCH_ROWS))
+def test_bf16_outputs_are_the_fp32_sums_rounded_as_torch_rounds(every_row_count_int8, qtype, rows):
+    """The kernels compute in fp32 whatever the activations' dtype and round each output to bf16 once, exactly as
+    torch rounds (to nearest, ties to even): bit for bit, which a tolerance could not tell from truncation."""
+    blocks, _ = random_blocks(37, 1024, qtype, seed=rows)
+    x = torch.randn(rows, 1024).bfloat16()
+    out = torch.ops.carpool.ggml_linear(x, blocks, int(qtype))
+    expected = torch.ops.carpool.ggml_linear(x.float(), blocks, int(qtype)).bfloat16()
+    assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
+
+
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", (40, 300))  # a decode batch (a panel a tile) and a prompt chunk (panels of tiles)
+def test_batched_outputs_do_not_depend_on_the_thread_count(every_row_count_int8, qtype, rows):
+    """The batched kernel's threads claim panels of columns as they go: whoever computes a column, and in whatever
+    order, every output is the same sum. 203 columns: not a multiple of any panel, so the last one is partial."""
+    blocks, _ = random_blocks(203, 1024, qtype, seed=rows)
+    x = torch.randn(rows, 1024).bfloat16()
+    previous = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append(torch.ops.carpool.ggml_linear(x, blocks, int(qtype)))
+    finally:
+        torch.set_num_threads(previous)
+    assert all(torch.equal(outs[0], out) for out in outs[1:])

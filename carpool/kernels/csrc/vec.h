@@ -45,6 +45,17 @@ inline float reduce_add(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
 }
 
+// fp32 -> bf16 bits in each 32-bit lane exactly as c10::BFloat16 rounds: add 0x7FFF plus the kept part's lowest
+// bit (round to nearest, ties to even), keep the high half; any NaN becomes 0x7FC0.
+inline __m256i bf16_bits(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i bias = _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, bias), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), nan);
+}
+
 }  // namespace carpool
 #endif
 
@@ -82,16 +93,6 @@ inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const c10::BFloat16* p) {
   const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
-// fp32 -> bf16 bits in each 32-bit lane exactly as c10::BFloat16 rounds: add 0x7FFF plus the kept part's lowest
-// bit (round to nearest, ties to even), keep the high half; any NaN becomes 0x7FC0.
-inline __m256i bf16_bits(__m256 v) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i bias = _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF));
-  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, bias), 16);
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), nan);
 }
 inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 inline void store8(c10::BFloat16* p, __m256 v) {
