@@ -89,7 +89,8 @@ def main(args: argparse.Namespace) -> int:
     names = "-vs-".join(re.sub(r"[^A-Za-z0-9_.-]+", "_", r["label"]) for r in reports)
     prefix = Path(args.out or f"bench-results/serve-{names}")
     prefix.parent.mkdir(parents=True, exist_ok=True)
-    json_path, png_path = prefix.with_suffix(".json"), prefix.with_suffix(".png")
+    # appended, not with_suffix: a prefix such as "serve-carpool-vs-llama.cpp" or "qwen-1.5b" has dots of its own
+    json_path, png_path = (prefix.parent / f"{prefix.name}{ext}" for ext in (".json", ".png"))
     json_path.write_text(json.dumps(reports if len(reports) > 1 else reports[0], indent=2) + "\n")
     plot(reports, png_path)
     for report in reports:

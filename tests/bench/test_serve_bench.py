@@ -80,10 +80,10 @@ def scripted_url():
 
 
 def test_bench_serve_measures_and_reports(scripted_url, tmp_path, capsys):
-    prefix = tmp_path / "report"
+    prefix = tmp_path / "report-1.5b"  # a dot in the name: the files are named after all of it
     assert main(["bench", "serve", "--url", scripted_url, "--concurrency", "1,3", "--num-requests", "3",
                  "--max-tokens", "4", "--label", "scripted", "--out", str(prefix)]) == 0
-    report = json.loads(prefix.with_suffix(".json").read_text())
+    report = json.loads((tmp_path / "report-1.5b.json").read_text())
     assert (report["model"], report["label"], report["max_tokens"]) == ("scripted", "scripted", 4)
     assert [level["concurrency"] for level in report["levels"]] == [1, 3]
     for level in report["levels"]:
@@ -92,7 +92,7 @@ def test_bench_serve_measures_and_reports(scripted_url, tmp_path, capsys):
         assert level["itl_p50_s"] >= TOKEN_GAP * 0.9
         assert level["ttft_p99_s"] >= level["ttft_p50_s"] and level["itl_p99_s"] >= level["itl_p50_s"]
         assert level["output_tokens_per_s"] == pytest.approx(level["output_tokens"] / level["duration_s"])
-    assert prefix.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "report-1.5b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = capsys.readouterr().out
     assert "TTFT p50" in table and "scripted" in table
 
