@@ -19,8 +19,8 @@
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
-#include <cmath>
 #include <atomic>
+#include <cmath>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -396,9 +396,9 @@ inline void block_totals_pairs(const uint8_t* xu, int64_t vector_bytes, const in
   }
 }
 
-// out[n][r * lanes + l] = y of row (first_vector + r) * lanes + l, column c0 + n of the panel.
+// out[n][r * lanes + l] = y of row (first_vector + r) * lanes + l, column c0 + n of the panel. `ahead` (ahead_bytes
+// from it, none if 0): the blocks the thread unpacks next, prefetched a slice per block.
 template <int64_t QT, typename V, int NR, int RV>
-// `ahead` (ahead_bytes from it, none if 0): the blocks the thread unpacks next, prefetched a slice per block.
 void gemm_tile(const Panel<QT>& panel, int64_t c0, const InterleavedRows& x, int64_t first_vector, float* out,
                const uint8_t* ahead, int64_t ahead_bytes) {
   using L = GemmLayout<QT>;
