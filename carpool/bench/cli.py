@@ -1,9 +1,22 @@
 """`carpool bench MODE`: each benchmark module adds its own mode to this group."""
 
-from carpool.bench import batch, compression, offline, prefix, replicas, serve, simulate, spec, structured, trace
+from carpool.bench import (
+    batch,
+    compression,
+    offline,
+    prefill,
+    prefix,
+    replicas,
+    serve,
+    simulate,
+    spec,
+    structured,
+    trace,
+)
 
-MODES = (offline.add_parser, serve.add_parser, prefix.add_parser, batch.add_parser, structured.add_parser,
-         spec.add_parser, trace.add_parser, compression.add_parser, replicas.add_parser, simulate.add_parser)
+MODES = (offline.add_parser, serve.add_parser, prefill.add_parser, prefix.add_parser, batch.add_parser,
+         structured.add_parser, spec.add_parser, trace.add_parser, compression.add_parser, replicas.add_parser,
+         simulate.add_parser)
 
 
 def add_bench_parser(subparsers) -> None:

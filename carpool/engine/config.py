@@ -4,6 +4,7 @@ import torch
 
 from carpool.engine.slo import check_slos
 from carpool.kernels import kernel_path
+from carpool.kernels.isa import BF16_PATHS
 from carpool.models.quantization import check_quantization, resolve_matmul
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -18,14 +19,14 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         return DTYPES[name]
     if device.type == "cuda":
         return torch.bfloat16
-    # bf16 pays only where both carpool's kernels (their avx512 path has AVX512-BF16 dot products) and torch's
-    # oneDNN matmuls have bf16 units; the avx2 and portable paths widen bf16 to fp32 at every use, so a CPU
-    # without them (or a run forced onto such a path) gets float32, as a real AVX2 machine would.
+    # bf16 pays only where both carpool's kernels (their amx and avx512 paths: AMX-BF16 tiles, AVX512-BF16 dot
+    # products) and torch's oneDNN matmuls have bf16 units; the avx2 and portable paths widen bf16 to fp32 at every
+    # use, so a CPU without them (or a run forced onto such a path) gets float32, as a real AVX2 machine would.
     try:
         native_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
     except (AttributeError, RuntimeError):
         native_bf16 = False
-    return torch.bfloat16 if native_bf16 and kernel_path() == "avx512" else torch.float32
+    return torch.bfloat16 if native_bf16 and kernel_path() in BF16_PATHS else torch.float32
 
 
 @dataclass

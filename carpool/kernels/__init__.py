@@ -1,9 +1,10 @@
 """carpool's C++ CPU kernels, registered as `torch.ops.carpool.*` when this package is imported.
 
-setup.py builds the same sources (csrc/) once per instruction-set path: `_C_avx512` (AVX-512 with BF16 and
-VNNI), `_C_avx2` (AVX2, FMA, F16C) and `_C_portable` (plain x86-64, or whatever the platform is). Each one
-registers the same ops, so a process loads exactly one: the best the CPU has every feature of (isa.py), or the
-one `CARPOOL_KERNEL_ISA=avx512|avx2|portable` names, which is an error if this CPU cannot run it.
+setup.py builds the same sources (csrc/) once per instruction-set path: `_C_amx` (avx512's flags and the AMX
+tile instructions), `_C_avx512` (AVX-512 with BF16 and VNNI), `_C_avx2` (AVX2, FMA, F16C) and `_C_portable`
+(plain x86-64, or whatever the platform is). Each one registers the same ops, so a process loads exactly one: the
+best the CPU has every feature of (isa.py; amx also needs the AMX probe's tile multiply to have worked), or the
+one `CARPOOL_KERNEL_ISA=amx|avx512|avx2|portable` names, which is an error if this CPU cannot run it.
 """
 
 import importlib
@@ -13,7 +14,15 @@ import logging
 from carpool.kernels.cpu import AMX_FEATURES, amx_probe, cpu_features, cpu_model
 from carpool.kernels.isa import PATHS, choose_path, forced_path
 
-__all__ = ["RELEVANT_FEATURES", "amx_probe", "built_paths", "cpu_features", "cpu_model", "kernel_path"]
+__all__ = [
+    "RELEVANT_FEATURES",
+    "amx_probe",
+    "built_paths",
+    "cpu_features",
+    "cpu_model",
+    "kernel_path",
+    "refused_paths",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -26,12 +35,20 @@ def built_paths() -> set[str]:
     return {path for path in PATHS if importlib.util.find_spec(f"carpool.kernels._C_{path}") is not None}
 
 
-_choice = choose_path(cpu_features(), built_paths(), forced_path())
+def refused_paths() -> dict[str, str]:
+    """Paths whose features the CPU lists but which do not work here: amx where the tile multiply failed."""
+    if "amx" not in built_paths() or any(name not in cpu_features() for name in AMX_FEATURES):
+        return {}  # choose_path names what is missing; the probe (a fork) is not needed
+    probe = amx_probe()
+    return {} if probe.usable else {"amx": f"the AMX probe failed: {probe.detail}"}
+
+
+_choice = choose_path(cpu_features(), built_paths(), forced_path(), refused_paths())
 importlib.import_module(f"carpool.kernels._C_{_choice.path}")
 
 
 def kernel_path() -> str:
-    """The instruction-set path this process's kernels run on: avx512, avx2 or portable."""
+    """The instruction-set path this process's kernels run on: amx, avx512, avx2 or portable."""
     return _choice.path
 
 
@@ -41,5 +58,5 @@ logger.info(
     "forced by CARPOOL_KERNEL_ISA" if _choice.forced else "the best this CPU runs",
     cpu_model(),
     " ".join(name for name in RELEVANT_FEATURES if name in cpu_features()) or "none of " + ", ".join(RELEVANT_FEATURES),
-    amx_probe().detail + (" (carpool has no AMX kernels yet)" if amx_probe().usable else ""),
+    amx_probe().detail,
 )

@@ -13,12 +13,19 @@ X86_64_V3 = (*X86_64_V2, "avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "lzcnt", 
 X86_64_V4 = (*X86_64_V3, "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")
 
 # path -> the features its flags (setup.py's ISA_FLAGS) assume.
+AVX512 = (*X86_64_V4, "avx512_bf16", "avx512_vnni")
 REQUIRED_FEATURES = {
-    "avx512": (*X86_64_V4, "avx512_bf16", "avx512_vnni"),
+    "amx": (*AVX512, "amx_tile", "amx_bf16", "amx_int8"),
+    "avx512": AVX512,
     "avx2": X86_64_V3,
     "portable": (),
 }
 PATHS = tuple(REQUIRED_FEATURES)  # best first
+# ATEN_CPU_CAPABILITY at which torch's own kernels run on a CPU whose best path each is: their vector width, so that
+# an element-wise kernel and torch's split a row alike (silu_mul equals torch to the bit only then).
+TORCH_CAPABILITY = {"amx": "avx512", "avx512": "avx512", "avx2": "avx2", "portable": "default"}
+# Paths whose kernels multiply bf16 activations on bf16 units (AVX512-BF16, AMX-BF16); the others widen them to fp32.
+BF16_PATHS = frozenset({"amx", "avx512"})
 
 ENV_VAR = "CARPOOL_KERNEL_ISA"
 
@@ -33,12 +40,16 @@ def missing_features(path: str, features: set[str]) -> list[str]:
     return [name for name in REQUIRED_FEATURES[path] if name not in features]
 
 
-def choose_path(features: set[str], built: set[str], forced: str | None = None) -> Choice:
+def choose_path(
+    features: set[str], built: set[str], forced: str | None = None, refused: dict[str, str] | None = None
+) -> Choice:
     """The best built path the CPU has every feature of, or `forced` after checking the CPU can run it.
 
     `forced` is CARPOOL_KERNEL_ISA's value; a path the CPU cannot run or this install did not build is a
-    ValueError naming what is missing rather than a crash at the first kernel call.
+    ValueError naming what is missing rather than a crash at the first kernel call. `refused`: paths whose
+    features the CPU lists but which failed a probe (amx on a VM that faults on tile instructions), with why.
     """
+    refused = refused or {}
     if forced:
         if forced not in REQUIRED_FEATURES:
             raise ValueError(f"{ENV_VAR}: unknown kernel path {forced!r} (choose from {', '.join(PATHS)})")
@@ -48,9 +59,11 @@ def choose_path(features: set[str], built: set[str], forced: str | None = None) 
         missing = missing_features(forced, features)
         if missing:
             raise ValueError(f"{ENV_VAR}: this CPU cannot run the {forced} kernels, it lacks {', '.join(missing)}")
+        if forced in refused:
+            raise ValueError(f"{ENV_VAR}: this CPU cannot run the {forced} kernels: {refused[forced]}")
         return Choice(forced, forced=True)
     for path in PATHS:
-        if path in built and not missing_features(path, features):
+        if path in built and not missing_features(path, features) and path not in refused:
             return Choice(path, forced=False)
     raise ValueError("no kernel build of carpool can run on this CPU (reinstall carpool to build the portable one)")
 

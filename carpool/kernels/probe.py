@@ -8,7 +8,15 @@ import platform
 
 import torch
 
-from carpool.kernels import RELEVANT_FEATURES, amx_probe, built_paths, cpu_features, cpu_model, kernel_path
+from carpool.kernels import (
+    RELEVANT_FEATURES,
+    amx_probe,
+    built_paths,
+    cpu_features,
+    cpu_model,
+    kernel_path,
+    refused_paths,
+)
 from carpool.kernels.isa import ENV_VAR, PATHS, forced_path, missing_features
 
 
@@ -21,11 +29,15 @@ def describe() -> str:
         "features: " + " ".join(f"{name}{'' if name in features else ' (no)'}" for name in RELEVANT_FEATURES),
         f"AMX probe: {'works' if probe.usable else 'unavailable'}: {probe.detail}",
     ]
-    if probe.usable:
-        lines.append("  (carpool has no AMX kernels yet: the GGML matmuls run on the avx512 path)")
+    refused = refused_paths()
     for path in PATHS:
         missing = missing_features(path, features)
-        state = "not built" if path not in built else f"CPU lacks {', '.join(missing)}" if missing else "runs here"
+        state = (
+            "not built" if path not in built
+            else f"CPU lacks {', '.join(missing)}" if missing
+            else refused[path] if path in refused
+            else "runs here"
+        )
         lines.append(f"path {path}: {state}{'  <- chosen' if path == kernel_path() else ''}")
     how = f"forced by {ENV_VAR}" if forced_path() else f"the best this CPU runs; {ENV_VAR}=<path> forces one"
     lines.append(f"kernel path: {kernel_path()} ({how})")

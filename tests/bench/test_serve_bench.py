@@ -3,12 +3,9 @@ TTFT, ITL and token counts can be checked, plus the report files it writes."""
 
 import asyncio
 import json
-import socket
-import threading
-import time
 
 import pytest
-import uvicorn
+from live_server import ServedApp
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
@@ -66,17 +63,8 @@ def scripted_app() -> Starlette:
 
 @pytest.fixture(scope="module")
 def scripted_url():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(scripted_app(), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.01)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=10)
+    with ServedApp(scripted_app()) as client:
+        yield str(client.base_url).rstrip("/")
 
 
 def test_bench_serve_measures_and_reports(scripted_url, tmp_path, capsys):

@@ -19,7 +19,7 @@ def test_a_path_without_bf16_units_runs_float32():
     assert out.stdout.strip() == "torch.float32"
 
 
-def test_auto_is_bfloat16_only_on_the_avx512_path_with_onednn_bf16():
-    expected = kernel_path() == "avx512" and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+def test_auto_is_bfloat16_only_on_the_bf16_paths_with_onednn_bf16():
+    expected = kernel_path() in ("amx", "avx512") and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     assert resolve_dtype("auto", torch.device("cpu")) == (torch.bfloat16 if expected else torch.float32)
     assert resolve_dtype("float32", torch.device("cpu")) == torch.float32

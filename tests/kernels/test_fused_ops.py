@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import carpool.kernels
+from carpool.kernels.isa import TORCH_CAPABILITY
 from carpool.models.attention import DecodeGroup, PagedAttention
 from carpool.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 
@@ -21,10 +22,6 @@ def test_rms_norm(dtype, size):
         torch.testing.assert_close(norm(x), norm.forward_native(x))
 
 
-# The kernel path and the CPU capability torch's own kernels run at (ATEN_CPU_CAPABILITY) that compute silu alike.
-TORCH_CAPABILITY_OF_PATH = {"avx512": "AVX512", "avx2": "AVX2", "portable": "DEFAULT"}
-
-
 # torch's loops take fp32 rows 32 (AVX-512) or 16 (AVX2) at a time and finish with scalar std::exp, which differs
 # from the vector exp in the last bit for ~4% of inputs: 48 and 40 leave tails only a matching split gets right.
 @pytest.mark.parametrize("width", [40, 48, 100])
@@ -34,7 +31,7 @@ def test_silu_mul_is_bitwise_torch(dtype, width):
     mlp.intermediate_size, mlp.activation = width, "silu"
     gate_up = (torch.randn(16, 2 * width) * 4).to(dtype)
     fused, native = torch.ops.carpool.silu_mul(gate_up), mlp.act_mul_native(gate_up)
-    if torch.backends.cpu.get_cpu_capability() == TORCH_CAPABILITY_OF_PATH[carpool.kernels.kernel_path()]:
+    if torch.backends.cpu.get_cpu_capability() == TORCH_CAPABILITY[carpool.kernels.kernel_path()].upper():
         assert torch.equal(fused, native)
     else:  # torch's exp is another width's (a forced path without ATEN_CPU_CAPABILITY): the last bit may differ
         torch.testing.assert_close(fused, native)

@@ -57,7 +57,9 @@ def test_dequantize_reads_gguf_pys_own_quantization(qtype):
 
 
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("rows", [1, 3, 4, 17, 300])  # microkernel remainders; 300 takes fp32's GEMM path
+# microkernel remainders; 300 takes fp32's GEMM path; from 6 the amx path's tiles: one vector of rows (6), two with a
+# partial one (17), three (40: a pair and a lone vector)
+@pytest.mark.parametrize("rows", [1, 3, 4, 6, 17, 40, 300])
 def test_linear_matches_dequantized_matmul(qtype, rows):
     cols = cols_for(qtype)
     blocks, weight = random_blocks(203, cols, qtype, seed=rows)  # 203 outputs: a partial panel and a partial tile

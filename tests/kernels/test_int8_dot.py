@@ -97,7 +97,7 @@ def test_activations_round_half_to_even(every_row_count_int8, qtype, rows):
 
 # The formats whose integer kernels stay ahead of the exact path at prompt sizes, per kernel path: their int8-dot
 # mode takes every row (ggml_dot.cpp's default_max_rows); every other format takes decode batches only.
-EVERY_ROW = {"avx512": {Q.Q4_K, Q.Q5_K, Q.Q6_K}, "avx2": set(), "portable": set()}
+EVERY_ROW = {"amx": set(), "avx512": {Q.Q4_K, Q.Q5_K, Q.Q6_K}, "avx2": set(), "portable": set()}
 
 
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)

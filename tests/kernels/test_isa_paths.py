@@ -12,14 +12,16 @@ from pathlib import Path
 
 import pytest
 
-from carpool.kernels import built_paths, cpu_features, kernel_path
-from carpool.kernels.isa import PATHS, missing_features
+from carpool.kernels import built_paths, cpu_features, kernel_path, refused_paths
+from carpool.kernels.isa import PATHS, TORCH_CAPABILITY, missing_features
 
-TORCH_CAPABILITY = {"avx512": "avx512", "avx2": "avx2", "portable": "default"}
 HERE = Path(__file__).parent
 NOT_KERNEL_TESTS = {Path(__file__).name, "test_kernel_choice.py"}  # this file, and tests of the choice itself
 KERNEL_TESTS = sorted(str(p) for p in HERE.glob("test_*.py") if p.name not in NOT_KERNEL_TESTS)
-RUNNABLE_PATHS = [path for path in PATHS if path in built_paths() and not missing_features(path, cpu_features())]
+RUNNABLE_PATHS = [
+    path for path in PATHS
+    if path in built_paths() and not missing_features(path, cpu_features()) and path not in refused_paths()
+]
 OTHER_PATHS = [path for path in RUNNABLE_PATHS if path != kernel_path()]
 
 

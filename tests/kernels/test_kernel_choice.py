@@ -8,19 +8,21 @@ from pathlib import Path
 
 import pytest
 
-from carpool.kernels import _cpu_features, amx_probe, built_paths, cpu_features, cpu_model, kernel_path
+from carpool.kernels import _cpu_features, amx_probe, built_paths, cpu_features, cpu_model, kernel_path, refused_paths
 from carpool.kernels.isa import PATHS, REQUIRED_FEATURES, X86_64_V3, choose_path, missing_features
 
 ZEN3 = set(X86_64_V3)  # AVX2, FMA, F16C, BMI...: no AVX-512
 ICE_LAKE = ZEN3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_vnni"}  # no AVX512-BF16
 ZEN4 = set(REQUIRED_FEATURES["avx512"])
+SAPPHIRE_RAPIDS = ZEN4 | {"amx_tile", "amx_bf16", "amx_int8"}
 ALL_BUILT = set(PATHS)
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 
 
 def test_each_cpu_gets_the_best_path_it_has_every_feature_of():
     assert choose_path(ZEN4, ALL_BUILT).path == "avx512"
-    assert choose_path(ZEN4 | {"amx_tile", "amx_bf16", "amx_int8"}, ALL_BUILT).path == "avx512"
+    assert choose_path(SAPPHIRE_RAPIDS, ALL_BUILT).path == "amx"
+    assert choose_path(ZEN4 | {"amx_tile", "amx_int8"}, ALL_BUILT).path == "avx512"  # the amx build uses AMX-BF16
     assert choose_path(ICE_LAKE, ALL_BUILT).path == "avx2"  # the avx512 build uses bf16 instructions
     assert choose_path(ZEN3, ALL_BUILT).path == "avx2"
     assert choose_path(ZEN3 - {"f16c"}, ALL_BUILT).path == "portable"
@@ -41,6 +43,14 @@ def test_a_forced_path_is_used_or_refused_naming_what_is_missing():
         choose_path(set(), {"portable"}, forced="avx2")
     with pytest.raises(ValueError, match="unknown kernel path 'sse9'"):
         choose_path(ZEN4, ALL_BUILT, forced="sse9")
+
+
+def test_a_path_whose_probe_failed_is_passed_over_and_refused_when_forced():
+    """The VM that lists AMX, enables tile state and grants the permission, then faults on ldtilecfg."""
+    refused = {"amx": "the AMX probe failed: tile multiply killed by signal 11"}
+    assert choose_path(SAPPHIRE_RAPIDS, ALL_BUILT, refused=refused).path == "avx512"
+    with pytest.raises(ValueError, match="cannot run the amx kernels: the AMX probe failed: tile multiply killed"):
+        choose_path(SAPPHIRE_RAPIDS, ALL_BUILT, forced="amx", refused=refused)
 
 
 def run_python(code: str, **env) -> subprocess.CompletedProcess:
@@ -68,9 +78,11 @@ def test_the_environment_variable_picks_the_build_a_process_loads():
 def test_this_process_runs_the_best_path_this_cpu_has():
     if os.environ.get("CARPOOL_KERNEL_ISA"):
         pytest.skip("a forced path")
-    assert kernel_path() == choose_path(cpu_features(), built_paths()).path
+    assert kernel_path() == choose_path(cpu_features(), built_paths(), refused=refused_paths()).path
     if X86:
-        assert {"avx512", "avx2", "portable"} <= built_paths()
+        assert set(PATHS) <= built_paths()
+    if amx_probe().usable:  # AMX that works is used
+        assert kernel_path() == "amx"
 
 
 @pytest.mark.skipif(not Path("/proc/cpuinfo").exists() or not X86, reason="needs Linux on x86-64")
@@ -107,6 +119,7 @@ def test_without_amx_the_probe_says_why_and_a_tile_instruction_kills_only_its_ch
 def test_where_amx_is_listed_the_probe_ran_a_tile_multiply():
     probe = amx_probe()
     assert probe.usable == (_cpu_features.tile_multiply_in_child() is None), probe.detail
+    assert ("amx" in refused_paths()) == (not probe.usable and "amx" in built_paths())
 
 
 def test_carpool_info_names_the_cpu_features_probe_and_path(capsys):

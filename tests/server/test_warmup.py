@@ -7,8 +7,7 @@ import time
 
 import httpx
 import pytest
-import uvicorn
-from live_server import LiveServer, free_port
+from live_server import LiveServer, ServedApp
 
 import carpool.engine.async_engine as async_engine
 from carpool.engine.async_engine import AsyncEngine
@@ -85,29 +84,6 @@ def test_decode_batch_sizes_cover_up_to_the_slot_count():
     assert decode_batch_sizes(1) == [1]
     assert decode_batch_sizes(8) == [1, 2, 4, 8]
     assert decode_batch_sizes(12) == [1, 2, 4, 8, 12]
-
-
-class ServedApp:
-    """The app served by uvicorn on a loopback port in a thread (lifespan included), with an httpx client."""
-
-    def __init__(self, app):
-        self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> httpx.Client:
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-        self.client = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=60)
-        return self.client
-
-    def __exit__(self, *exc):
-        self.client.close()
-        self.server.should_exit = True
-        self.thread.join(30)
 
 
 class WatchedServer(LiveServer):

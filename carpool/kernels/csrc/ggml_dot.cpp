@@ -483,8 +483,15 @@ int64_t get_matmul_mode() { return static_cast<int64_t>(current_mode); }
 // (SmolLM2's Q4_1 prefill 0.89x: widening and quantizing 576-wide bf16 rows costs what the dots save). AVX2 (the
 // exact path runs fp32 FMAs there): 1.5-2.0x at 8-64 rows; Q8_0 has no batched kernel there and keeps 4 rows (one
 // GEMV pass), as does every format in the portable build.
+//
+// AMX (the exact path on tiles, amx_gemm.h) costs about the same from 8 to 32 rows, its weights' dequantization
+// (8960x1536 at 2 threads: 1.1-1.5 ms), while the batched int8 kernel's cost doubles past 16 rows, its second
+// vector of rows (Q4_K 0.99 ms at 16, 1.84 at 20): the K-quants and Q5_0 stay int8 up to 16 rows, Q4_0, Q4_1 and
+// Q8_0 (whose int8 kernels lose to the tiles from 12 rows) up to 8, and larger batches and prompts run exact.
 constexpr int64_t default_max_rows([[maybe_unused]] int64_t qtype) {
-#if defined(CARPOOL_AVX512)
+#if defined(CARPOOL_AMX)
+  return qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0 ? 8 : 16;
+#elif defined(CARPOOL_AVX512)
   return qtype == kQ4_K || qtype == kQ5_K || qtype == kQ6_K ? kEveryRow : kInt8GemmMaxRows;
 #elif defined(CARPOOL_AVX2)
   return qtype == kQ8_0 ? kGemvPassRows : kInt8GemmMaxRows;

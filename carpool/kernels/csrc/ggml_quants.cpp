@@ -19,6 +19,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx_gemm.h"
 #include "ggml_blocks.h"
 #include "ggml_dot.h"
 #include "row_kernels.h"
@@ -195,6 +196,10 @@ at::Tensor ggml_linear(const at::Tensor& input, const at::Tensor& qweight, int64
   if (dtype == at::kFloat && M > kFp32FusedMaxRows) return at::mm(x, ggml_dequantize(qweight, qtype, dtype).t()).view(out_shape);
   at::Tensor y = at::empty({M, N}, x.options());
   const uint8_t* blocks = qweight.data_ptr<uint8_t>();
+  if (dtype == at::kBFloat16 && amx_exact_applies(M)) {
+    amx_exact_linear(x.data_ptr<c10::BFloat16>(), blocks, qtype, M, N, K, y.data_ptr<c10::BFloat16>());
+    return y.view(out_shape);
+  }
   dispatch_qtype(qtype, [&]<int64_t QT>() {
     if (dtype == at::kFloat) {
       fused_linear<QT>(x.data_ptr<float>(), blocks, M, N, K, y.data_ptr<float>());

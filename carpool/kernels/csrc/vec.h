@@ -106,6 +106,11 @@ inline __m256 round_to(c10::BFloat16*, __m256 v) { return _mm256_castsi256_ps(_m
 }  // namespace carpool
 #endif
 
+// The amx build (avx512's flags and -mamx-tile -mamx-bf16): CARPOOL_AVX512 and the tile kernels (amx_gemm.h).
+#if defined(CARPOOL_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define CARPOOL_AMX 1
+#endif
+
 #if defined(CARPOOL_AVX512) || defined(CARPOOL_AVX2)
 #define CARPOOL_SIMD 1
 #include <sleef.h>  // torch's own vector exp (libtorch_cpu exports it): what torch's kernels compute, to the bit
