@@ -19,7 +19,7 @@ KERNEL_SOURCES = sorted(str(p) for p in CSRC.glob("*.cpp") if p != FEATURE_PROBE
 if platform.machine().lower() in ("x86_64", "amd64"):
     AVX512 = ["-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"]
     ISA_FLAGS = {
-        "amx": [*AVX512, "-mamx-tile", "-mamx-bf16", "-mamx-int8"],
+        "amx": [*AVX512, "-mamx-tile", "-mamx-bf16"],
         "avx512": AVX512,
         "avx2": ["-march=x86-64-v3"],
         "portable": ["-march=x86-64"],

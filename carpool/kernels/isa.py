@@ -15,7 +15,7 @@ X86_64_V4 = (*X86_64_V3, "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512v
 # path -> the features its flags (setup.py's ISA_FLAGS) assume.
 AVX512 = (*X86_64_V4, "avx512_bf16", "avx512_vnni")
 REQUIRED_FEATURES = {
-    "amx": (*AVX512, "amx_tile", "amx_bf16", "amx_int8"),
+    "amx": (*AVX512, "amx_tile", "amx_bf16"),
     "avx512": AVX512,
     "avx2": X86_64_V3,
     "portable": (),

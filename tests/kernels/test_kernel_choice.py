@@ -22,7 +22,7 @@ X86 = platform.machine().lower() in ("x86_64", "amd64")
 def test_each_cpu_gets_the_best_path_it_has_every_feature_of():
     assert choose_path(ZEN4, ALL_BUILT).path == "avx512"
     assert choose_path(SAPPHIRE_RAPIDS, ALL_BUILT).path == "amx"
-    assert choose_path(ZEN4 | {"amx_tile", "amx_int8"}, ALL_BUILT).path == "avx512"  # the amx build uses AMX-BF16
+    assert choose_path(ZEN4 | {"amx_tile", "amx_int8"}, ALL_BUILT).path == "avx512"  # the amx build runs AMX-BF16
     assert choose_path(ICE_LAKE, ALL_BUILT).path == "avx2"  # the avx512 build uses bf16 instructions
     assert choose_path(ZEN3, ALL_BUILT).path == "avx2"
     assert choose_path(ZEN3 - {"f16c"}, ALL_BUILT).path == "portable"

@@ -448,9 +448,10 @@ constexpr int64_t kGemvPassRows = 4;
 
 // How far ahead of the row it dots the GEMV asks for weights (a prefetch per cache line, past `last` too: a
 // prefetch never faults). The hardware prefetchers alone left the 1.5B's Q4_K matmuls at 8.3 GB/s from DRAM on an
-// Intel VM (family 6 model 167: weights 4 KiB pages of a file mapping, which those prefetchers do not cross); 2-64
-// KiB ahead all gave 13-14 GB/s, 16 KiB the most: every matmul of a decode step, 1 row 118 -> 75 ms, 4 rows 157 ->
-// 101 ms (scratch loop of ggml_linear over the model's weights, 2 threads).
+// Intel VM (family 6 model 167), 24 GB/s from its L3 (likely why: the weights are 4 KiB pages of a file mapping,
+// and those prefetchers stop at a page's end); 2-64 KiB ahead all gave 13-14 GB/s, 16 KiB the most: every matmul of
+// a decode step, 1 row 118 -> 75 ms, 4 rows 157 -> 101 ms (scratch loop of ggml_linear over the model's weights, 2
+// threads). Not measured on AMD.
 constexpr int64_t kGemvPrefetchBytes = 16 << 10;
 
 // Weight rows [first, last) against every activation row, up to kGemvPassRows at a time per unpacked block.
