@@ -40,6 +40,7 @@ def test_silu_mul_is_bitwise_torch(dtype, width):
 @pytest.mark.parametrize("head_dim", [64, 256, 48])  # 48: a vector part and a scalar tail of each half
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rotary_in_place_matches_native(dtype, head_dim):
+    torch.manual_seed(head_dim)
     rotary = RotaryEmbedding(head_dim, 256, 10000.0).to(dtype)
     qkv = torch.randn(6, (9 + 3 + 3) * head_dim).to(dtype)
     positions = torch.tensor([0, 1, 5, 77, 128, 255])
@@ -47,7 +48,10 @@ def test_rotary_in_place_matches_native(dtype, head_dim):
     q, k = q.view(6, 9, head_dim), k.view(6, 3, head_dim)
     expected_q, expected_k = rotary.forward_native(positions, q), rotary.forward_native(positions, k)
     rotated_q, rotated_k = rotary(positions, q, k)
-    tolerance = {"rtol": 1e-2, "atol": 1e-2} if dtype == torch.bfloat16 else {}
+    # bf16: native rounds each product to bf16 before the sum, the kernel once after it; where the two terms cancel
+    # the results differ by up to an ulp of a term (|q| < 8: at most 2^-5, reached in 900 seeded cases; 0.0116 failed
+    # the old 1e-2 on an unseeded run)
+    tolerance = {"rtol": 1e-2, "atol": 2**-5} if dtype == torch.bfloat16 else {}
     torch.testing.assert_close(rotated_q, expected_q, **tolerance)
     torch.testing.assert_close(rotated_k, expected_k, **tolerance)
 
