@@ -13,7 +13,6 @@ Every prompt is new to every server: no prefix-cache hits.
 
 import argparse
 import json
-import re
 import statistics
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ from pathlib import Path
 import httpx
 
 from carpool.bench.datasets import long_docs
+from carpool.bench.serve import checked_labels, file_stem
 
 
 def add_parser(modes) -> None:
@@ -61,9 +61,7 @@ def prefill(client: httpx.Client, model: str, prompt: str) -> tuple[int, float]:
 def main(args: argparse.Namespace) -> int:
     if args.prompts < 1:
         raise ValueError("prompts: must be at least 1")
-    labels = args.label or []
-    if len(labels) > len(args.url):
-        raise ValueError("label: more --label than --url values")
+    labels = checked_labels(args.url, args.label)
     labels = labels + args.url[len(labels):]
     prompts = distinct_documents(1 + args.prompts, args.prompt_chars)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -81,8 +79,7 @@ def main(args: argparse.Namespace) -> int:
         for client in clients:
             client.close()
     reports = [report(label, url, model, kept) for label, url, model, kept in zip(labels, args.url, models, samples)]
-    path = Path(args.out or "bench-results/prefill-{}.json".format(
-        "-vs-".join(re.sub(r"[^A-Za-z0-9_.-]+", "_", label) for label in labels)))
+    path = Path(args.out or f"bench-results/prefill-{file_stem(labels)}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(reports, indent=2) + "\n")
     print(table(reports))

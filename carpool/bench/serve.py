@@ -80,14 +80,24 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
-def main(args: argparse.Namespace) -> int:
-    urls = args.url or ["http://127.0.0.1:8000"]
-    labels = args.label or []
+def checked_labels(urls: list[str], labels: list[str] | None) -> list[str]:
+    """The --label values, one per --url at most (the servers without one get a default from the caller)."""
+    labels = labels or []
     if len(labels) > len(urls):
         raise ValueError("label: more --label than --url values")
+    return labels
+
+
+def file_stem(labels: list[str]) -> str:
+    """The servers' labels as one file name: "carpool-vs-llama.cpp"."""
+    return "-vs-".join(re.sub(r"[^A-Za-z0-9_.-]+", "_", label) for label in labels)
+
+
+def main(args: argparse.Namespace) -> int:
+    urls = args.url or ["http://127.0.0.1:8000"]
+    labels = checked_labels(urls, args.label)
     reports = [asyncio.run(run(args, url, labels[i] if i < len(labels) else None)) for i, url in enumerate(urls)]
-    names = "-vs-".join(re.sub(r"[^A-Za-z0-9_.-]+", "_", r["label"]) for r in reports)
-    prefix = Path(args.out or f"bench-results/serve-{names}")
+    prefix = Path(args.out or f"bench-results/serve-{file_stem([r['label'] for r in reports])}")
     prefix.parent.mkdir(parents=True, exist_ok=True)
     # appended, not with_suffix: a prefix such as "serve-carpool-vs-llama.cpp" or "qwen-1.5b" has dots of its own
     json_path, png_path = (prefix.parent / f"{prefix.name}{ext}" for ext in (".json", ".png"))
