@@ -2,14 +2,14 @@
 threads in one parallel region), the same call op by op (each kernel forking and joining the threads itself) and
 the Python layers, interleaved in one run so that a shared machine's noise hits all three alike.
 
-    python -m carpool.bench.decode_step --model smollm2-135m --rounds 30 --threads 2
+    python -m carpool.bench.decode_step --model smollm2-135m --rounds 30 --threads 2 --context 1000
 
 Per mode: the step's wall and process CPU time (with --threads 1 the CPU time is the step's own work, whatever
 else the machine runs; with more, idle threads' spinning counts too). Beside them: every projection and the LM
 head run alone at batch 1 (the matmuls) and the attention alone at the sequence's context, so that
 overhead = step - matmuls - attention is what neither kernel accounts for (norms, rotary, cache writes,
-allocations, Python, metadata, sampling); and the weight-bytes floor: the bytes one step streams over
---bandwidth-gbs.
+allocations, Python, metadata, sampling); and the bandwidth floor: the bytes one step streams (every weight, and
+the keys and values of the sequence's context, --context tokens of a meeting transcript) over --bandwidth-gbs.
 """
 
 import argparse
@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from carpool import LLM, SamplingParams
+from carpool.bench.datasets import long_docs
 from carpool.models.layers import projection_parts
 from carpool.models.quantization import matmul_mode
 
@@ -28,6 +29,26 @@ from carpool.models.quantization import matmul_mode
 def weight_bytes(model) -> int:
     """Bytes of every projection and the LM head: what a decode step streams at least once."""
     return sum(w.numel() * w.element_size() for m in projections(model) for w in projection_parts(m)[0])
+
+
+def kv_bytes(model, context: int) -> int:
+    """Keys and values one decode step reads at `context` tokens: each layer's (a sliding window's at most)."""
+    total = 0
+    for layer in model.layers:
+        cache = layer.self_attn.attn.k_cache  # [blocks, block_size, kv_heads, head_dim]
+        keys = min(context, layer.self_attn.attn.window or context)
+        total += 2 * keys * cache.size(2) * cache.size(3) * cache.element_size()
+    return total
+
+
+def context_prompt(llm: LLM, tokens: int) -> list[int]:
+    """The first `tokens` tokens of the shipped meeting transcripts, run together."""
+    ids: list[int] = []
+    for doc in long_docs():
+        ids += llm.tokenizer.encode(doc["document"])
+        if len(ids) >= tokens:
+            return ids[:tokens]
+    raise ValueError(f"context: the shipped transcripts hold {len(ids)} tokens, fewer than {tokens}")
 
 
 def projections(model) -> list:
@@ -74,14 +95,16 @@ def _median_ms(calls: list, repeats: int) -> tuple[float, float]:
     return statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)
 
 
-def run(model_name: str, rounds: int, steps: int, threads: int, bandwidth_gbs: float) -> dict:
+def run(model_name: str, rounds: int, steps: int, threads: int, bandwidth_gbs: float, context: int) -> dict:
     torch.set_num_threads(threads)
     llm = LLM(model=model_name, max_num_seqs=1)
     engine, model = llm.engine, llm.engine.model
     samples = {"fused": [], "fused-ops": [], "python": []}
     params = SamplingParams(max_tokens=rounds * len(samples) * (steps + 1) + 8, temperature=0, ignore_eos=True)
-    engine.add_request("bench", "Write a story about a dog and a cat.", params)
-    for _ in range(3):  # prefill and warm-up
+    seq = engine.add_request("bench", context_prompt(llm, context), params)
+    while seq.num_computed_tokens < context:  # the prompt's chunks
+        engine.step()
+    for _ in range(3):  # warm-up
         engine.step()
     dtype = model.norm.weight.dtype
     attention = []
@@ -100,10 +123,13 @@ def run(model_name: str, rounds: int, steps: int, threads: int, bandwidth_gbs: f
     with matmul_mode(engine.config.matmul):  # the engine's mode, as its steps run (a thread's default is exact)
         matmuls = matmuls_ms(model, dtype, 5)
     attend = tuple(statistics.mean(a[i] for a in attention) for i in range(2))
-    floor = weight_bytes(model) / (bandwidth_gbs * 1e9) * 1000
+    mean_context = context + rounds * len(samples) * (steps + 1) // 2  # the context grows a token a step
+    streamed = weight_bytes(model) + kv_bytes(model, mean_context)
+    floor = streamed / (bandwidth_gbs * 1e9) * 1000
     report = {"model": model_name, "threads": threads, "dtype": str(dtype), "steps_per_round": steps, "rounds": rounds,
-              "matmuls_ms": matmuls, "attention_ms": attend, "weight_bytes": weight_bytes(model),
-              "weight_floor_ms": floor, "bandwidth_gbs": bandwidth_gbs}
+              "context": context, "mean_context": mean_context, "matmuls_ms": matmuls, "attention_ms": attend,
+              "weight_bytes": weight_bytes(model), "kv_bytes": kv_bytes(model, mean_context), "floor_ms": floor,
+              "bandwidth_gbs": bandwidth_gbs}
     for mode, values in samples.items():
         wall, cpu = statistics.median(v[0] for v in values), statistics.median(v[1] for v in values)
         report[mode] = {"wall_ms": wall, "cpu_ms": cpu, "overhead_wall_ms": wall - matmuls[0] - attend[0],
@@ -112,12 +138,13 @@ def run(model_name: str, rounds: int, steps: int, threads: int, bandwidth_gbs: f
 
 
 def main(args: argparse.Namespace) -> None:
-    report = run(args.model, args.rounds, args.steps, args.threads, args.bandwidth_gbs)
+    report = run(args.model, args.rounds, args.steps, args.threads, args.bandwidth_gbs, args.context)
     (matmul_wall, matmul_cpu), (attention_wall, attention_cpu) = report["matmuls_ms"], report["attention_ms"]
     print(f"{report['model']} ({report['dtype']}, {report['threads']} threads): matmuls alone "
           f"{matmul_wall:.2f} ms ({matmul_cpu:.2f} CPU), attention alone {attention_wall:.2f} ms "
-          f"({attention_cpu:.2f} CPU), weight floor "
-          f"{report['weight_floor_ms']:.2f} ms ({report['weight_bytes'] / 1e6:.0f} MB at {args.bandwidth_gbs} GB/s)")
+          f"({attention_cpu:.2f} CPU) at {report['mean_context']} tokens of context, floor {report['floor_ms']:.2f} ms "
+          f"({report['weight_bytes'] / 1e6:.0f} MB of weights + {report['kv_bytes'] / 1e6:.1f} MB of keys and values "
+          f"at {args.bandwidth_gbs} GB/s)")
     for mode in ("python", "fused-ops", "fused"):
         r = report[mode]
         print(f"  {mode:9s} layers: {r['wall_ms']:.2f} ms/step ({r['cpu_ms']:.2f} CPU), overhead "
@@ -133,6 +160,7 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, default=30, help="alternations of the two modes")
     parser.add_argument("--steps", type=int, default=10, help="decode steps timed per mode and round")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch CPU threads")
-    parser.add_argument("--bandwidth-gbs", type=float, default=53.0, help="memory bandwidth for the weight floor")
+    parser.add_argument("--bandwidth-gbs", type=float, default=53.0, help="memory bandwidth for the floor")
+    parser.add_argument("--context", type=int, default=16, help="prompt tokens before the timed steps")
     parser.add_argument("--out", default="", help="also write the JSON report here")
     main(parser.parse_args())

@@ -462,8 +462,7 @@ void int8_dot_rows(const Int8Rows& x, const uint8_t* weight, int64_t first, int6
   for (int64_t n = first; n < last; ++n) {
     const uint8_t* row = weight + n * row_bytes;
 #ifdef CARPOOL_SIMD
-    for (int64_t offset = 0; offset < row_bytes; offset += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(row + kGemvPrefetchBytes + offset), _MM_HINT_T0);
+    carpool::simd::prefetch(row + kGemvPrefetchBytes, row_bytes);
 #endif
     for (int64_t m = 0; m < M; m += kGemvPassRows) {
       const int64_t mr = std::min(kGemvPassRows, M - m);

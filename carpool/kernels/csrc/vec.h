@@ -158,6 +158,11 @@ inline Vec exp(Vec v) { return Sleef_expf8_u10(v); }
 using carpool::reduce4;
 using carpool::round_to;
 inline void store4(float* p, __m128 v) { _mm_storeu_ps(p, v); }
+// Asks for the cache lines of [p, p + bytes) (a prefetch never faults, whatever the address).
+inline void prefetch(const void* p, int64_t bytes) {
+  for (int64_t offset = 0; offset < bytes; offset += 64)
+    _mm_prefetch(static_cast<const char*>(p) + offset, _MM_HINT_T0);
+}
 
 // How many elements of T torch's own element-wise loops (cpu_kernel_vec) cover with vector code: two of its
 // vectors (of this build's width) per step, the rest through the scalar function. Kernels that must equal torch
