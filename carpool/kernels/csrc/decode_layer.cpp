@@ -427,6 +427,10 @@ class DecodeStack : public torch::CustomClassHolder {
     const int64_t* position = positions.data_ptr<int64_t>();
     const float eps = static_cast<float>(eps_), scale = static_cast<float>(scale_);
     PreparedInput prepared;
+    // Steps with too few attention items for the threads (one sequence) share each layer's attention finer.
+    using Split = carpool::kernels::SplitDecodeAttention<T>;
+    Split split;
+    bool split_now = false;
 
 #pragma omp parallel num_threads(at::get_num_threads())
     {
@@ -446,16 +450,33 @@ class DecodeStack : public torch::CustomClassHolder {
         project_share(layer.qkv, part_int8, prepared, M, H, qkv, qkv_width, panel.data(), tid, threads);
         part_int8 += layer.qkv.qtypes.size();
 #pragma omp barrier
-#pragma omp single
-        for (int64_t t = 0; t < M; ++t)
-          position_token(layer, group, qkv + t * qkv_width, t, position[t], cos, sin, eps);
         const int64_t runs = static_cast<int64_t>(group.runs.size()) - 1;
-        const auto [first, last] = share(runs * num_kv_heads_, 1, tid, threads);
-        carpool::kernels::decode_attention_items(qkv, qkv_width, layer.k_cache.data_ptr<T>(),
-                                                 layer.v_cache.data_ptr<T>(), group.tables, group.lens,
-                                                 group.runs.data(), attended,
-                                                 num_heads_, num_kv_heads_, head_dim_, layer.k_cache.size(1),
-                                                 group.max_blocks, scale, layer.window, first, last);
+#pragma omp single
+        {
+          for (int64_t t = 0; t < M; ++t)
+            position_token(layer, group, qkv + t * qkv_width, t, position[t], cos, sin, eps);
+          split_now = Split::pays(runs * num_kv_heads_, threads) &&
+                      split.prepare(qkv, qkv_width, layer.k_cache.data_ptr<T>(), layer.v_cache.data_ptr<T>(),
+                                    group.tables, group.lens, group.runs.data(), runs, attended, num_heads_,
+                                    num_kv_heads_, head_dim_, layer.k_cache.size(1), group.max_blocks, scale,
+                                    layer.window);
+        }
+        if (split_now) {
+          for (int phase = 0; phase < Split::kPhases; ++phase) {
+            if (phase > 0) {
+#pragma omp barrier
+            }
+            const auto [first, last] = share(split.units(phase), 1, tid, threads);
+            split.run(phase, first, last);
+          }
+        } else {
+          const auto [first, last] = share(runs * num_kv_heads_, 1, tid, threads);
+          carpool::kernels::decode_attention_items(qkv, qkv_width, layer.k_cache.data_ptr<T>(),
+                                                   layer.v_cache.data_ptr<T>(), group.tables, group.lens,
+                                                   group.runs.data(), attended,
+                                                   num_heads_, num_kv_heads_, head_dim_, layer.k_cache.size(1),
+                                                   group.max_blocks, scale, layer.window, first, last);
+        }
 #pragma omp barrier
 #pragma omp single
         prepare(layer.o, part_int8, attended, M, q_size, prepared);

@@ -141,84 +141,99 @@ void weigh_values(const T* v_cache, const int64_t* offsets, int64_t first, int64
     for (int c = 0; c < BLOCK; ++c) simd::store(acc_out + h * head_dim + c * kLanes, acc[h][c]);
 }
 
+// Keys a score or value pass reads while they stay in L1 (kKeyBlockBytes of K or V rows of one KV head).
+template <typename T, int CHUNKS>
+constexpr int64_t key_block() {
+  return std::max<int64_t>(4, kKeyBlockBytes / static_cast<int64_t>(CHUNKS * kLanes * sizeof(T)) / 4 * 4);
+}
+
+// Scores of keys [first, last) (whole fours) for every query vector of the item.
+template <typename T, int CHUNKS>
+void score_range(const RunWork<T>& w, const T* k_cache, int64_t first, int64_t last) {
+  constexpr int64_t kHeadDim = CHUNKS * kLanes;
+  for (int i = 0; i < w.queries(); i += kScoreHeads)
+    with_tile<kScoreHeads>(std::min(kScoreHeads, w.queries() - i), [&](auto tile) {
+      score_keys<T, CHUNKS, decltype(tile)::value>(w.query + i * kHeadDim, k_cache, w.offsets, first, last, w.stride,
+                                                   w.scores + i * w.stride);
+    });
+}
+
+// Query vector i's softmax weights over its row's keys, unnormalized (exp(score - max)), and 0 for the run's other
+// keys; their total.
+template <typename T, int CHUNKS>
+void softmax_query(const RunWork<T>& w, const T* k_cache, int i) {
+  constexpr int64_t kHeadDim = CHUNKS * kLanes;
+  const int64_t start = w.starts[i / w.group], len = w.lens[i / w.group];
+  float* row = w.scores + i * w.stride;
+  for (int64_t t = start + len / 4 * 4; t < start + len; ++t)
+    row[t] = score_lone_key<T, CHUNKS>(w.query + i * kHeadDim, k_cache + w.offsets[t]);
+  w.totals[i] = exponentiate(row + start, len);
+  std::fill(row, row + start, 0.0f);
+  std::fill(row + start + len, row + w.span, 0.0f);
+}
+
+// Columns [column, column + BLOCK) (in vectors) of every query vector's weighted values over keys [first, last),
+// added to its fp32 sums.
+template <typename T, int CHUNKS, int BLOCK>
+void weigh_range(const RunWork<T>& w, const T* v_cache, int column, int64_t first, int64_t last) {
+  constexpr int64_t kHeadDim = CHUNKS * kLanes;
+  constexpr int kQueries = kValueAccs / BLOCK;
+  for (int i = 0; i < w.queries(); i += kQueries)
+    with_tile<kQueries>(std::min(kQueries, w.queries() - i), [&](auto tile) {
+      weigh_values<T, decltype(tile)::value, BLOCK>(v_cache + column * kLanes, w.offsets, first, last,
+                                                    w.scores + i * w.stride, w.stride, kHeadDim,
+                                                    w.acc + i * kHeadDim + column * kLanes);
+    });
+}
+
+// Columns [column, column + BLOCK) of every query vector's output: its value sums over its weights' total.
+template <typename T, int CHUNKS, int BLOCK>
+void write_columns(const RunWork<T>& w, int column) {
+  constexpr int64_t kHeadDim = CHUNKS * kLanes;
+  for (int i = 0; i < w.queries(); ++i) {
+    const simd::Vec inv = simd::set1(1.0f / w.totals[i]);
+    T* out = w.out + (i / w.group) * w.out_row_stride + (i % w.group) * kHeadDim;
+    for (int c = column; c < column + BLOCK; ++c)
+      simd::store(out + c * kLanes, simd::mul(simd::load(w.acc + i * kHeadDim + c * kLanes), inv));
+  }
+}
+
 // The query rows of one run (rows that share a sequence's block table: a verifying sequence's last token and its
-// drafts) with the `group` query heads of one KV head, against the union of their contexts: keys [0, span) at
-// `offsets` (the pool rows of K and V; padded to whole fours with repeats of the last). Row j sees keys
-// [starts[j], starts[j] + lens[j]): the causal limit of a verify row, and a sliding window's first key. Query
-// vector i = row * group + head (scaled, fp32); out: [rows * group, head_dim].
+// drafts) with the `group` query heads of one KV head, against the union of their contexts (RunWork), on one
+// thread: scores, softmax, weighted values, each pass over key blocks that stay in L1.
 //
 // The rows x heads fill the register tiles together, so each key and value vector is loaded (and widened from
 // bf16) once per tile of query vectors and read from memory once per run, not once per row. Every row's weights
 // equal the one-row kernel's to the bit: its scores are the same sums (its whole fours by reduce4, its last
 // len % 4 keys by reduce_add), its softmax runs over its own keys, and keys outside its range get weight 0, which
-// leaves its fp32 value sums exactly as they were (0 * v + acc == acc).
+// leaves its fp32 value sums exactly as they were (0 * v + acc == acc). Each output column's sum is its own, in key
+// order, so cutting the columns otherwise (SplitDecodeAttention) leaves every bit as it is.
 template <typename T, int CHUNKS>
-void attend_run(const float* query, const T* k_cache, const T* v_cache, const int64_t* offsets, int64_t span,
-                int rows, int group, const int64_t* starts, const int64_t* lens, std::vector<float>& scores,
-                std::vector<float>& acc, T* out) {
-  constexpr int64_t kHeadDim = CHUNKS * kLanes;
-  const int queries = rows * group;
-  const int64_t stride = (span + 3) / 4 * 4;
-  const int64_t key_block = std::max<int64_t>(4, kKeyBlockBytes / static_cast<int64_t>(kHeadDim * sizeof(T)) / 4 * 4);
-  scores.resize(queries * stride);
-  for (int64_t first = 0; first < stride; first += key_block) {
-    const int64_t last = std::min(stride, first + key_block);
-    for (int i = 0; i < queries; i += kScoreHeads)
-      with_tile<kScoreHeads>(std::min(kScoreHeads, queries - i), [&](auto tile) {
-        score_keys<T, CHUNKS, decltype(tile)::value>(query + i * kHeadDim, k_cache, offsets, first, last, stride,
-                                                     scores.data() + i * stride);
-      });
-  }
-  std::vector<float> totals(queries);
-  for (int j = 0; j < rows; ++j)
-    for (int g = 0; g < group; ++g) {
-      const int i = j * group + g;
-      float* row = scores.data() + i * stride;
-      for (int64_t t = starts[j] + lens[j] / 4 * 4; t < starts[j] + lens[j]; ++t)
-        row[t] = score_lone_key<T, CHUNKS>(query + i * kHeadDim, k_cache + offsets[t]);
-      totals[i] = exponentiate(row + starts[j], lens[j]);
-      std::fill(row, row + starts[j], 0.0f);
-      std::fill(row + starts[j] + lens[j], row + span, 0.0f);
-    }
-  acc.assign(queries * kHeadDim, 0.0f);
-  constexpr int kBlock = std::min(CHUNKS, kValueChunks), kQueries = kValueAccs / kBlock;
-  for (int64_t first = 0; first < span; first += key_block) {
-    const int64_t last = std::min(span, first + key_block);
+void attend_run(const RunWork<T>& w, const T* k_cache, const T* v_cache) {
+  constexpr int64_t kKeys = key_block<T, CHUNKS>();
+  constexpr int kBlock = std::min(CHUNKS, kValueChunks);
+  for (int64_t first = 0; first < w.stride; first += kKeys)
+    score_range<T, CHUNKS>(w, k_cache, first, std::min(w.stride, first + kKeys));
+  for (int i = 0; i < w.queries(); ++i) softmax_query<T, CHUNKS>(w, k_cache, i);
+  for (int64_t first = 0; first < w.span; first += kKeys)
     for (int column = 0; column < CHUNKS; column += kBlock)
-      for (int i = 0; i < queries; i += kQueries)
-        with_tile<kQueries>(std::min(kQueries, queries - i), [&](auto tile) {
-          weigh_values<T, decltype(tile)::value, kBlock>(v_cache + column * kLanes, offsets, first, last,
-                                                         scores.data() + i * stride, stride, kHeadDim,
-                                                         acc.data() + i * kHeadDim + column * kLanes);
-        });
-  }
-  for (int i = 0; i < queries; ++i) {
-    const simd::Vec inv = simd::set1(1.0f / totals[i]);
-    for (int c = 0; c < CHUNKS; ++c)
-      simd::store(out + i * kHeadDim + c * kLanes, simd::mul(simd::load(acc.data() + i * kHeadDim + c * kLanes), inv));
-  }
+      weigh_range<T, CHUNKS, kBlock>(w, v_cache, column, first, std::min(w.span, first + kKeys));
+  for (int column = 0; column < CHUNKS; column += kBlock) write_columns<T, CHUNKS, kBlock>(w, column);
 }
 
-// The vectorized path for the common head sizes (64: Llama/SmolLM2, Qwen2.5-0.5B; 128: Qwen2.5-1.5B; 256:
-// Gemma 3) and groups of up to 64 query heads per KV head; false when there is none.
-template <typename T>
-bool attend_vectorized(const float* query, const T* k_cache, const T* v_cache, const int64_t* offsets, int64_t span,
-                       int64_t rows, int64_t group, const int64_t* starts, const int64_t* lens, int64_t head_dim,
-                       std::vector<float>& scores, std::vector<float>& acc, T* out) {
+// fn(std::integral_constant<int, CHUNKS>) for the head sizes the vectorized kernel has (64: Llama/SmolLM2,
+// Qwen2.5-0.5B; 128: Qwen2.5-1.5B; 256: Gemma 3), in fp32 or bf16, with up to 64 query heads per KV head; false
+// where there is none (the scalar kernel runs).
+template <typename T, typename Fn>
+bool with_head_chunks(int64_t head_dim, int64_t group, Fn&& fn) {
   if constexpr (std::is_same_v<T, double>) {
     return false;
   } else {
     if (group > 64) return false;
-    auto run = [&](auto dims) {
-      constexpr int kChunks = decltype(dims)::value / kLanes;
-      attend_run<T, kChunks>(query, k_cache, v_cache, offsets, span, static_cast<int>(rows), static_cast<int>(group),
-                             starts, lens, scores, acc, out);
-      return true;
-    };
     switch (head_dim) {
-      case 64: return run(std::integral_constant<int, 64>{});
-      case 128: return run(std::integral_constant<int, 128>{});
-      case 256: return run(std::integral_constant<int, 256>{});
+      case 64: fn(std::integral_constant<int, 64 / kLanes>{}); return true;
+      case 128: fn(std::integral_constant<int, 128 / kLanes>{}); return true;
+      case 256: fn(std::integral_constant<int, 256 / kLanes>{}); return true;
       default: return false;
     }
   }
@@ -276,61 +291,209 @@ std::vector<int64_t> shared_context_runs(const int64_t* block_tables, const int6
   return runs;
 }
 
+namespace {
+
+// What item `item` of a call reads: its run's rows, each row's keys [starts[j], starts[j] + lens[j]) (absolute
+// positions), their union [begin, end), and its KV head.
+struct ItemKeys {
+  int64_t row0 = 0, rows = 0, kv_head = 0, begin = 0, end = 0;
+  int64_t starts[kMaxRunRows] = {}, lens[kMaxRunRows] = {};
+  const int64_t* table = nullptr;  // the run's block table
+};
+
+ItemKeys item_keys(const int64_t* block_tables, const int64_t* context_lens, const int64_t* runs, int64_t num_kv_heads,
+                   int64_t max_blocks, int64_t window, int64_t item) {
+  ItemKeys keys;
+  const int64_t run = item / num_kv_heads;
+  keys.kv_head = item % num_kv_heads;
+  keys.row0 = runs[run];
+  keys.rows = runs[run + 1] - keys.row0;
+  // A sliding window keeps the last `window` keys, the query's own included: positions from its first key on.
+  // The run reads the union of its rows' keys, from the first row's first key to the last row's last.
+  keys.begin = context_lens[keys.row0];
+  for (int64_t j = 0; j < keys.rows; ++j) {
+    const int64_t length = context_lens[keys.row0 + j];
+    keys.starts[j] = window > 0 ? std::max<int64_t>(0, length - window) : 0;
+    keys.lens[j] = length - keys.starts[j];
+    keys.begin = std::min(keys.begin, keys.starts[j]);
+    keys.end = std::max(keys.end, length);
+  }
+  // The run's rows agree on every block any of them reads (shared_context_runs), so the last row's table serves.
+  keys.table = block_tables + (keys.row0 + keys.rows - 1) * max_blocks;
+  return keys;
+}
+
+// The item's query heads, scaled, in fp32: [rows * group, head_dim].
+template <typename T>
+void scaled_queries(const T* q, int64_t q_stride, const ItemKeys& keys, int64_t group, int64_t head_dim, float scale,
+                    float* query) {
+  for (int64_t j = 0; j < keys.rows; ++j)
+    for (int64_t g = 0; g < group; ++g)
+      for (int64_t d = 0; d < head_dim; ++d)
+        query[(j * group + g) * head_dim + d] =
+            static_cast<float>(q[(keys.row0 + j) * q_stride + (keys.kv_head * group + g) * head_dim + d]) * scale;
+}
+
+// Pool offset of key `position`'s row of the item's KV head.
+int64_t key_offset(const ItemKeys& keys, int64_t position, int64_t block_size, int64_t num_kv_heads,
+                   int64_t head_dim) {
+  return ((keys.table[position / block_size] * block_size + position % block_size) * num_kv_heads + keys.kv_head) *
+         head_dim;
+}
+
+// The vectorized kernel's view of an item, on buffers the caller sized with work_sizes.
+struct WorkSizes {
+  int64_t span, stride, queries;
+};
+WorkSizes work_sizes(const ItemKeys& keys, int64_t group) {
+  const int64_t span = keys.end - keys.begin;
+  return {span, (span + 3) / 4 * 4, keys.rows * group};
+}
+
+template <typename T>
+RunWork<T> run_work(const ItemKeys& keys, int64_t group, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                    int64_t block_size, T* out, const float* query, int64_t* offsets, float* scores, float* acc,
+                    float* totals) {
+  const WorkSizes sizes = work_sizes(keys, group);
+  RunWork<T> w;
+  w.query = query;
+  const int64_t step = num_kv_heads * head_dim;  // between a block's consecutive keys
+  for (int64_t t = 0; t < sizes.span;) {  // a block at a time: one division a block, not one a key
+    const int64_t position = keys.begin + t, run = std::min(block_size - position % block_size, sizes.span - t);
+    const int64_t first = key_offset(keys, position, block_size, num_kv_heads, head_dim);
+    for (int64_t k = 0; k < run; ++k) offsets[t + k] = first + k * step;
+    t += run;
+  }
+  std::fill(offsets + sizes.span, offsets + sizes.stride, offsets[sizes.span - 1]);
+  w.offsets = offsets;
+  w.span = sizes.span;
+  w.stride = sizes.stride;
+  w.rows = static_cast<int>(keys.rows);
+  w.group = static_cast<int>(group);
+  for (int64_t j = 0; j < keys.rows; ++j) {
+    w.starts[j] = keys.starts[j] - keys.begin;
+    w.lens[j] = keys.lens[j];
+  }
+  w.scores = scores;
+  std::fill(acc, acc + sizes.queries * head_dim, 0.0f);
+  w.acc = acc;
+  w.totals = totals;
+  w.out = out + (keys.row0 * num_heads + keys.kv_head * group) * head_dim;
+  w.out_row_stride = num_heads * head_dim;
+  return w;
+}
+
+}  // namespace
+
 template <typename T>
 void decode_attention_items(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,
                             const int64_t* block_tables, const int64_t* context_lens, const int64_t* runs, T* out,
                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                             int64_t max_blocks, float scale, int64_t window, int64_t first, int64_t last) {
   const int64_t group = num_heads / num_kv_heads;
-  const int64_t token_stride = num_kv_heads * head_dim;  // between consecutive slots of the pool
-  std::vector<float> query, acc, scores;
+  std::vector<float> query, acc, scores, totals;
   std::vector<int64_t> offsets;
-  std::vector<T> attended;
-  int64_t starts[kMaxRunRows], lens[kMaxRunRows];
   for (int64_t item = first; item < last; ++item) {
-    const int64_t run = item / num_kv_heads, kv_head = item % num_kv_heads;
-    const int64_t row0 = runs[run], rows = runs[run + 1] - row0;
-    // A sliding window keeps the last `window` keys, the query's own included: positions from its first key on.
-    // The run reads the union of its rows' keys, from the first row's first key to the last row's last.
-    int64_t begin = context_lens[row0], end = 0;
-    for (int64_t j = 0; j < rows; ++j) {
-      const int64_t length = context_lens[row0 + j];
-      starts[j] = window > 0 ? std::max<int64_t>(0, length - window) : 0;
-      lens[j] = length - starts[j];
-      begin = std::min(begin, starts[j]);
-      end = std::max(end, length);
-    }
-    // The run's rows agree on every block any of them reads (shared_context_runs), so the last row's table serves.
-    const int64_t* table = block_tables + (row0 + rows - 1) * max_blocks;
-    auto slot = [&](int64_t position) {
-      return (table[position / block_size] * block_size + position % block_size) * token_stride + kv_head * head_dim;
-    };
-    query.resize(rows * group * head_dim);
-    for (int64_t j = 0; j < rows; ++j)
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t d = 0; d < head_dim; ++d)
-          query[(j * group + g) * head_dim + d] =
-              static_cast<float>(q[(row0 + j) * q_stride + (kv_head * group + g) * head_dim + d]) * scale;
-    auto out_row = [&](int64_t j) { return out + ((row0 + j) * num_heads + kv_head * group) * head_dim; };
+    const ItemKeys keys = item_keys(block_tables, context_lens, runs, num_kv_heads, max_blocks, window, item);
+    query.resize(keys.rows * group * head_dim);
+    scaled_queries(q, q_stride, keys, group, head_dim, scale, query.data());
 #ifdef CARPOOL_SIMD
-    const int64_t span = end - begin;
-    offsets.resize((span + 3) / 4 * 4);
-    for (int64_t t = 0; t < static_cast<int64_t>(offsets.size()); ++t) offsets[t] = slot(begin + std::min(t, span - 1));
-    for (int64_t j = 0; j < rows; ++j) starts[j] -= begin;
-    attended.resize(rows * group * head_dim);
-    if (attend_vectorized(query.data(), k_cache, v_cache, offsets.data(), span, rows, group, starts, lens, head_dim,
-                          scores, acc, attended.data())) {
-      for (int64_t j = 0; j < rows; ++j)
-        std::copy_n(attended.data() + j * group * head_dim, group * head_dim, out_row(j));
-      continue;
-    }
-    for (int64_t j = 0; j < rows; ++j) starts[j] += begin;
+    const bool vectorized = with_head_chunks<T>(head_dim, group, [&](auto chunks) {
+      const WorkSizes sizes = work_sizes(keys, group);
+      offsets.resize(sizes.stride);
+      scores.resize(sizes.queries * sizes.stride);
+      acc.resize(sizes.queries * head_dim);
+      totals.resize(sizes.queries);
+      const RunWork<T> w = run_work(keys, group, num_heads, num_kv_heads, head_dim, block_size, out, query.data(),
+                                    offsets.data(), scores.data(), acc.data(), totals.data());
+      attend_run<T, decltype(chunks)::value>(w, k_cache, v_cache);
+    });
+    if (vectorized) continue;
 #endif
-    for (int64_t j = 0; j < rows; ++j)
-      attend_row_scalar(query.data() + j * group * head_dim, k_cache, v_cache, slot, starts[j], lens[j], group,
-                        head_dim, scores, acc, out_row(j));
+    auto slot = [&](int64_t position) { return key_offset(keys, position, block_size, num_kv_heads, head_dim); };
+    for (int64_t j = 0; j < keys.rows; ++j)
+      attend_row_scalar(query.data() + j * group * head_dim, k_cache, v_cache, slot, keys.starts[j], keys.lens[j],
+                        group, head_dim, scores, acc,
+                        out + ((keys.row0 + j) * num_heads + keys.kv_head * group) * head_dim);
   }
 }
+
+template <typename T>
+bool SplitDecodeAttention<T>::prepare(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,
+                                      const int64_t* block_tables, const int64_t* context_lens, const int64_t* runs,
+                                      int64_t num_runs, T* out, int64_t num_heads, int64_t num_kv_heads,
+                                      int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale,
+                                      int64_t window) {
+#ifdef CARPOOL_SIMD
+  const int64_t group = num_heads / num_kv_heads, items = num_runs * num_kv_heads;
+  std::vector<ItemKeys> keys;
+  int64_t query_size = 0, offsets_size = 0, scores_size = 0;
+  for (int64_t item = 0; item < items; ++item) {
+    keys.push_back(item_keys(block_tables, context_lens, runs, num_kv_heads, max_blocks, window, item));
+    const WorkSizes sizes = work_sizes(keys.back(), group);
+    query_size += sizes.queries * head_dim;
+    offsets_size += sizes.stride;
+    scores_size += sizes.queries * sizes.stride;
+  }
+  query_.resize(query_size);
+  acc_.resize(query_size);
+  totals_.resize(query_size / head_dim);
+  offsets_.resize(offsets_size);
+  scores_.resize(scores_size);
+  work_.clear();
+  for (auto& units : units_) units.clear();
+  return with_head_chunks<T>(head_dim, group, [&](auto chunks) {
+    constexpr int kChunks = decltype(chunks)::value, kSlice = std::max<int>(1, 64 / sizeof(T) / kLanes);
+    int64_t query_at = 0, offsets_at = 0, scores_at = 0;
+    for (int64_t item = 0; item < items; ++item) {
+      const WorkSizes sizes = work_sizes(keys[item], group);
+      scaled_queries(q, q_stride, keys[item], group, head_dim, scale, query_.data() + query_at);
+      work_.push_back(run_work(keys[item], group, num_heads, num_kv_heads, head_dim, block_size, out,
+                               query_.data() + query_at, offsets_.data() + offsets_at, scores_.data() + scores_at,
+                               acc_.data() + query_at, totals_.data() + query_at / head_dim));
+      for (int64_t first = 0; first < sizes.stride; first += key_block<T, kChunks>()) units_[0].emplace_back(item, first);
+      for (int64_t i = 0; i < sizes.queries; ++i) units_[1].emplace_back(item, i);
+      for (int column = 0; column < kChunks; column += kSlice) units_[2].emplace_back(item, column);
+      query_at += sizes.queries * head_dim;
+      offsets_at += sizes.stride;
+      scores_at += sizes.queries * sizes.stride;
+    }
+    k_cache_ = k_cache;
+    v_cache_ = v_cache;
+    head_dim_ = head_dim;
+    group_ = group;
+  });
+#else
+  return false;
+#endif
+}
+
+template <typename T>
+void SplitDecodeAttention<T>::run(int phase, int64_t first, int64_t last) const {
+#ifdef CARPOOL_SIMD
+  with_head_chunks<T>(head_dim_, group_, [&](auto chunks) {
+    constexpr int kChunks = decltype(chunks)::value, kSlice = std::max<int>(1, 64 / sizeof(T) / kLanes);
+    constexpr int64_t kKeys = key_block<T, kChunks>();
+    for (int64_t u = first; u < last; ++u) {
+      const auto [item, index] = units_[phase][u];
+      const RunWork<T>& w = work_[item];
+      if (phase == 0) {
+        score_range<T, kChunks>(w, k_cache_, index, std::min(w.stride, index + kKeys));
+      } else if (phase == 1) {
+        softmax_query<T, kChunks>(w, k_cache_, static_cast<int>(index));
+      } else {
+        const int column = static_cast<int>(index);
+        for (int64_t key = 0; key < w.span; key += kKeys)
+          weigh_range<T, kChunks, kSlice>(w, v_cache_, column, key, std::min(w.span, key + kKeys));
+        write_columns<T, kChunks, kSlice>(w, column);
+      }
+    }
+  });
+#endif
+}
+
+template class SplitDecodeAttention<float>;
+template class SplitDecodeAttention<c10::BFloat16>;
 
 template void decode_attention_items(const float*, int64_t, const float*, const float*, const int64_t*,
                                      const int64_t*, const int64_t*, float*, int64_t, int64_t, int64_t, int64_t,
@@ -347,6 +510,16 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int6
                       int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale, int64_t window) {
   const std::vector<int64_t> runs = shared_context_runs(block_tables, context_lens, batch, max_blocks, block_size);
   const int64_t num_runs = static_cast<int64_t>(runs.size()) - 1;
+  if constexpr (!std::is_same_v<T, double>) {
+    SplitDecodeAttention<T> split;
+    if (SplitDecodeAttention<T>::pays(num_runs * num_kv_heads, at::get_num_threads()) &&
+        split.prepare(q, num_heads * head_dim, k_cache, v_cache, block_tables, context_lens, runs.data(), num_runs, out,
+                      num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale, window)) {
+      for (int phase = 0; phase < SplitDecodeAttention<T>::kPhases; ++phase)  // each a parallel_for: joined after
+        at::parallel_for(0, split.units(phase), 1, [&](int64_t first, int64_t last) { split.run(phase, first, last); });
+      return;
+    }
+  }
   at::parallel_for(0, num_runs * num_kv_heads, 1, [&](int64_t first, int64_t last) {
     decode_attention_items(q, num_heads * head_dim, k_cache, v_cache, block_tables, context_lens, runs.data(), out,
                            num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale, window, first, last);

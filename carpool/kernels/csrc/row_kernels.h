@@ -8,6 +8,7 @@
 #include <c10/util/BFloat16.h>
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "vec.h"
@@ -57,6 +58,58 @@ void rotate_token(T* q, int64_t q_heads, T* k, int64_t k_heads, int64_t head_dim
 inline constexpr int64_t kMaxRunRows = 16;
 std::vector<int64_t> shared_context_runs(const int64_t* block_tables, const int64_t* context_lens, int64_t batch,
                                          int64_t max_blocks, int64_t block_size);
+
+// One run x KV head of a decode attention call, set up for the vectorized kernel (paged_attention.cpp): the run's
+// keys [0, span) are the pool rows at `offsets` (K and V alike; `stride` of them, whole fours, padded with repeats
+// of the last); row j sees keys [starts[j], starts[j] + lens[j]); query vector i = row * group + head, scaled, fp32.
+template <typename T>
+struct RunWork {
+  const float* query = nullptr;      // [queries, head_dim]
+  const int64_t* offsets = nullptr;  // [stride]
+  int64_t span = 0, stride = 0;
+  int rows = 0, group = 0;
+  int64_t starts[kMaxRunRows] = {}, lens[kMaxRunRows] = {};
+  float* scores = nullptr;  // [queries, stride]
+  float* acc = nullptr;     // [queries, head_dim], zeroed: the weighted values' fp32 sums
+  float* totals = nullptr;  // [queries]: the softmax weights' sums
+  T* out = nullptr;         // query vector i's output at out + (i / group) * out_row_stride + (i % group) * head_dim
+  int64_t out_row_stride = 0;
+  int queries() const { return rows * group; }
+};
+
+// Decode attention cut finer than its (run, KV head) items, for calls with too few items to share evenly among the
+// threads: one sequence of SmolLM2 (3 KV heads) on 2 threads left one thread a third of the attention idle, one of
+// Gemma 3 (one KV head) all of it. Three phases, each shared among the threads, each starting once the one before has
+// finished on every thread (the caller's barrier): scores by key blocks, softmax weights by query vector, weighted
+// values and outputs by 64-byte column slices (one cache line of V rows: no line read by two threads). Each phase is
+// the item kernel's own work cut another way, so every output is the item kernel's to the bit.
+template <typename T>
+class SplitDecodeAttention {
+ public:
+  static constexpr int kPhases = 3;
+
+  // Whether splitting pays: fewer items than two a thread, and not a multiple of the threads.
+  static bool pays(int64_t items, int threads) { return threads > 1 && items < 2 * threads && items % threads != 0; }
+
+  // Sets up a call's items (one thread; arguments as decode_attention_items', items all of runs x kv_heads); false
+  // where the vectorized kernel does not apply (head size, dtype, portable build): the items then run whole.
+  bool prepare(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache, const int64_t* block_tables,
+               const int64_t* context_lens, const int64_t* runs, int64_t num_runs, T* out, int64_t num_heads,
+               int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale,
+               int64_t window);
+  int64_t units(int phase) const { return static_cast<int64_t>(units_[phase].size()); }
+  // Units [first, last) of a phase.
+  void run(int phase, int64_t first, int64_t last) const;
+
+ private:
+  std::vector<RunWork<T>> work_;
+  std::vector<std::pair<int64_t, int64_t>> units_[kPhases];  // (item, first key | query vector | first column)
+  std::vector<float> query_, scores_, acc_, totals_;
+  std::vector<int64_t> offsets_;
+  const T* k_cache_ = nullptr;
+  const T* v_cache_ = nullptr;
+  int64_t head_dim_ = 0, group_ = 0;
+};
 
 // Paged decode attention for items [first, last) of runs x kv_heads: item r * num_kv_heads + h is run r's rows
 // (runs from shared_context_runs) with KV head h and its group of query heads, each K/V vector read once for all of
