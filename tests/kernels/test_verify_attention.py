@@ -82,15 +82,15 @@ def test_a_verifying_sequences_rows_are_read_together():
         0, MAX_RUN_ROWS, len(long_run)]
 
 
-@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("threads", [2, 4])
 @pytest.mark.parametrize("window", [0, 40])
 @pytest.mark.parametrize("head_dim,heads,kv_heads", HEAD_LAYOUTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_one_sequence_shared_among_threads_equals_one_thread(dtype, head_dim, heads, kv_heads, window, threads):
-    """One sequence has a call's attention items only for its KV heads (SmolLM2's 3, Gemma 3's one): too few to
-    share among the threads, so the kernel cuts the work finer (scores by key blocks, values by column slices).
-    Whatever the cut, every output equals one thread's item kernel to the bit: a decoding row, and a verifying
-    run's rows, at contexts of many key blocks (300 keys: 3 of SmolLM2's 128-key blocks, 10 of Gemma 3's 32)."""
+    """One sequence has a call's attention items only for its KV heads (Gemma 3's one, SmolLM2's 3): fewer than
+    the threads, the kernel cuts the work finer (scores by key blocks, values by column slices). Whatever the cut,
+    every output equals one thread's item kernel to the bit: a decoding row, and a verifying run's rows, at contexts
+    of many key blocks (300 keys: 3 of SmolLM2's 128-key blocks, 10 of Gemma 3's 32)."""
     g = torch.Generator().manual_seed(head_dim * heads + window)
     k_cache, v_cache = (torch.randn(NUM_BLOCKS, BLOCK_SIZE, kv_heads, head_dim, generator=g).to(dtype) for _ in "kv")
     table = torch.randperm(NUM_BLOCKS, generator=g)[:20]

@@ -427,7 +427,7 @@ class DecodeStack : public torch::CustomClassHolder {
     const int64_t* position = positions.data_ptr<int64_t>();
     const float eps = static_cast<float>(eps_), scale = static_cast<float>(scale_);
     PreparedInput prepared;
-    // Steps with too few attention items for the threads (one sequence) share each layer's attention finer.
+    // Steps with fewer attention items than threads (one sequence of few KV heads) share each item finer.
     using Split = carpool::kernels::SplitDecodeAttention<T>;
     Split split;
     bool split_now = false;
@@ -462,13 +462,7 @@ class DecodeStack : public torch::CustomClassHolder {
                                     layer.window);
         }
         if (split_now) {
-          for (int phase = 0; phase < Split::kPhases; ++phase) {
-            if (phase > 0) {
-#pragma omp barrier
-            }
-            const auto [first, last] = share(split.units(phase), 1, tid, threads);
-            split.run(phase, first, last);
-          }
+          split.run_phases(tid, threads);
         } else {
           const auto [first, last] = share(runs * num_kv_heads_, 1, tid, threads);
           carpool::kernels::decode_attention_items(qkv, qkv_width, layer.k_cache.data_ptr<T>(),

@@ -7,6 +7,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
+#include <omp.h>
 
 #include "row_kernels.h"
 #include "vec.h"
@@ -469,23 +470,29 @@ bool SplitDecodeAttention<T>::prepare(const T* q, int64_t q_stride, const T* k_c
 }
 
 template <typename T>
-void SplitDecodeAttention<T>::run(int phase, int64_t first, int64_t last) const {
+void SplitDecodeAttention<T>::run_phases(int tid, int threads) const {
 #ifdef CARPOOL_SIMD
   with_head_chunks<T>(head_dim_, group_, [&](auto chunks) {
     constexpr int kChunks = decltype(chunks)::value, kSlice = std::max<int>(1, 64 / sizeof(T) / kLanes);
     constexpr int64_t kKeys = key_block<T, kChunks>();
-    for (int64_t u = first; u < last; ++u) {
-      const auto [item, index] = units_[phase][u];
-      const RunWork<T>& w = work_[item];
-      if (phase == 0) {
-        score_range<T, kChunks>(w, k_cache_, index, std::min(w.stride, index + kKeys));
-      } else if (phase == 1) {
-        softmax_query<T, kChunks>(w, k_cache_, static_cast<int>(index));
-      } else {
-        const int column = static_cast<int>(index);
-        for (int64_t key = 0; key < w.span; key += kKeys)
-          weigh_range<T, kChunks, kSlice>(w, v_cache_, column, key, std::min(w.span, key + kKeys));
-        write_columns<T, kChunks, kSlice>(w, column);
+    for (int phase = 0; phase < kPhases; ++phase) {
+      if (phase > 0) {
+#pragma omp barrier
+      }
+      const int64_t units = static_cast<int64_t>(units_[phase].size());
+      for (int64_t u = units * tid / threads; u < units * (tid + 1) / threads; ++u) {
+        const auto [item, index] = units_[phase][u];
+        const RunWork<T>& w = work_[item];
+        if (phase == 0) {
+          score_range<T, kChunks>(w, k_cache_, index, std::min(w.stride, index + kKeys));
+        } else if (phase == 1) {
+          softmax_query<T, kChunks>(w, k_cache_, static_cast<int>(index));
+        } else {
+          const int column = static_cast<int>(index);
+          for (int64_t key = 0; key < w.span; key += kKeys)
+            weigh_range<T, kChunks, kSlice>(w, v_cache_, column, key, std::min(w.span, key + kKeys));
+          write_columns<T, kChunks, kSlice>(w, column);
+        }
       }
     }
   });
@@ -515,8 +522,8 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int6
     if (SplitDecodeAttention<T>::pays(num_runs * num_kv_heads, at::get_num_threads()) &&
         split.prepare(q, num_heads * head_dim, k_cache, v_cache, block_tables, context_lens, runs.data(), num_runs, out,
                       num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale, window)) {
-      for (int phase = 0; phase < SplitDecodeAttention<T>::kPhases; ++phase)  // each a parallel_for: joined after
-        at::parallel_for(0, split.units(phase), 1, [&](int64_t first, int64_t last) { split.run(phase, first, last); });
+#pragma omp parallel num_threads(at::get_num_threads())
+      split.run_phases(omp_get_thread_num(), omp_get_num_threads());  // one fork and join, not one a phase
       return;
     }
   }
