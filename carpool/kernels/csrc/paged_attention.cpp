@@ -148,6 +148,12 @@ constexpr int64_t key_block() {
   return std::max<int64_t>(4, kKeyBlockBytes / static_cast<int64_t>(CHUNKS * kLanes * sizeof(T)) / 4 * 4);
 }
 
+// Vectors of a value row in one cache line: SplitDecodeAttention's column slice, so no line goes to two threads.
+template <typename T>
+constexpr int slice_chunks() {
+  return std::max<int>(1, 64 / sizeof(T) / kLanes);
+}
+
 // Scores of keys [first, last) (whole fours) for every query vector of the item.
 template <typename T, int CHUNKS>
 void score_range(const RunWork<T>& w, const T* k_cache, int64_t first, int64_t last) {
@@ -342,7 +348,7 @@ int64_t key_offset(const ItemKeys& keys, int64_t position, int64_t block_size, i
          head_dim;
 }
 
-// The vectorized kernel's view of an item, on buffers the caller sized with work_sizes.
+// An item's sizes in the vectorized kernel: its keys, those padded to whole fours, its query vectors.
 struct WorkSizes {
   int64_t span, stride, queries;
 };
@@ -351,6 +357,8 @@ WorkSizes work_sizes(const ItemKeys& keys, int64_t group) {
   return {span, (span + 3) / 4 * 4, keys.rows * group};
 }
 
+// The vectorized kernel's view of an item, on buffers the caller sized with work_sizes (query filled, the rest
+// filled here).
 template <typename T>
 RunWork<T> run_work(const ItemKeys& keys, int64_t group, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                     int64_t block_size, T* out, const float* query, int64_t* offsets, float* scores, float* acc,
@@ -444,7 +452,7 @@ bool SplitDecodeAttention<T>::prepare(const T* q, int64_t q_stride, const T* k_c
   work_.clear();
   for (auto& units : units_) units.clear();
   return with_head_chunks<T>(head_dim, group, [&](auto chunks) {
-    constexpr int kChunks = decltype(chunks)::value, kSlice = std::max<int>(1, 64 / sizeof(T) / kLanes);
+    constexpr int kChunks = decltype(chunks)::value, kSlice = slice_chunks<T>();
     int64_t query_at = 0, offsets_at = 0, scores_at = 0;
     for (int64_t item = 0; item < items; ++item) {
       const WorkSizes sizes = work_sizes(keys[item], group);
@@ -452,7 +460,8 @@ bool SplitDecodeAttention<T>::prepare(const T* q, int64_t q_stride, const T* k_c
       work_.push_back(run_work(keys[item], group, num_heads, num_kv_heads, head_dim, block_size, out,
                                query_.data() + query_at, offsets_.data() + offsets_at, scores_.data() + scores_at,
                                acc_.data() + query_at, totals_.data() + query_at / head_dim));
-      for (int64_t first = 0; first < sizes.stride; first += key_block<T, kChunks>()) units_[0].emplace_back(item, first);
+      for (int64_t first = 0; first < sizes.stride; first += key_block<T, kChunks>())
+        units_[0].emplace_back(item, first);
       for (int64_t i = 0; i < sizes.queries; ++i) units_[1].emplace_back(item, i);
       for (int column = 0; column < kChunks; column += kSlice) units_[2].emplace_back(item, column);
       query_at += sizes.queries * head_dim;
@@ -473,7 +482,7 @@ template <typename T>
 void SplitDecodeAttention<T>::run_phases(int tid, int threads) const {
 #ifdef CARPOOL_SIMD
   with_head_chunks<T>(head_dim_, group_, [&](auto chunks) {
-    constexpr int kChunks = decltype(chunks)::value, kSlice = std::max<int>(1, 64 / sizeof(T) / kLanes);
+    constexpr int kChunks = decltype(chunks)::value, kSlice = slice_chunks<T>();
     constexpr int64_t kKeys = key_block<T, kChunks>();
     for (int phase = 0; phase < kPhases; ++phase) {
       if (phase > 0) {

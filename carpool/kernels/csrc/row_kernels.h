@@ -78,10 +78,11 @@ struct RunWork {
 };
 
 // Decode attention cut finer than its (run, KV head) items, for calls with fewer items than threads: one sequence of
-// Gemma 3 (one KV head) on 2 threads left one thread idle through the attention. Three phases, each shared among the threads, each starting once the one before has
-// finished on every thread (a barrier): scores by key blocks, softmax weights by query vector, weighted
-// values and outputs by 64-byte column slices (one cache line of V rows: no line read by two threads). Each phase is
-// the item kernel's own work cut another way, so every output is the item kernel's to the bit.
+// Gemma 3 (one KV head) on 2 threads left one thread idle through the attention. Three phases, each shared among
+// the threads, each starting once the one before has finished on every thread (a barrier): scores by key blocks,
+// softmax weights by query vector, weighted values and outputs by 64-byte column slices (one cache line of V rows:
+// no line read by two threads). Each phase is the item kernel's own work cut another way, so every output is the
+// item kernel's to the bit.
 template <typename T>
 class SplitDecodeAttention {
  public:
