@@ -22,6 +22,7 @@ import torch
 
 from carpool import LLM, SamplingParams
 from carpool.bench.datasets import long_docs
+from carpool.engine.model_runner import ModelRunner
 from carpool.models.layers import projection_parts
 from carpool.models.quantization import matmul_mode
 
@@ -33,12 +34,9 @@ def weight_bytes(model) -> int:
 
 def kv_bytes(model, context: int) -> int:
     """Keys and values one decode step reads at `context` tokens: each layer's (a sliding window's at most)."""
-    total = 0
-    for layer in model.layers:
-        cache = layer.self_attn.attn.k_cache  # [blocks, block_size, kv_heads, head_dim]
-        keys = min(context, layer.self_attn.attn.window or context)
-        total += 2 * keys * cache.size(2) * cache.size(3) * cache.element_size()
-    return total
+    config, dtype = model.config, model.layers[0].self_attn.attn.k_cache.dtype
+    layer_token_bytes = ModelRunner.kv_bytes_per_block(config, block_size=1, dtype=dtype) // config.num_layers
+    return layer_token_bytes * sum(min(context, layer.self_attn.attn.window or context) for layer in model.layers)
 
 
 def context_prompt(llm: LLM, tokens: int) -> list[int]:
@@ -124,12 +122,11 @@ def run(model_name: str, rounds: int, steps: int, threads: int, bandwidth_gbs: f
         matmuls = matmuls_ms(model, dtype, 5)
     attend = tuple(statistics.mean(a[i] for a in attention) for i in range(2))
     mean_context = context + rounds * len(samples) * (steps + 1) // 2  # the context grows a token a step
-    streamed = weight_bytes(model) + kv_bytes(model, mean_context)
-    floor = streamed / (bandwidth_gbs * 1e9) * 1000
+    weights, keys_values = weight_bytes(model), kv_bytes(model, mean_context)
+    floor = (weights + keys_values) / (bandwidth_gbs * 1e9) * 1000
     report = {"model": model_name, "threads": threads, "dtype": str(dtype), "steps_per_round": steps, "rounds": rounds,
               "context": context, "mean_context": mean_context, "matmuls_ms": matmuls, "attention_ms": attend,
-              "weight_bytes": weight_bytes(model), "kv_bytes": kv_bytes(model, mean_context), "floor_ms": floor,
-              "bandwidth_gbs": bandwidth_gbs}
+              "weight_bytes": weights, "kv_bytes": keys_values, "floor_ms": floor, "bandwidth_gbs": bandwidth_gbs}
     for mode, values in samples.items():
         wall, cpu = statistics.median(v[0] for v in values), statistics.median(v[1] for v in values)
         report[mode] = {"wall_ms": wall, "cpu_ms": cpu, "overhead_wall_ms": wall - matmuls[0] - attend[0],
