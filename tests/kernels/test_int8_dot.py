@@ -3,6 +3,8 @@ for the 32-weight formats, per 256 for the K-quants), times gguf-py's dequantize
 the GEMV, more the batched kernel (ggml_gemm.cpp, where the build has one for the format). Runs on whatever kernel
 build is loaded (test_isa_paths.py runs it on every path this CPU can run)."""
 
+import gguf
+import numpy as np
 import pytest
 import torch
 from test_ggml_quants import QTYPES, Q, random_blocks
@@ -93,6 +95,35 @@ def test_activations_round_half_to_even(every_row_count_int8, qtype, rows):
     away_from_zero = (torch.sign(x) * torch.floor(x.abs() + 0.5)).double() @ weight.double().T
     assert ((out - to_even).abs() / magnitude).max().item() < 2e-6
     assert ((out - away_from_zero).abs() / magnitude).max().item() > 1e-4
+
+
+# Each format's bytes of weight integers within a block (the rest: its float and integer scales), and the byte
+# that puts every integer at the low or the high end of its range (Q8_0's are int8, the others unsigned bit fields).
+QUANT_BYTES = {Q.Q4_0: (2, 18), Q.Q4_1: (4, 20), Q.Q5_0: (2, 22), Q.Q8_0: (2, 34), Q.Q4_K: (16, 144),
+               Q.Q5_K: (16, 176), Q.Q6_K: (0, 192)}
+END_BYTES = {"low": {Q.Q8_0: 0x80}, "high": {Q.Q8_0: 0x7F}}
+END_BYTE_DEFAULT = {"low": 0x00, "high": 0xFF}
+
+
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("end", ("low", "high"))
+@pytest.mark.parametrize("sign", (1, -1), ids=("positive", "negative"))
+def test_integer_sums_at_their_extremes_do_not_overflow(every_row_count_int8, qtype, end, sign):
+    """Every activation at +-127 and every weight integer at an end of its range, one sign throughout: the largest
+    sums the kernels' narrow accumulators see (AVX2's int16 pairs widen every GemmLayout::kPairSteps steps)."""
+    cols = 1024
+    blocks, _ = random_blocks(37, cols, qtype)
+    block_bytes = gguf.GGML_QUANT_SIZES[qtype][1]
+    first, last = QUANT_BYTES[qtype]
+    raw = blocks.numpy().reshape(37, -1, block_bytes).copy()
+    raw[..., first:last] = END_BYTES[end].get(qtype, END_BYTE_DEFAULT[end])
+    blocks = torch.from_numpy(raw.reshape(37, -1))
+    weight = torch.from_numpy(gguf.quants.dequantize(raw.reshape(37, -1), qtype).astype(np.float32))
+    x = torch.full((40, cols), float(sign))  # d = 1 / 127 per block, every q = +-127
+    out = torch.ops.carpool.ggml_linear(x, blocks, int(qtype)).double()
+    expected = quantized_activations(x, block_of(qtype)) @ weight.double().T
+    magnitude = (x.abs().double() @ weight.abs().double().T).max(-1, keepdim=True).values
+    assert ((out - expected).abs() / magnitude).max().item() < 2e-6
 
 
 # The formats whose integer kernels stay ahead of the exact path at prompt sizes, per kernel path: their int8-dot

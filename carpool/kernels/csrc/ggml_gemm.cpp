@@ -1,7 +1,8 @@
 // The int8-dot path of ggml_linear for batches (ggml_dot.h: decode batches, speculative verify rows). The GEMV in
 // ggml_dot.cpp dots each weight block with a few activation rows laid along the vector lanes of K; here the lanes
-// are activation ROWS: x is quantized once per call and stored as x + 128 (u8) interleaved [rows / lanes][K / 4]
-// [lanes][4] (each vector of rows contiguous along K), so one vpdpbusd multiplies 4 weights of one output column (broadcast from an unpacked panel) with 16 rows at once.
+// are activation ROWS: x is quantized once per call and stored as x + 128 (u8; x itself where AVX2 multiplies
+// unsigned weights, kXBias) interleaved [rows / lanes][K / 4][lanes][4] (each vector of rows contiguous along K), so
+// one vpdpbusd multiplies 4 weights of one output column (broadcast from an unpacked panel) with 16 rows at once.
 // A sub-block's integer scale is then the same for every lane: one vpmulld per 32 (Q6_K: 16) weights instead of
 // one vpdpwssd per 64, and each weight byte is unpacked once per call, not once per 4 rows. With weights w and
 // row scales x_d, for each block of a column:
@@ -38,28 +39,31 @@ using carpool::kernels::store_tile;
 
 // How a format's blocks split for the GEMM: integer-scaled sub-blocks of kSub weights (one per block, scale 1,
 // unless kScaled) and kMinGroups 32-weight groups per block with a float term on x's sums (0 without one).
-// kPairSteps (AVX2 without VNNI): how many vpmaddubsw results of 4 weights an int16 lane holds before it must widen,
-// 2 * 255 * max|w| each (x + 128 <= 255): 4080 for Q4_0's [-8, 7], 8160 for Q5_0's [-16, 15], 7650 for [0, 15],
-// 15810 for Q5_K's [0, 31], 16320 for Q6_K's [-32, 31]. Q8_0 has no AVX2 GEMM (a single step would saturate).
+// kUnsignedWeights: the format's integers are unsigned (its offset lives in the min terms).
+// kPairSteps (AVX2 without VNNI): how many vpmaddubsw results of 4 weights an int16 lane holds before it must widen.
+// With unsigned weights the pairs path takes them as the instruction's unsigned operand and x signed (|x_q| <= 127),
+// 2 * 127 * max w each: 3810 for Q4_1's and Q4_K's [0, 15], 7874 for Q5_K's [0, 31]; the others take x + 128 <= 255
+// and signed weights, 2 * 255 * max|w|: 4080 for Q4_0's [-8, 7], 8160 for Q5_0's [-16, 15], 16320 for Q6_K's
+// [-32, 31]. Q8_0 has no AVX2 GEMM (a single step would saturate).
 template <int64_t QT> struct GemmLayout;
 template <> struct GemmLayout<kQ8_0> {
   static constexpr int kSub = 32, kMinGroups = 0, kPairSteps = 1;
-  static constexpr bool kScaled = false;
+  static constexpr bool kScaled = false, kUnsignedWeights = false;
 };
 template <> struct GemmLayout<kQ4_0> : GemmLayout<kQ8_0> { static constexpr int kPairSteps = 8; };
 template <> struct GemmLayout<kQ5_0> : GemmLayout<kQ8_0> { static constexpr int kPairSteps = 4; };
 template <> struct GemmLayout<kQ4_1> {
-  static constexpr int kSub = 32, kMinGroups = 1, kPairSteps = 4;
-  static constexpr bool kScaled = false;
+  static constexpr int kSub = 32, kMinGroups = 1, kPairSteps = 8;
+  static constexpr bool kScaled = false, kUnsignedWeights = true;
 };
 template <> struct GemmLayout<kQ4_K> {
-  static constexpr int kSub = 32, kMinGroups = 8, kPairSteps = 4;
-  static constexpr bool kScaled = true;
+  static constexpr int kSub = 32, kMinGroups = 8, kPairSteps = 8;
+  static constexpr bool kScaled = true, kUnsignedWeights = true;
 };
-template <> struct GemmLayout<kQ5_K> : GemmLayout<kQ4_K> { static constexpr int kPairSteps = 2; };
+template <> struct GemmLayout<kQ5_K> : GemmLayout<kQ4_K> { static constexpr int kPairSteps = 4; };
 template <> struct GemmLayout<kQ6_K> {
   static constexpr int kSub = 16, kMinGroups = 0, kPairSteps = 2;
-  static constexpr bool kScaled = true;
+  static constexpr bool kScaled = true, kUnsignedWeights = false;
 };
 
 // 256-bit helpers (both SIMD builds) for unpacking: bytes of nibbles, sums of unsigned bytes.
@@ -89,9 +93,10 @@ inline int32_t byte_sum32(__m256i v) {
 }
 
 // One block of one column as integers: w[kWeights] signed, sc per sub-block, d, negdm per min group; returns
-// sum_s sc_s sum_s(w) (the 128 bias of x's u8 form times this is what the dot products overcount). Sums are
-// taken on the unsigned values before each format's offset (vpsadbw).
-template <int64_t QT>
+// sum_s sc_s sum_s(w) (the 128 bias of x's u8 form times this is what the dot products overcount), or 0 without
+// kSums (x without a bias needs none; the sums were 7 of 13 instructions per 64 Q4_K weights). Sums are taken on
+// the unsigned values before each format's offset (vpsadbw).
+template <int64_t QT, bool kSums>
 int32_t unpack_block(const uint8_t* p, int8_t* w, int32_t* sc, float& d, float* negdm) {
   if constexpr (QT == kQ8_0 || QT == kQ4_0 || QT == kQ5_0 || QT == kQ4_1) {
     d = half_to_float(p);
@@ -116,7 +121,7 @@ int32_t unpack_block(const uint8_t* p, int8_t* w, int32_t* sc, float& d, float* 
       offset = QT == kQ4_0 ? 8 : 0;
     }
     store256(w, _mm256_sub_epi8(q, bytes(static_cast<int8_t>(offset))));
-    return byte_sum32(q) - 32 * offset;
+    return kSums ? byte_sum32(q) - 32 * offset : 0;
   } else if constexpr (QT == kQ4_K || QT == kQ5_K) {
     d = half_to_float(p);
     const float dmin = half_to_float(p + 2);
@@ -142,11 +147,13 @@ int32_t unpack_block(const uint8_t* p, int8_t* w, int32_t* sc, float& d, float* 
       }
       store256(w + 64 * c, lo);
       store256(w + 64 * c + 32, hi);
-      const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_shuffle_epi8(scale_bytes, bytes(2 * c))),
-                                             _mm256_maddubs_epi16(hi, _mm256_shuffle_epi8(scale_bytes, bytes(2 * c + 1))));
-      bias32 = _mm256_add_epi32(bias32, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+      if constexpr (kSums) {
+        const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_shuffle_epi8(scale_bytes, bytes(2 * c))),
+                                               _mm256_maddubs_epi16(hi, _mm256_shuffle_epi8(scale_bytes, bytes(2 * c + 1))));
+        bias32 = _mm256_add_epi32(bias32, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+      }
     }
-    return int_sum(bias32);
+    return kSums ? int_sum(bias32) : 0;
   } else if constexpr (QT == kQ6_K) {
     const int8_t* scales = reinterpret_cast<const int8_t*>(p + 192);
     d = half_to_float(p + 208);
@@ -233,22 +240,29 @@ struct Rows8 {
   static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
 };
 
+// What x's bytes hold: x_q + 128 (u8, the multiplies' unsigned operand), or x_q itself where the int16-pairs path
+// takes a format's unsigned weights as that operand (GemmLayout). The bias, times a block's sum of weights, is what
+// the dot products overcount.
+template <int64_t QT, typename V>
+constexpr int32_t kXBias = V::kInt16Pairs && GemmLayout<QT>::kUnsignedWeights ? 0 : 128;
+
 // x quantized once per call as the tile reads it (see the top); rows padded to whole vectors with x = 0.
 struct InterleavedRows {
   int64_t rows = 0;            // padded
-  // [rows / lanes][K / 4][lanes][4]: x_q + 128. One vector of rows is contiguous: with [K / 4][rows][4], a 512-row
+  // [rows / lanes][K / 4][lanes][4]: x_q + bias. One vector of rows is contiguous: with [K / 4][rows][4], a 512-row
   // prompt chunk put 2 KiB between a vector's consecutive loads, a power-of-two stride that kept a row block in a
   // few cache sets (1536x8960 Q4_1 at 512 rows: 1.05x the exact path, 1.6x at 16 rows, forced AVX2).
-  std::vector<uint8_t> u;
+  std::vector<uint8_t> u;      // x_q + bias (kXBias)
   std::vector<float> d;        // [K / block][rows]
   std::vector<float> sums;     // [K / 32][rows]: d * sum of x_q over each 32 values (formats with min terms)
 };
 
 // Symmetric int8 per `block` values, as ggml_dot.cpp's GEMV quantizes: d = max|x| / 127, q = round-half-even(x / d).
-InterleavedRows quantize_interleaved(const float* x, int64_t M, int64_t K, int64_t block, int lanes, bool with_sums) {
+InterleavedRows quantize_interleaved(const float* x, int64_t M, int64_t K, int64_t block, int lanes, int32_t bias,
+                                     bool with_sums) {
   InterleavedRows out;
   out.rows = (M + lanes - 1) / lanes * lanes;
-  out.u.assign(K * out.rows, 128);
+  out.u.assign(K * out.rows, static_cast<uint8_t>(bias));
   out.d.assign(K / block * out.rows, 0.0f);
   if (with_sums) out.sums.assign(K / 32 * out.rows, 0.0f);
   // Rows split over the threads: a 512-row prompt chunk is 0.3-4.6 M values to quantize, every call.
@@ -263,7 +277,8 @@ InterleavedRows quantize_interleaved(const float* x, int64_t M, int64_t K, int64
         for (int64_t g = 0; g < block; g += 32) {
           const __m256i biased = _mm256_xor_si256(load256(reinterpret_cast<const uint8_t*>(q + g)), bytes(-128));
           alignas(32) uint8_t u[32];
-          _mm256_store_si256(reinterpret_cast<__m256i*>(u), biased);
+          const __m256i stored = bias ? biased : load256(reinterpret_cast<const uint8_t*>(q + g));
+          _mm256_store_si256(reinterpret_cast<__m256i*>(u), stored);
           uint8_t* to = groups + (b * block + g) / 4 * lanes * 4;
           for (int j = 0; j < 8; ++j) std::memcpy(to + j * lanes * 4, u + 4 * j, 4);
           if (with_sums) out.sums[(b * block + g) / 32 * out.rows + m] = d * static_cast<float>(byte_sum32(biased) - 32 * 128);
@@ -290,6 +305,7 @@ struct Panel {
       : K(K), width(width), w(width * K), sc(width * K / L::kSub), bias(width * K / kW), d(width * K / kW),
         negdm(L::kMinGroups ? width * K / 32 : 0) {}
 
+  template <bool kSums>
   void unpack(const uint8_t* weight, int64_t row_bytes, int64_t n0, int64_t columns) {
     const int64_t blocks = K / kW;
     for (int64_t n = 0; n < width; ++n) {
@@ -303,7 +319,7 @@ struct Panel {
       }
       const uint8_t* row = weight + (n0 + n) * row_bytes;
       for (int64_t b = 0; b < blocks; ++b)
-        bias[n * blocks + b] = unpack_block<QT>(row + b * Format<QT>::kBytes, w.data() + n * K + b * kW,
+        bias[n * blocks + b] = unpack_block<QT, kSums>(row + b * Format<QT>::kBytes, w.data() + n * K + b * kW,
                                                 sc.data() + (n * K + b * kW) / L::kSub, d[n * blocks + b],
                                                 L::kMinGroups ? negdm.data() + (n * K + b * kW) / 32 : nullptr);
     }
@@ -361,7 +377,7 @@ inline void block_totals(const uint8_t* xu, int64_t vector_bytes, const int8_t* 
 
 // AVX2 (int16 pairs): per step RV x loads serve all NR columns and each column's broadcast serves all RV vectors;
 // each (column, vector) adds its vpmaddubsw into its own int16 sums, widened by the sub-block's scale every
-// kPairSteps steps.
+// kPairSteps steps. Unsigned weights are the instruction's unsigned operand, x (then signed) the other.
 template <int64_t QT, int NR, int RV>
 inline void block_totals_pairs(const uint8_t* xu, int64_t vector_bytes, const int8_t* const* w,
                                const int32_t* const* sc, int64_t b, __m256i (&total)[NR][RV]) {
@@ -381,7 +397,8 @@ inline void block_totals_pairs(const uint8_t* xu, int64_t vector_bytes, const in
         for (int n = 0; n < NR; ++n) {
           const __m256i w4 = _mm256_set1_epi32(load4(w[n] + k0 + 4 * (g0 + g)));
           for (int r = 0; r < RV; ++r) {
-            const __m256i product = _mm256_maddubs_epi16(xv[r], w4);
+            const __m256i product =
+                L::kUnsignedWeights ? _mm256_maddubs_epi16(w4, xv[r]) : _mm256_maddubs_epi16(xv[r], w4);
             pairs[n][r] = g == 0 ? product : _mm256_add_epi16(pairs[n][r], product);
             keep_in_register(pairs[n][r]);
           }
@@ -428,7 +445,7 @@ void gemm_tile(const Panel<QT>& panel, int64_t c0, const InterleavedRows& x, int
     for (int r = 0; r < RV; ++r) {
       const typename V::F xd = V::fload(x.d.data() + b * x.rows + (first_vector + r) * V::kLanes);
       for (int n = 0; n < NR; ++n)
-        acc[n][r] = V::scaled(acc[n][r], V::sub(total[n][r], 128 * panel.bias[(c0 + n) * blocks + b]), xd,
+        acc[n][r] = V::scaled(acc[n][r], V::sub(total[n][r], kXBias<QT, V> * panel.bias[(c0 + n) * blocks + b]), xd,
                                panel.d[(c0 + n) * blocks + b]);
     }
     for (int g = 0; g < L::kMinGroups; ++g) {
@@ -492,7 +509,7 @@ void int8_gemm_tiles(const InterleavedRows& q, const uint8_t* weight, int64_t M,
         end = std::min(following + chunk, panels);
       }
       const int64_t n0 = p * width, columns = std::min<int64_t>(width, N - n0);
-      panel.unpack(weight, row_bytes, n0, columns);
+      panel.template unpack<kXBias<QT, V> != 0>(weight, row_bytes, n0, columns);
       // The next panel's blocks (contiguous rows) on their way from memory while this one's first tile computes:
       // unpacking is where the weights first arrive, and it waited on them (40% of a 32-row Q4_K call, measured).
       // Spread over the tile's blocks: issued all at once they stalled on the core's outstanding misses (the loop of
@@ -522,7 +539,8 @@ void int8_gemm_tiles(const InterleavedRows& q, const uint8_t* weight, int64_t M,
 
 template <int64_t QT, typename V, typename Y>
 void int8_gemm(const float* x, const uint8_t* weight, int64_t M, int64_t N, int64_t K, Y* y) {
-  const InterleavedRows q = quantize_interleaved(x, M, K, Format<QT>::kWeights, V::kLanes, GemmLayout<QT>::kMinGroups > 0);
+  const InterleavedRows q =
+      quantize_interleaved(x, M, K, Format<QT>::kWeights, V::kLanes, kXBias<QT, V>, GemmLayout<QT>::kMinGroups > 0);
   if (q.rows == V::kLanes)
     int8_gemm_tiles<QT, V, kOneVectorColumns, 1>(q, weight, M, N, K, y);
   else
