@@ -25,6 +25,12 @@ from carpool.bench.datasets import first_human_turns
 # Each API's path and how a streamed chunk carries its text.
 ENDPOINTS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
+# A server may close an idle keep-alive connection as the client reuses it: llama.cpp's server did so for 3 of
+# 8 single-stream requests (2026-12-03, "Server disconnected without sending a response", no task in its log),
+# and those requests were counted as its errors, their work missing from its tok/s. Such a request never reached
+# the server, so it is sent again, once, on a new connection (its TTFT still counts from the first send).
+STALE_CONNECTION_RETRIES = 1
+
 
 @dataclass
 class RequestResult:
@@ -33,6 +39,8 @@ class RequestResult:
     ttft: float | None = None
     itls: list[float] = field(default_factory=list)
     error: str | None = None
+    retries: int = 0  # sends after the first (see STALE_CONNECTION_RETRIES)
+    answered: bool = False  # the server sent a status line
 
 
 @dataclass
@@ -48,6 +56,7 @@ class LevelReport:
     itl_p50_s: float | None
     itl_p99_s: float | None
     errors: list[str]  # what the failed requests got back (distinct messages)
+    retries: int = 0  # requests sent again after a stale keep-alive connection
 
 
 def add_parser(modes) -> None:
@@ -188,34 +197,47 @@ async def _one_request(client: httpx.AsyncClient, model: str, prompt: str, max_t
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    result = RequestResult(ok=False)
-    text_chunks, last = 0, None
     start = time.perf_counter()
-    try:
-        async with client.stream("POST", ENDPOINTS[api], json=body) as response:
-            if response.status_code != 200:
-                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+    for attempt in range(1 + STALE_CONNECTION_RETRIES):
+        result = RequestResult(ok=False, retries=attempt)
+        try:
+            await _stream_into(result, client, ENDPOINTS[api], body, start)
+        except httpx.RemoteProtocolError as error:
+            result.error = repr(error)
+            if result.answered:
                 return result
-            async for line in response.aiter_lines():
-                if not line.startswith("data:") or line[5:].strip() == "[DONE]":
-                    continue
-                chunk = json.loads(line[5:])
-                now = time.perf_counter()
-                if chunk.get("usage"):
-                    result.output_tokens = chunk["usage"]["completion_tokens"]
-                if any(_chunk_text(c) for c in chunk.get("choices") or []):
-                    text_chunks += 1
-                    if last is None:
-                        result.ttft = now - start
-                    else:
-                        result.itls.append(now - last)
-                    last = now
-    except httpx.HTTPError as error:
-        result.error = repr(error)
+            continue
+        except httpx.HTTPError as error:
+            result.error = repr(error)
         return result
+    return result
+
+
+async def _stream_into(result: RequestResult, client: httpx.AsyncClient, path: str, body: dict,
+                       start: float) -> None:
+    """One attempt at one request: TTFT and ITL count from `start`, the first attempt's send."""
+    text_chunks, last = 0, None
+    async with client.stream("POST", path, json=body) as response:
+        result.answered = True
+        if response.status_code != 200:
+            result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+            return
+        async for line in response.aiter_lines():
+            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            now = time.perf_counter()
+            if chunk.get("usage"):
+                result.output_tokens = chunk["usage"]["completion_tokens"]
+            if any(_chunk_text(c) for c in chunk.get("choices") or []):
+                text_chunks += 1
+                if last is None:
+                    result.ttft = now - start
+                else:
+                    result.itls.append(now - last)
+                last = now
     result.output_tokens = result.output_tokens or text_chunks
     result.ok = True
-    return result
 
 
 def summarize(concurrency: int, results: list[RequestResult], duration: float) -> LevelReport:
@@ -235,6 +257,7 @@ def summarize(concurrency: int, results: list[RequestResult], duration: float) -
         itl_p50_s=percentile(itls, 50),
         itl_p99_s=percentile(itls, 99),
         errors=sorted({r.error for r in results if not r.ok and r.error}),
+        retries=sum(r.retries for r in results),
     )
 
 
@@ -248,13 +271,14 @@ def table(report: dict) -> str:
 
     lines = [
         f"{report['label']} at {report['url']}, {report.get('api', 'chat')}, max_tokens {report['max_tokens']}, greedy",
-        f"{'streams':>7} {'requests':>8} {'errors':>6} {'out tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} "
-        f"{'ITL p50':>8} {'ITL p99':>8}   (latencies in ms)",
+        f"{'streams':>7} {'requests':>8} {'errors':>6} {'resent':>6} {'out tok/s':>9} {'TTFT p50':>9} "
+        f"{'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8}   (latencies in ms)",
     ]
     for level in report["levels"]:
         lines.append(
             f"{level['concurrency']:>7} {level['num_requests']:>8} {level['num_errors']:>6} "
-            f"{level['output_tokens_per_s']:>9.1f} {ms(level['ttft_p50_s']):>9} {ms(level['ttft_p99_s']):>9} "
+            f"{level.get('retries', 0):>6} {level['output_tokens_per_s']:>9.1f} {ms(level['ttft_p50_s']):>9} "
+            f"{ms(level['ttft_p99_s']):>9} "
             f"{ms(level['itl_p50_s']):>8} {ms(level['itl_p99_s']):>8}"
         )
     return "\n".join(lines)

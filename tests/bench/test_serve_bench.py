@@ -4,13 +4,14 @@ TTFT, ITL and token counts can be checked, plus the report files it writes."""
 import asyncio
 import json
 
+import httpx
 import pytest
 from live_server import ServedApp
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from carpool.bench.serve import RequestResult, summarize
+from carpool.bench.serve import RequestResult, _one_request, summarize
 from carpool.cli import main
 
 FIRST_TOKEN_DELAY = 0.05
@@ -116,3 +117,39 @@ def test_bench_serve_drives_plain_completions_for_base_models(scripted_url, tmp_
     assert report["api"] == "completions"
     assert (level["num_errors"], level["output_tokens"]) == (0, 2 * TOKENS)  # counted from text chunks
     assert level["ttft_p50_s"] >= FIRST_TOKEN_DELAY and level["itl_p50_s"] >= TOKEN_GAP * 0.9
+
+
+def _dropping_client(drops: int, answer_first: bool = False) -> tuple[httpx.AsyncClient, list[int]]:
+    """A client whose first `drops` sends die as a stale keep-alive connection does (before any status line),
+    or, with answer_first, whose first answer breaks off after its status line; later sends stream one token."""
+    sends = []
+
+    async def handler(request):
+        sends.append(1)
+        if len(sends) <= drops:
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.", request=request)
+
+        async def events():
+            yield f"data: {json.dumps({'choices': [{'index': 0, 'delta': {'content': 'hi'}}]})}\n\n".encode()
+            if answer_first and len(sends) == 1:
+                raise httpx.RemoteProtocolError("peer closed connection", request=request)
+            yield b"data: [DONE]\n\n"
+
+        return httpx.Response(200, content=events(), headers={"content-type": "text/event-stream"})
+
+    return httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url="http://peer"), sends
+
+
+def test_a_request_dropped_on_a_stale_connection_is_sent_again_once():
+    async def one(drops, answer_first=False):
+        client, sends = _dropping_client(drops, answer_first)
+        async with client:
+            return await _one_request(client, "m", "prompt", 4), len(sends)
+
+    result, sends = asyncio.run(one(drops=1))
+    assert (result.ok, result.retries, result.output_tokens, sends) == (True, 1, 1, 2)
+    assert summarize(1, [result], 1.0).retries == 1
+    result, sends = asyncio.run(one(drops=2))  # a server that keeps dropping: one resend, then an error
+    assert (result.ok, sends) == (False, 2) and "without sending a response" in result.error
+    result, sends = asyncio.run(one(drops=0, answer_first=True))  # it answered: the server saw it, no resend
+    assert (result.ok, sends) == (False, 1) and "peer closed" in result.error
