@@ -495,7 +495,10 @@ void int8_gemm_tiles(const InterleavedRows& q, const uint8_t* weight, int64_t M,
   // Each thread claims runs of `chunk` panels as it goes instead of a fixed share: a fixed split waits at the call's
   // end on whichever thread ran slower. 32-sequence decode steps of the 1.5B (Zen 4, alternating steps in one
   // process): 1.02x on a quiet machine, 1.28x with a busy process sharing one of the two cores.
-  const int64_t chunk = std::max<int64_t>(1, 4 / panel_tiles);
+  // A run also covers whole cache lines of y's rows: threads whose runs shared a line passed it back and forth
+  // at every tile's store (AVX2's 3-column panels, 4 a run: 12 floats, so nearly every line of y was shared).
+  int64_t chunk = std::max<int64_t>(1, 4 / panel_tiles);
+  while (chunk * width % (64 / static_cast<int64_t>(sizeof(Y)))) ++chunk;
   std::atomic<int64_t> next_panel{0};
   auto run_panels = [&] {
     Panel<QT> panel(K, width);
