@@ -492,8 +492,8 @@ int64_t get_matmul_mode() { return static_cast<int64_t>(current_mode); }
 // their lead at prompt sizes (1.36-1.61x at 128 and 512 rows, all three, both shapes; a 512-token prefill of
 // Qwen2.5-Coder-1.5B Q4_K_M 1.26x end to end), so they take every row; the 32-weight formats do not end to end
 // (SmolLM2's Q4_1 prefill 0.89x: widening and quantizing 576-wide bf16 rows costs what the dots save). AVX2 (the
-// exact path runs fp32 FMAs there): 1.5-2.0x at 8-64 rows; Q8_0 has no batched kernel there and keeps 4 rows (one
-// GEMV pass), as does every format in the portable build.
+// exact path runs fp32 FMAs there): 1.5-2.0x at 8-64 rows, Q8_0 (|w| against signed x) 1.4-1.7x. The portable build
+// keeps 4 rows (one GEMV pass).
 //
 // AMX (the exact path on tiles, amx_gemm.h) costs about the same from 8 to 32 rows, its weights' dequantization
 // (8960x1536 at 2 threads: 1.1-1.5 ms), while the batched int8 kernel's cost doubles past 16 rows, its second
@@ -505,7 +505,7 @@ constexpr int64_t default_max_rows([[maybe_unused]] int64_t qtype) {
 #elif defined(CARPOOL_AVX512)
   return qtype == kQ4_K || qtype == kQ5_K || qtype == kQ6_K ? kEveryRow : kInt8GemmMaxRows;
 #elif defined(CARPOOL_AVX2)
-  return qtype == kQ8_0 ? kGemvPassRows : kInt8GemmMaxRows;
+  return kInt8GemmMaxRows;
 #else
   return kGemvPassRows;
 #endif

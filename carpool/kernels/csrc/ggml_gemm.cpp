@@ -13,9 +13,9 @@
 // unpacks NR columns over all of K, prefetches the next NR while it computes, and runs every row vector on them.
 //
 // AVX-512: vpdpbusd on 16 rows (zmm) or 8 (ymm, batches of up to 8). AVX2: vpmaddubsw on 8 rows, its int16 pairs
-// summed over a few steps before one vpmaddwd (GemmLayout::kPairSteps); they saturate above 2 * 255 * 64, so Q8_0's
-// full-range bytes stay on the GEMV there. The portable build has no GEMM: its GEMV runs every batch size the
-// thresholds allow.
+// summed over a few steps before one vpmaddwd (GemmLayout::kPairSteps); Q8_0, signed on both sides, multiplies
+// |w| by x with w's sign there (GemmLayout::kSignedPairs). The portable build has no GEMM: its GEMV runs every batch
+// size the thresholds allow.
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
@@ -44,26 +44,34 @@ using carpool::kernels::store_tile;
 // With unsigned weights the pairs path takes them as the instruction's unsigned operand and x signed (|x_q| <= 127),
 // 2 * 127 * max w each: 3810 for Q4_1's and Q4_K's [0, 15], 7874 for Q5_K's [0, 31]; the others take x + 128 <= 255
 // and signed weights, 2 * 255 * max|w|: 4080 for Q4_0's [-8, 7], 8160 for Q5_0's [-16, 15], 16320 for Q6_K's
-// [-32, 31]. Q8_0 has no AVX2 GEMM (a single step would saturate).
+// [-32, 31].
+// kSignedPairs: Q8_0's weights span [-128, 127], and x + 128 against them would saturate a pair at once, so the
+// pairs path multiplies |w| (unsigned, <= 128) by x carrying w's sign (vpsignb; |x_q| <= 127 negates safely):
+// 2 * 128 * 127 per step, widened every step. Two more instructions per vpmaddubsw than Q4_K's, yet ahead of the
+// exact path's fp32 FMAs, which were Q8_0's only batched kernel on AVX2.
 template <int64_t QT> struct GemmLayout;
-template <> struct GemmLayout<kQ8_0> {
-  static constexpr int kSub = 32, kMinGroups = 0, kPairSteps = 1;
-  static constexpr bool kScaled = false, kUnsignedWeights = false;
+struct SignedBlocks32 {
+  static constexpr int kSub = 32, kMinGroups = 0;
+  static constexpr bool kScaled = false, kUnsignedWeights = false, kSignedPairs = false;
 };
-template <> struct GemmLayout<kQ4_0> : GemmLayout<kQ8_0> { static constexpr int kPairSteps = 8; };
-template <> struct GemmLayout<kQ5_0> : GemmLayout<kQ8_0> { static constexpr int kPairSteps = 4; };
+template <> struct GemmLayout<kQ8_0> : SignedBlocks32 {
+  static constexpr int kPairSteps = 1;
+  static constexpr bool kSignedPairs = true;
+};
+template <> struct GemmLayout<kQ4_0> : SignedBlocks32 { static constexpr int kPairSteps = 8; };
+template <> struct GemmLayout<kQ5_0> : SignedBlocks32 { static constexpr int kPairSteps = 4; };
 template <> struct GemmLayout<kQ4_1> {
   static constexpr int kSub = 32, kMinGroups = 1, kPairSteps = 8;
-  static constexpr bool kScaled = false, kUnsignedWeights = true;
+  static constexpr bool kScaled = false, kUnsignedWeights = true, kSignedPairs = false;
 };
 template <> struct GemmLayout<kQ4_K> {
   static constexpr int kSub = 32, kMinGroups = 8, kPairSteps = 8;
-  static constexpr bool kScaled = true, kUnsignedWeights = true;
+  static constexpr bool kScaled = true, kUnsignedWeights = true, kSignedPairs = false;
 };
 template <> struct GemmLayout<kQ5_K> : GemmLayout<kQ4_K> { static constexpr int kPairSteps = 4; };
 template <> struct GemmLayout<kQ6_K> {
   static constexpr int kSub = 16, kMinGroups = 0, kPairSteps = 2;
-  static constexpr bool kScaled = true, kUnsignedWeights = false;
+  static constexpr bool kScaled = true, kUnsignedWeights = false, kSignedPairs = false;
 };
 
 // 256-bit helpers (both SIMD builds) for unpacking: bytes of nibbles, sums of unsigned bytes.
@@ -241,10 +249,11 @@ struct Rows8 {
 };
 
 // What x's bytes hold: x_q + 128 (u8, the multiplies' unsigned operand), or x_q itself where the int16-pairs path
-// takes a format's unsigned weights as that operand (GemmLayout). The bias, times a block's sum of weights, is what
-// the dot products overcount.
+// takes a format's unsigned weights (or Q8_0's |w|) as that operand (GemmLayout). The bias, times a block's sum of
+// weights, is what the dot products overcount.
 template <int64_t QT, typename V>
-constexpr int32_t kXBias = V::kInt16Pairs && GemmLayout<QT>::kUnsignedWeights ? 0 : 128;
+constexpr int32_t kXBias =
+    V::kInt16Pairs && (GemmLayout<QT>::kUnsignedWeights || GemmLayout<QT>::kSignedPairs) ? 0 : 128;
 
 // x quantized once per call as the tile reads it (see the top); rows padded to whole vectors with x = 0.
 struct InterleavedRows {
@@ -377,7 +386,8 @@ inline void block_totals(const uint8_t* xu, int64_t vector_bytes, const int8_t* 
 
 // AVX2 (int16 pairs): per step RV x loads serve all NR columns and each column's broadcast serves all RV vectors;
 // each (column, vector) adds its vpmaddubsw into its own int16 sums, widened by the sub-block's scale every
-// kPairSteps steps. Unsigned weights are the instruction's unsigned operand, x (then signed) the other.
+// kPairSteps steps. Unsigned weights are the instruction's unsigned operand, x (then signed) the other; Q8_0's
+// |w| is, against x with w's sign (kSignedPairs).
 template <int64_t QT, int NR, int RV>
 inline void block_totals_pairs(const uint8_t* xu, int64_t vector_bytes, const int8_t* const* w,
                                const int32_t* const* sc, int64_t b, __m256i (&total)[NR][RV]) {
@@ -396,9 +406,15 @@ inline void block_totals_pairs(const uint8_t* xu, int64_t vector_bytes, const in
         for (int r = 0; r < RV; ++r) xv[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + 32 * g + r * vector_bytes));
         for (int n = 0; n < NR; ++n) {
           const __m256i w4 = _mm256_set1_epi32(load4(w[n] + k0 + 4 * (g0 + g)));
+          [[maybe_unused]] const __m256i magnitude = L::kSignedPairs ? _mm256_abs_epi8(w4) : w4;
           for (int r = 0; r < RV; ++r) {
-            const __m256i product =
-                L::kUnsignedWeights ? _mm256_maddubs_epi16(w4, xv[r]) : _mm256_maddubs_epi16(xv[r], w4);
+            __m256i product;
+            if constexpr (L::kUnsignedWeights)
+              product = _mm256_maddubs_epi16(w4, xv[r]);
+            else if constexpr (L::kSignedPairs)
+              product = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xv[r], w4));
+            else
+              product = _mm256_maddubs_epi16(xv[r], w4);
             pairs[n][r] = g == 0 ? product : _mm256_add_epi16(pairs[n][r], product);
             keep_in_register(pairs[n][r]);
           }
@@ -566,8 +582,6 @@ bool int8_gemm_linear(const at::Tensor& x, const uint8_t* weight, int64_t qtype,
   auto lanes = [&]<int64_t QT>() {
 #ifdef CARPOOL_AVX512
     if (M > Rows8::kLanes) return run.template operator()<QT, Rows16>();
-#else
-    if constexpr (QT == kQ8_0) return;  // int16 pairs would saturate (see the top)
 #endif
     run.template operator()<QT, Rows8>();
   };
