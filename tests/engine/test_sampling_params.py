@@ -116,3 +116,16 @@ def test_tiny_positive_values_sample_the_best_token_not_nan(kwargs):
     if "repetition_penalty" in kwargs:  # token 7 (seen): a positive logit divided past float32, a negative one to 0
         logits[:, 7] = torch.where(logits[:, 7] > 0, float("inf"), 0.0)
     assert tokens == logits.argmax(dim=-1).tolist()
+
+
+def test_greedy_takes_the_first_of_equal_best_logits():
+    """Ties go to the lowest token id, as torch.argmax breaks them (bf16 logits tie often), whichever reduction
+    the sampler runs; a row of -inf but one token takes that token."""
+    logits = torch.zeros(3, VOCAB)
+    logits[0, [5, 9, VOCAB - 1]] = 2.0
+    logits[1, [VOCAB - 2, VOCAB - 1]] = 1.0
+    logits[2] = float("-inf")
+    logits[2, 3] = -1e30
+    seqs = [sequence(SamplingParams(temperature=0), [7], [7]) for _ in range(3)]
+    tokens, _ = sample(logits, seqs, END_TOKENS)
+    assert tokens == [5, VOCAB - 2, 3]
