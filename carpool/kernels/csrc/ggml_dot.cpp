@@ -228,8 +228,6 @@ void dot_block_rows(const uint8_t* row, const Int8Rows& x, int64_t m0, float* ou
       const float d = half_to_float(p), dmin = half_to_float(p + 2);
       uint64_t scales, mins;
       k_scales_mins_packed(p + 4, scales, mins);
-      // Sub-block j's scale in every int16 lane: 8 int16 scales in each 128-bit half, picked by a byte shuffle.
-      [[maybe_unused]] const __m256i scale16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<int64_t>(scales))));
       // Each minimum twice, against x's sums of the two 16-value halves of its sub-block.
       const __m128i min8 = _mm_cvtsi64_si128(static_cast<int64_t>(mins));
       const __m256i min16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(min8, min8));
@@ -268,6 +266,8 @@ void dot_block_rows(const uint8_t* row, const Int8Rows& x, int64_t m0, float* ou
         isum[i][1] = _mm512_extracti64x4_epi64(both, 1);
       }
 #else
+      // Sub-block j's scale in every int16 lane: 8 int16 scales in each 128-bit half, picked by a byte shuffle.
+      const __m256i scale16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<int64_t>(scales))));
       __m256i high;
       if constexpr (QT == kQ5_K) high = load256(p + 16);
       __m256i isum[MR][2];
