@@ -1,4 +1,7 @@
-"""The KV budget's split between full-attention and sliding-window pools (carpool.engine.kv_pools)."""
+"""The KV budget's split between full-attention and sliding-window pools (carpool.engine.kv_pools), and the memory
+that backs them."""
+
+from pathlib import Path
 
 from carpool.engine.config import EngineConfig
 from carpool.engine.kv_pools import kv_pool_sizes
@@ -36,3 +39,19 @@ def test_a_tiny_budget_still_gives_the_sliding_pool_one_requests_worst_step():
     config = EngineConfig(kv_cache_gb=0.01)
     sizes = kv_pool_sizes(config, LAYERS, SLIDING, WINDOW, BLOCK_BYTES)
     assert sizes.sliding_blocks >= WINDOW // config.block_size + 1 + config.max_num_batched_tokens // config.block_size
+
+
+def _mapping_permissions(address: int) -> str:
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        span, permissions = line.split()[:2]
+        start, end = (int(part, 16) for part in span.split("-"))
+        if start <= address < end:
+            return permissions
+    raise AssertionError(f"{address:#x} is in no mapping")
+
+
+def test_the_cpu_pool_is_private_memory(llm):
+    """Shared anonymous memory is tmpfs, whose first-touch faults made write_kv_cache 2-3% of a decode step."""
+    pool = llm.engine.runner.kv_cache
+    assert pool.device.type == "cpu" and not pool.abs().sum()  # zero-filled
+    assert _mapping_permissions(pool.data_ptr()) == "rw-p"
