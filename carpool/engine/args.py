@@ -24,7 +24,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "except the K-quants' on avx512; "
                              "int8-dot-all does so for prompt chunks too (faster prefill where there are no bf16 "
                              "units, ~0.6%% error per linear); exact multiplies them as they are; auto: "
-                             "int8-dot-all on the avx2 kernel path, int8-dot elsewhere (default: auto)")
+                             "int8-dot-all on the avx2 and avxvnni kernel paths, int8-dot elsewhere (default: auto)")
     parser.add_argument("--block-size", type=int, default=defaults.block_size,
                         help=f"tokens per KV-cache block, the unit of paging and prefix sharing (default: "
                              f"{defaults.block_size})")

@@ -20,7 +20,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if device.type == "cuda":
         return torch.bfloat16
     # bf16 pays only where both carpool's kernels (their amx and avx512 paths: AMX-BF16 tiles, AVX512-BF16 dot
-    # products) and torch's oneDNN matmuls have bf16 units; the avx2 and portable paths widen bf16 to fp32 at every
+    # products) and torch's oneDNN matmuls have bf16 units; the avxvnni, avx2 and portable paths widen bf16 to fp32 at every
     # use, so a CPU without them (or a run forced onto such a path) gets float32, as a real AVX2 machine would.
     try:
         native_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
@@ -46,8 +46,8 @@ class EngineConfig:
     # How block-format linear layers multiply (carpool.models.quantization.MATMUL_MODES): "int8-dot" (llama.cpp's
     # method) quantizes activations to int8 and runs integer dot products at decode's few rows, 2-3x faster at batch
     # 1; "int8-dot-all" does so for prompt chunks too; "exact" dequantizes the weights and multiplies the activations
-    # as they are (bit-faithful to gguf-py). "auto" (resolved at init, resolve_matmul): int8-dot-all on the avx2
-    # kernel path, int8-dot elsewhere.
+    # as they are (bit-faithful to gguf-py). "auto" (resolved at init, resolve_matmul): int8-dot-all on the avx2 and
+    # avxvnni kernel paths, int8-dot elsewhere.
     matmul: str = "auto"
     block_size: int = 16
     num_kv_blocks: int | None = None  # exact pool size; overrides kv_cache_gb

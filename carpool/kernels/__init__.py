@@ -1,10 +1,10 @@
 """carpool's C++ CPU kernels, registered as `torch.ops.carpool.*` when this package is imported.
 
 setup.py builds the same sources (csrc/) once per instruction-set path: `_C_amx` (avx512's flags and the AMX
-tile instructions), `_C_avx512` (AVX-512 with BF16 and VNNI), `_C_avx2` (AVX2, FMA, F16C) and `_C_portable`
-(plain x86-64, or whatever the platform is). Each one registers the same ops, so a process loads exactly one: the
+tile instructions), `_C_avx512` (AVX-512 with BF16 and VNNI), `_C_avxvnni` (avx2's and AVX-VNNI), `_C_avx2` (AVX2,
+FMA, F16C) and `_C_portable` (plain x86-64, or whatever the platform is). Each one registers the same ops, so a process loads exactly one: the
 best the CPU has every feature of (isa.py; amx also needs the AMX probe's tile multiply to have worked), or the
-one `CARPOOL_KERNEL_ISA=amx|avx512|avx2|portable` names, which is an error if this CPU cannot run it.
+one `CARPOOL_KERNEL_ISA=amx|avx512|avxvnni|avx2|portable` names, which is an error if this CPU cannot run it.
 """
 
 import importlib
@@ -27,7 +27,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 # What decides a path, for logs and `carpool info`.
-RELEVANT_FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", *AMX_FEATURES)
+RELEVANT_FEATURES = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni",
+                     *AMX_FEATURES)
 
 
 def built_paths() -> set[str]:
@@ -48,7 +49,7 @@ importlib.import_module(f"carpool.kernels._C_{_choice.path}")
 
 
 def kernel_path() -> str:
-    """The instruction-set path this process's kernels run on: amx, avx512, avx2 or portable."""
+    """The instruction-set path this process's kernels run on: amx, avx512, avxvnni, avx2 or portable."""
     return _choice.path
 
 

@@ -17,15 +17,18 @@ AVX512 = (*X86_64_V4, "avx512_bf16", "avx512_vnni")
 REQUIRED_FEATURES = {
     "amx": (*AVX512, "amx_tile", "amx_bf16"),
     "avx512": AVX512,
+    "avxvnni": (*X86_64_V3, "avx_vnni"),
     "avx2": X86_64_V3,
     "portable": (),
 }
 PATHS = tuple(REQUIRED_FEATURES)  # best first
 # ATEN_CPU_CAPABILITY at which torch's own kernels run on a CPU whose best path each is: their vector width, so that
 # an element-wise kernel and torch's split a row alike (silu_mul equals torch to the bit only then).
-TORCH_CAPABILITY = {"amx": "avx512", "avx512": "avx512", "avx2": "avx2", "portable": "default"}
+TORCH_CAPABILITY = {"amx": "avx512", "avx512": "avx512", "avxvnni": "avx2", "avx2": "avx2", "portable": "default"}
 # Paths whose kernels multiply bf16 activations on bf16 units (AVX512-BF16, AMX-BF16); the others widen them to fp32.
 BF16_PATHS = frozenset({"amx", "avx512"})
+# Paths with a batched int8 kernel and fp32 FMAs as their exact path: prompts run faster on the int8 kernels there.
+INT8_PROMPT_PATHS = frozenset({"avxvnni", "avx2"})
 
 ENV_VAR = "CARPOOL_KERNEL_ISA"
 

@@ -128,7 +128,7 @@ def test_integer_sums_at_their_extremes_do_not_overflow(every_row_count_int8, qt
 
 # The formats whose integer kernels stay ahead of the exact path at prompt sizes, per kernel path: their int8-dot
 # mode takes every row (ggml_dot.cpp's default_max_rows); every other format takes decode batches only.
-EVERY_ROW = {"amx": set(), "avx512": {Q.Q4_K, Q.Q5_K, Q.Q6_K}, "avx2": set(), "portable": set()}
+EVERY_ROW = {"amx": set(), "avx512": {Q.Q4_K, Q.Q5_K, Q.Q6_K}, "avxvnni": set(), "avx2": set(), "portable": set()}
 
 
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)

@@ -12,6 +12,7 @@ from carpool.kernels import _cpu_features, amx_probe, built_paths, cpu_features,
 from carpool.kernels.isa import PATHS, REQUIRED_FEATURES, X86_64_V3, choose_path, missing_features
 
 ZEN3 = set(X86_64_V3)  # AVX2, FMA, F16C, BMI...: no AVX-512
+ALDER_LAKE = ZEN3 | {"avx_vnni"}  # Intel client chips: AVX-VNNI's 256-bit vpdpbusd, no AVX-512
 ICE_LAKE = ZEN3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_vnni"}  # no AVX512-BF16
 ZEN4 = set(REQUIRED_FEATURES["avx512"])
 SAPPHIRE_RAPIDS = ZEN4 | {"amx_tile", "amx_bf16", "amx_int8"}
@@ -25,6 +26,9 @@ def test_each_cpu_gets_the_best_path_it_has_every_feature_of():
     assert choose_path(ZEN4 | {"amx_tile", "amx_int8"}, ALL_BUILT).path == "avx512"  # the amx build runs AMX-BF16
     assert choose_path(ICE_LAKE, ALL_BUILT).path == "avx2"  # the avx512 build uses bf16 instructions
     assert choose_path(ZEN3, ALL_BUILT).path == "avx2"
+    assert choose_path(ALDER_LAKE, ALL_BUILT).path == "avxvnni"
+    assert choose_path(ZEN4 | {"avx_vnni"}, ALL_BUILT).path == "avx512"  # Zen 5: AVX-512 first
+    assert choose_path(ALDER_LAKE, {"avx2", "portable"}).path == "avx2"  # a build without it
     assert choose_path(ZEN3 - {"f16c"}, ALL_BUILT).path == "portable"
     assert choose_path(set(), {"portable"}).path == "portable"  # aarch64: only the portable build exists
     assert choose_path(ZEN4, {"avx2", "portable"}).path == "avx2"
@@ -39,6 +43,8 @@ def test_a_forced_path_is_used_or_refused_naming_what_is_missing():
         choose_path(ZEN3, ALL_BUILT, forced="avx512")
     with pytest.raises(ValueError, match="lacks avx512_bf16$"):
         choose_path(ICE_LAKE, ALL_BUILT, forced="avx512")
+    with pytest.raises(ValueError, match="cannot run the avxvnni kernels, it lacks avx_vnni$"):
+        choose_path(ZEN4, ALL_BUILT, forced="avxvnni")
     with pytest.raises(ValueError, match="not built in this install"):
         choose_path(set(), {"portable"}, forced="avx2")
     with pytest.raises(ValueError, match="unknown kernel path 'sse9'"):

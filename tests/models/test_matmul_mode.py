@@ -51,7 +51,7 @@ def test_int8_dot_all_runs_prompt_chunks_in_integers():
 
 
 def test_auto_resolves_per_kernel_path():
-    assert resolve_matmul("auto", "avx2") == "int8-dot-all"  # fp32 FMAs for prompts there: int8 is faster
+    assert resolve_matmul("auto", "avx2") == resolve_matmul("auto", "avxvnni") == "int8-dot-all"  # fp32 FMAs there
     assert resolve_matmul("auto", "avx512") == resolve_matmul("auto", "portable") == "int8-dot"
     assert resolve_matmul("exact", "avx2") == "exact"
     assert EngineConfig().matmul == resolve_matmul("auto", kernel_path())

@@ -6,7 +6,8 @@
 // The sums over sub-blocks stay in int32 (at most 2^29 for Q6_K's int8 scales), so each block costs one float
 // multiply-add per activation row. Weights are unpacked once per block and dotted with every activation row.
 //
-// AVX-512 and AVX2 share 256-bit code: u8 x s8 products summed in fours by VNNI's vpdpbusd (AVX2: vpmaddubsw +
+// AVX-512 and AVX2 share 256-bit code: u8 x s8 products summed in fours by VNNI's vpdpbusd (AVX512-VNNI's or AVX-VNNI's,
+// vec.h's dpbusd256; plain AVX2: vpmaddubsw +
 // vpmaddwd), int16 x scale pairs by vpdpwssd (AVX2: vpmaddwd + add). The signed formats use abs(w) and x with w's
 // sign, as u8 x s8 needs. The AVX-512 build runs the K-quants' products on 512-bit registers (a chunk's two
 // sub-blocks at once); the 32-weight formats go eight blocks at a time (dot_octets). The portable build computes the
@@ -39,16 +40,16 @@ inline __m256i bytes(int8_t v) { return _mm256_set1_epi8(v); }
 
 // acc + sums of four u8 x s8 products per int32 lane.
 inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
-#ifdef __AVX512VNNI__
-  return _mm256_dpbusd_epi32(acc, u, s);
+#ifdef CARPOOL_VNNI256
+  return dpbusd256(acc, u, s);
 #else  // pairs fit int16: |u| <= 128 and |s| <= 127 here, so vpmaddubsw never saturates
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 #endif
 }
 // acc + sums of two int16 x int16 products per int32 lane.
 inline __m256i dot_i16(__m256i acc, __m256i a, __m256i b) {
-#ifdef __AVX512VNNI__
-  return _mm256_dpwssd_epi32(acc, a, b);
+#ifdef CARPOOL_VNNI256
+  return dpwssd256(acc, a, b);
 #else
   return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
 #endif
@@ -97,7 +98,7 @@ template <> struct Octet<kQ5_0> {
   static constexpr int kShift = 4;
   static __m256i weights(const uint8_t* p) { return _mm256_or_si256(nibbles32(p + 6), fifth_bits(p + 2)); }
 };
-#ifdef __AVX512VNNI__  // vpdpbusd sums u8 x s8 products in int32; AVX2's vpmaddubsw would saturate at q + 128
+#ifdef CARPOOL_VNNI256  // vpdpbusd sums u8 x s8 products in int32; AVX2's vpmaddubsw would saturate at q + 128
 template <> struct Octet<kQ8_0> {
   static constexpr int kShift = 7;
   static __m256i weights(const uint8_t* p) {

@@ -1,7 +1,7 @@
 // The int8-dot path of ggml_linear for batches (ggml_dot.h: decode batches, speculative verify rows). The GEMV in
 // ggml_dot.cpp dots each weight block with a few activation rows laid along the vector lanes of K; here the lanes
-// are activation ROWS: x is quantized once per call and stored as x + 128 (u8; x itself where AVX2 multiplies
-// unsigned weights, kXBias) interleaved [rows / lanes][K / 4][lanes][4] (each vector of rows contiguous along K), so
+// are activation ROWS: x is quantized once per call and stored as x + 128 (u8; x itself against unsigned weights,
+// kXBias) interleaved [rows / lanes][K / 4][lanes][4] (each vector of rows contiguous along K), so
 // one vpdpbusd multiplies 4 weights of one output column (broadcast from an unpacked panel) with 16 rows at once.
 // A sub-block's integer scale is then the same for every lane: one vpmulld per 32 (Q6_K: 16) weights instead of
 // one vpdpwssd per 64, and each weight byte is unpacked once per call, not once per 4 rows. With weights w and
@@ -12,9 +12,9 @@
 // per block and column, subtracted once for all rows. Register tile: NR columns x RV vectors of rows; each thread
 // unpacks NR columns over all of K, prefetches the next NR while it computes, and runs every row vector on them.
 //
-// AVX-512: vpdpbusd on 16 rows (zmm) or 8 (ymm, batches of up to 8). AVX2: vpmaddubsw on 8 rows, its int16 pairs
-// summed over a few steps before one vpmaddwd (GemmLayout::kPairSteps); Q8_0, signed on both sides, multiplies
-// |w| by x with w's sign there (GemmLayout::kSignedPairs). The portable build has no GEMM: its GEMV runs every batch
+// AVX-512: vpdpbusd on 16 rows (zmm) or 8 (ymm, batches of up to 8); AVX-VNNI: vpdpbusd on 8 rows. AVX2: vpmaddubsw
+// on 8 rows, its int16 pairs summed over a few steps before one vpmaddwd (GemmLayout::kPairSteps); Q8_0, signed on
+// both sides, multiplies |w| by x with w's sign there (GemmLayout::kSignedPairs). The portable build has no GEMM: its GEMV runs every batch
 // size the thresholds allow.
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -210,6 +210,7 @@ struct Rows16 {
   static I iload(const uint8_t* p) { return _mm512_loadu_si512(p); }
   static F fload(const float* p) { return _mm512_loadu_ps(p); }
   static I dot(I acc, I x, int32_t w4) { return _mm512_dpbusd_epi32(acc, x, _mm512_set1_epi32(w4)); }
+  static I dot_unsigned(I acc, I x, int32_t w4) { return _mm512_dpbusd_epi32(acc, _mm512_set1_epi32(w4), x); }
   static I mul(I a, int32_t s) { return _mm512_mullo_epi32(a, _mm512_set1_epi32(s)); }
   static I add(I a, I b) { return _mm512_add_epi32(a, b); }
   static I sub(I a, int32_t s) { return _mm512_sub_epi32(a, _mm512_set1_epi32(s)); }
@@ -225,9 +226,10 @@ struct Rows8 {
   static constexpr int kLanes = 8;
   using I = __m256i;
   using F = __m256;
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#ifdef CARPOOL_VNNI256
   static constexpr bool kInt16Pairs = false;
-  static I dot(I acc, I x, int32_t w4) { return _mm256_dpbusd_epi32(acc, x, _mm256_set1_epi32(w4)); }
+  static I dot(I acc, I x, int32_t w4) { return dpbusd256(acc, x, _mm256_set1_epi32(w4)); }
+  static I dot_unsigned(I acc, I x, int32_t w4) { return dpbusd256(acc, _mm256_set1_epi32(w4), x); }
 #else
   // vpmaddubsw's int16 pairs summed with vpaddw over GemmLayout::kPairSteps steps, then one vpmaddwd by the
   // sub-block's scale widens them: per 4 weights x 8 rows 1 + 1/steps multiplies instead of 2 (and no vpmulld).
@@ -248,12 +250,15 @@ struct Rows8 {
   static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
 };
 
-// What x's bytes hold: x_q + 128 (u8, the multiplies' unsigned operand), or x_q itself where the int16-pairs path
-// takes a format's unsigned weights (or Q8_0's |w|) as that operand (GemmLayout). The bias, times a block's sum of
-// weights, is what the dot products overcount.
+// What x's bytes hold: x_q + 128 (u8, the multiplies' unsigned operand), or x_q itself where a format's unsigned
+// weights are that operand (GemmLayout), or Q8_0's |w| on the int16-pairs path. The bias, times a block's sum of
+// weights, is what the dot products overcount; without it unpacking skips those sums (vpsadbw, or the K-quants'
+// scaled vpmaddubsw: 7 of 13 instructions per 64 Q4_K weights). With VNNI, unsigned weights as vpdpbusd's unsigned
+// operand made SmolLM2's (Q4_1) 32-sequence step 1.03-1.05x on avx512 and on avxvnni, 8-row calls of Q4_1 and Q4_K
+// 1.05-1.2x (Intel family 6 model 167, 2 threads, outputs bit-identical).
 template <int64_t QT, typename V>
 constexpr int32_t kXBias =
-    V::kInt16Pairs && (GemmLayout<QT>::kUnsignedWeights || GemmLayout<QT>::kSignedPairs) ? 0 : 128;
+    GemmLayout<QT>::kUnsignedWeights || (V::kInt16Pairs && GemmLayout<QT>::kSignedPairs) ? 0 : 128;
 
 // x quantized once per call as the tile reads it (see the top); rows padded to whole vectors with x = 0.
 struct InterleavedRows {
@@ -349,8 +354,10 @@ inline void keep_in_register(T& v) {
   asm("" : "+x"(v));
 }
 
-// One block's integer sums for NR columns x RV row vectors: total = sum_s sc_s sum_s((x_q + 128) w).
-// VNNI: vpdpbusd into a partial sum per sub-block, times its scale (vpmulld) for the K-quants.
+// One block's integer sums for NR columns x RV row vectors: total = sum_s sc_s sum_s((x_q + kXBias) w).
+// VNNI: vpdpbusd into a partial sum per sub-block, times its scale (vpmulld) for the K-quants. Unsigned weights are
+// its unsigned operand and x the signed one, which an instruction may take from memory: x held in registers, or GCC
+// folded its loads into every column's vpdpbusd (NR loads per vector instead of one; Q4_K at 32 rows 5% slower).
 template <int64_t QT, typename V, int NR, int RV>
 inline void block_totals(const uint8_t* xu, int64_t vector_bytes, const int8_t* const* w, const int32_t* const* sc,
                          int64_t b, typename V::I (&total)[NR][RV]) {
@@ -366,10 +373,18 @@ inline void block_totals(const uint8_t* xu, int64_t vector_bytes, const int8_t* 
 #pragma GCC unroll 8
     for (int g = 0; g < L::kSub / 4; ++g, xp += stride) {
       typename V::I xv[RV];
-      for (int r = 0; r < RV; ++r) xv[r] = V::iload(xp + r * vector_bytes);
+      for (int r = 0; r < RV; ++r) {
+        xv[r] = V::iload(xp + r * vector_bytes);
+        if constexpr (L::kUnsignedWeights) keep_in_register(xv[r]);
+      }
       for (int n = 0; n < NR; ++n) {
         const int32_t w4 = load4(w[n] + k0 + 4 * g);
-        for (int r = 0; r < RV; ++r) part[n][r] = V::dot(part[n][r], xv[r], w4);
+        for (int r = 0; r < RV; ++r) {
+          if constexpr (L::kUnsignedWeights)
+            part[n][r] = V::dot_unsigned(part[n][r], xv[r], w4);
+          else
+            part[n][r] = V::dot(part[n][r], xv[r], w4);
+        }
       }
     }
     for (int n = 0; n < NR; ++n)
@@ -490,8 +505,14 @@ void gemm_tile(const Panel<QT>& panel, int64_t c0, const InterleavedRows& x, int
 // 1.33x, Q6_K 1.13x / 1.23x. 4 x 1 and 6 x 1 were behind; a pinned 2 x 2 was 12-13% slower on Q4_K (the bulk of a
 // Q4_K_M model) and 1-12% faster on Q6_K, Q5_0 and Q4_1 at 32 rows (docs/benchmarks.md). One-vector calls (up to
 // 8 rows) spend as long unpacking as multiplying, and 2-6 columns there were within the noise.
+// AVX-VNNI (the avxvnni build, 16 ymm registers): 4 x 2 and 6 columns for one vector; against 3 x 2 / 3 and 5 x 2 / 8
+// (Intel family 6 model 167, 2 threads, the 1.5B's shapes, two alternations), equal or 2-8% faster at 32 rows, 4-17%
+// at 8. Its sub-block scales are one vpmulld per 32 weights, on the same two ports as vpdpbusd: Q4_K at 32 rows is
+// within 5% of AVX2's int16 pairs, the formats without scales 1.1-1.8x (docs/benchmarks.md).
 #ifdef CARPOOL_AVX512
 constexpr int kTileColumns = 4, kTileVectors = 2, kOneVectorColumns = 8;
+#elif defined(CARPOOL_VNNI256)
+constexpr int kTileColumns = 4, kTileVectors = 2, kOneVectorColumns = 6;
 #else
 constexpr int kTileColumns = 3, kTileVectors = 2, kOneVectorColumns = 3;
 #endif

@@ -1,7 +1,8 @@
 // Vector loads and stores of float or bf16 data (arithmetic in fp32 lanes) for the kernels' intrinsics paths.
 // setup.py compiles every kernel once per ISA path, so which of these exist depends on the build:
 //   CARPOOL_AVX512  16 lanes (-march=x86-64-v4 + AVX512-BF16): bf16 rounding in one instruction;
-//   CARPOOL_AVX2     8 lanes (-march=x86-64-v3: AVX2, FMA, F16C): bf16 rounding in integer arithmetic;
+//   CARPOOL_AVX2     8 lanes (-march=x86-64-v3: AVX2, FMA, F16C): bf16 rounding in integer arithmetic (the avx2
+//                    and avxvnni builds);
 //   neither          the portable build: kernels use their scalar loops.
 // carpool::simd names whichever of the first two is built, so a kernel written once against it runs on both.
 #pragma once
@@ -103,6 +104,30 @@ inline void store8(c10::BFloat16* p, __m256 v) {
 inline __m256 round_to(float*, __m256 v) { return v; }
 inline __m256 round_to(c10::BFloat16*, __m256 v) { return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(v), 16)); }
 
+}  // namespace carpool
+#endif
+
+// 256-bit integer dot products summed into int32 lanes: AVX512-VNNI's (EVEX, with AVX512-VL) or, in the avxvnni build
+// (avx2's flags and -mavxvnni: Intel client chips from Alder Lake, Sierra Forest, Zen 5), AVX-VNNI's (VEX).
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#define CARPOOL_VNNI256 1
+namespace carpool {
+// acc + sums of four u8 x s8 products per int32 lane (vpdpbusd).
+inline __m256i dpbusd256(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, u, s);
+#else
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+#endif
+}
+// acc + sums of two int16 x int16 products per int32 lane (vpdpwssd).
+inline __m256i dpwssd256(__m256i acc, __m256i a, __m256i b) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpwssd_epi32(acc, a, b);
+#else
+  return _mm256_dpwssd_avx_epi32(acc, a, b);
+#endif
+}
 }  // namespace carpool
 #endif
 
