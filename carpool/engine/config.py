@@ -20,8 +20,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if device.type == "cuda":
         return torch.bfloat16
     # bf16 pays only where both carpool's kernels (their amx and avx512 paths: AMX-BF16 tiles, AVX512-BF16 dot
-    # products) and torch's oneDNN matmuls have bf16 units; the avxvnni, avx2 and portable paths widen bf16 to fp32 at every
-    # use, so a CPU without them (or a run forced onto such a path) gets float32, as a real AVX2 machine would.
+    # products) and torch's oneDNN matmuls have bf16 units; the avxvnni, avx2 and portable paths widen bf16 to fp32
+    # at every use, so a CPU without them (or a run forced onto such a path) gets float32, as a real AVX2 machine would.
     try:
         native_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
     except (AttributeError, RuntimeError):

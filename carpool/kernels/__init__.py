@@ -2,9 +2,10 @@
 
 setup.py builds the same sources (csrc/) once per instruction-set path: `_C_amx` (avx512's flags and the AMX
 tile instructions), `_C_avx512` (AVX-512 with BF16 and VNNI), `_C_avxvnni` (avx2's and AVX-VNNI), `_C_avx2` (AVX2,
-FMA, F16C) and `_C_portable` (plain x86-64, or whatever the platform is). Each one registers the same ops, so a process loads exactly one: the
-best the CPU has every feature of (isa.py; amx also needs the AMX probe's tile multiply to have worked), or the
-one `CARPOOL_KERNEL_ISA=amx|avx512|avxvnni|avx2|portable` names, which is an error if this CPU cannot run it.
+FMA, F16C) and `_C_portable` (plain x86-64, or whatever the platform is). Each one registers the same ops, so a
+process loads exactly one: the best the CPU has every feature of (isa.py; amx also needs the AMX probe's tile
+multiply to have worked), or the one `CARPOOL_KERNEL_ISA=amx|avx512|avxvnni|avx2|portable` names, which is an error
+if this CPU cannot run it.
 """
 
 import importlib

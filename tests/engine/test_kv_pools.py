@@ -3,8 +3,11 @@ that backs them."""
 
 from pathlib import Path
 
+import torch
+
 from carpool.engine.config import EngineConfig
 from carpool.engine.kv_pools import kv_pool_sizes
+from carpool.engine.model_runner import _zeroed_pool
 
 # Gemma 3 270M: 18 layers (15 sliding, window 512), 1 KV head of 256, bf16, 16-token blocks.
 LAYERS, SLIDING, WINDOW = 18, 15, 512
@@ -50,8 +53,9 @@ def _mapping_permissions(address: int) -> str:
     raise AssertionError(f"{address:#x} is in no mapping")
 
 
-def test_the_cpu_pool_is_private_memory(llm):
+def test_the_cpu_pool_is_zeroed_private_memory(llm):
     """Shared anonymous memory is tmpfs, whose first-touch faults made write_kv_cache 2-3% of a decode step."""
-    pool = llm.engine.runner.kv_cache
-    assert pool.device.type == "cpu" and not pool.abs().sum()  # zero-filled
-    assert _mapping_permissions(pool.data_ptr()) == "rw-p"
+    fresh = _zeroed_pool((2, 2, 8, 16, 2, 64), torch.device("cpu"), torch.float32)
+    assert not fresh.abs().sum()
+    for pool in (fresh, llm.engine.runner.kv_cache):
+        assert pool.device.type == "cpu" and _mapping_permissions(pool.data_ptr()) == "rw-p"

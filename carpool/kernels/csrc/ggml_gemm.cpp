@@ -14,8 +14,8 @@
 //
 // AVX-512: vpdpbusd on 16 rows (zmm) or 8 (ymm, batches of up to 8); AVX-VNNI: vpdpbusd on 8 rows. AVX2: vpmaddubsw
 // on 8 rows, its int16 pairs summed over a few steps before one vpmaddwd (GemmLayout::kPairSteps); Q8_0, signed on
-// both sides, multiplies |w| by x with w's sign there (GemmLayout::kSignedPairs). The portable build has no GEMM: its GEMV runs every batch
-// size the thresholds allow.
+// both sides, multiplies |w| by x with w's sign there (GemmLayout::kSignedPairs). The portable build has no GEMM:
+// its GEMV runs every batch size the thresholds allow.
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 

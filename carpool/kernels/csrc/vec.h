@@ -107,27 +107,19 @@ inline __m256 round_to(c10::BFloat16*, __m256 v) { return _mm256_castsi256_ps(_m
 }  // namespace carpool
 #endif
 
-// 256-bit integer dot products summed into int32 lanes: AVX512-VNNI's (EVEX, with AVX512-VL) or, in the avxvnni build
-// (avx2's flags and -mavxvnni: Intel client chips from Alder Lake, Sierra Forest, Zen 5), AVX-VNNI's (VEX).
+// 256-bit integer dot products summed into int32 lanes: AVX512-VNNI's (EVEX, with AVX512-VL) or, in the avxvnni
+// build (avx2's flags and -mavxvnni: Intel client chips from Alder Lake on, Sierra Forest), AVX-VNNI's (VEX).
 #if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
 #define CARPOOL_VNNI256 1
 namespace carpool {
-// acc + sums of four u8 x s8 products per int32 lane (vpdpbusd).
-inline __m256i dpbusd256(__m256i acc, __m256i u, __m256i s) {
+// dpbusd256: acc + sums of four u8 x s8 products per int32 lane; dpwssd256: of two int16 x int16 products.
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(acc, u, s);
+inline __m256i dpbusd256(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+inline __m256i dpwssd256(__m256i acc, __m256i a, __m256i b) { return _mm256_dpwssd_epi32(acc, a, b); }
 #else
-  return _mm256_dpbusd_avx_epi32(acc, u, s);
+inline __m256i dpbusd256(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+inline __m256i dpwssd256(__m256i acc, __m256i a, __m256i b) { return _mm256_dpwssd_avx_epi32(acc, a, b); }
 #endif
-}
-// acc + sums of two int16 x int16 products per int32 lane (vpdpwssd).
-inline __m256i dpwssd256(__m256i acc, __m256i a, __m256i b) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpwssd_epi32(acc, a, b);
-#else
-  return _mm256_dpwssd_avx_epi32(acc, a, b);
-#endif
-}
 }  // namespace carpool
 #endif
 
