@@ -8,10 +8,9 @@
 //
 // AVX-512 and AVX2 share 256-bit code: u8 x s8 products summed in fours by VNNI's vpdpbusd (AVX512-VNNI's or
 // AVX-VNNI's, vec.h's dpbusd256; plain AVX2: vpmaddubsw + vpmaddwd), int16 x scale pairs by vpdpwssd (AVX2:
-// vpmaddwd + add). The signed formats use abs(w) and x with w's
-// sign, as u8 x s8 needs. The AVX-512 build runs the K-quants' products on 512-bit registers (a chunk's two
-// sub-blocks at once); the 32-weight formats go eight blocks at a time (dot_octets). The portable build computes the
-// same integer sums in plain loops.
+// vpmaddwd + add). The signed formats use abs(w) and x with w's sign, as u8 x s8 needs. The AVX-512 build runs the
+// K-quants' products on 512-bit registers (a chunk's two sub-blocks at once); the 32-weight formats go eight blocks
+// at a time (dot_octets). The portable build computes the same integer sums in plain loops.
 #include "ggml_dot.h"
 
 #include <ATen/Parallel.h>
