@@ -209,6 +209,17 @@ def test_bf16_outputs_are_the_fp32_sums_rounded_as_torch_rounds(every_row_count_
 
 
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
+def test_a_rows_output_does_not_depend_on_the_rows_beside_it(every_row_count_int8, qtype):
+    """Every batched call (6 rows on) gives each row the same bits as a 48-row call does: whole vectors of rows
+    and the last vector's grouped layouts (a few rows, each over two or four lanes) alike."""
+    blocks, _ = random_blocks(37, 1024, qtype, seed=5)
+    x = torch.randn(48, 1024)
+    everyone = torch.ops.carpool.ggml_linear(x, blocks, int(qtype))
+    for rows in range(GEMV_ROWS + 1, 48):
+        assert torch.equal(torch.ops.carpool.ggml_linear(x[:rows], blocks, int(qtype)), everyone[:rows]), rows
+
+
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", (40, 300))  # a decode batch (a panel a tile) and a prompt chunk (panels of tiles)
 def test_batched_outputs_do_not_depend_on_the_thread_count(every_row_count_int8, qtype, rows):
     """The batched kernel's threads claim panels of columns as they go: whoever computes a column, and in whatever

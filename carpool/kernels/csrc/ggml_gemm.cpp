@@ -199,6 +199,17 @@ int32_t unpack_block(const uint8_t* p, int8_t* w, int32_t* sc, float& d, float* 
 
 // ---- vector lanes over activation rows ----------------------------------------------------------------------
 
+inline int32_t load4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+inline int64_t load8(const int8_t* p) {
+  int64_t v;
+  std::memcpy(&v, p, 8);
+  return v;
+}
+
 #ifdef CARPOOL_AVX512
 struct Rows16 {
   static constexpr int kLanes = 16;
@@ -209,8 +220,20 @@ struct Rows16 {
   static F fzero() { return _mm512_setzero_ps(); }
   static I iload(const uint8_t* p) { return _mm512_loadu_si512(p); }
   static F fload(const float* p) { return _mm512_loadu_ps(p); }
-  static I dot(I acc, I x, int32_t w4) { return _mm512_dpbusd_epi32(acc, x, _mm512_set1_epi32(w4)); }
-  static I dot_unsigned(I acc, I x, int32_t w4) { return _mm512_dpbusd_epi32(acc, _mm512_set1_epi32(w4), x); }
+  static I dot(I acc, I x, I w) { return _mm512_dpbusd_epi32(acc, x, w); }
+  static I dot_unsigned(I acc, I x, I w) { return _mm512_dpbusd_epi32(acc, w, x); }
+  template <int kGroup>
+  static I weights(const int8_t* p) {
+    if constexpr (kGroup == 4) return _mm512_set1_epi32(load4(p));
+    else if constexpr (kGroup == 8) return _mm512_set1_epi64(load8(p));
+    else return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  template <int kGroup>
+  static I row_totals(I t) {
+    if constexpr (kGroup >= 8) t = _mm512_add_epi32(t, _mm512_shuffle_epi32(t, _MM_PERM_CDAB));
+    if constexpr (kGroup >= 16) t = _mm512_add_epi32(t, _mm512_shuffle_epi32(t, _MM_PERM_BADC));
+    return t;
+  }
   static I mul(I a, int32_t s) { return _mm512_mullo_epi32(a, _mm512_set1_epi32(s)); }
   static I add(I a, I b) { return _mm512_add_epi32(a, b); }
   static I sub(I a, int32_t s) { return _mm512_sub_epi32(a, _mm512_set1_epi32(s)); }
@@ -228,14 +251,26 @@ struct Rows8 {
   using F = __m256;
 #ifdef CARPOOL_VNNI256
   static constexpr bool kInt16Pairs = false;
-  static I dot(I acc, I x, int32_t w4) { return dpbusd256(acc, x, _mm256_set1_epi32(w4)); }
-  static I dot_unsigned(I acc, I x, int32_t w4) { return dpbusd256(acc, _mm256_set1_epi32(w4), x); }
+  static I dot(I acc, I x, I w) { return dpbusd256(acc, x, w); }
+  static I dot_unsigned(I acc, I x, I w) { return dpbusd256(acc, w, x); }
 #else
   // vpmaddubsw's int16 pairs summed with vpaddw over GemmLayout::kPairSteps steps, then one vpmaddwd by the
   // sub-block's scale widens them: per 4 weights x 8 rows 1 + 1/steps multiplies instead of 2 (and no vpmulld).
   // block_totals_pairs does it.
   static constexpr bool kInt16Pairs = true;
 #endif
+  template <int kGroup>
+  static I weights(const int8_t* p) {
+    if constexpr (kGroup == 4) return _mm256_set1_epi32(load4(p));
+    else if constexpr (kGroup == 8) return _mm256_set1_epi64x(load8(p));
+    else return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  template <int kGroup>
+  static I row_totals(I t) {
+    if constexpr (kGroup >= 8) t = _mm256_add_epi32(t, _mm256_shuffle_epi32(t, 0xB1));
+    if constexpr (kGroup >= 16) t = _mm256_add_epi32(t, _mm256_shuffle_epi32(t, 0x4E));
+    return t;
+  }
   static I izero() { return _mm256_setzero_si256(); }
   static F fzero() { return _mm256_setzero_ps(); }
   static I iload(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
@@ -261,41 +296,64 @@ constexpr int32_t kXBias =
     GemmLayout<QT>::kUnsignedWeights || (V::kInt16Pairs && GemmLayout<QT>::kSignedPairs) ? 0 : 128;
 
 // x quantized once per call as the tile reads it (see the top); rows padded to whole vectors with x = 0.
+// The last vector may hold fewer rows, each over more lanes (tail_group bytes of K per row and step instead of 4:
+// tail_rows() rows, each over tail_group / 4 int32 lanes), so a call's last few rows do not cost a whole vector's
+// multiplies: 17 rows ran as long as 24 (the 1.5B's decode step, forced avx2, 286 vs 283 ms). A row's scale and
+// sums fill each of its lanes; its lanes' integer totals are added before they are scaled (V::row_totals), so every
+// lane holds what one lane of a full vector would, to the bit.
 struct InterleavedRows {
   int64_t rows = 0;            // padded
-  // [rows / lanes][K / 4][lanes][4]: x_q + bias. One vector of rows is contiguous: with [K / 4][rows][4], a 512-row
-  // prompt chunk put 2 KiB between a vector's consecutive loads, a power-of-two stride that kept a row block in a
-  // few cache sets (1536x8960 Q4_1 at 512 rows: 1.05x the exact path, 1.6x at 16 rows, forced AVX2).
+  int tail_group = 4;          // bytes of K per row and step in the last vector
+  // [rows / lanes][K / 4][lanes][4]: x_q + bias (the last vector [K / tail_group][..][tail_group]). One vector of
+  // rows is contiguous: with [K / 4][rows][4], a 512-row prompt chunk put 2 KiB between a vector's consecutive loads,
+  // a power-of-two stride that kept a row block in a few cache sets (1536x8960 Q4_1 at 512 rows: 1.05x the exact
+  // path, 1.6x at 16 rows, forced AVX2).
   std::vector<uint8_t> u;      // x_q + bias (kXBias)
-  std::vector<float> d;        // [K / block][rows]
-  std::vector<float> sums;     // [K / 32][rows]: d * sum of x_q over each 32 values (formats with min terms)
+  std::vector<float> d;        // [K / block][rows], by lane
+  std::vector<float> sums;     // [K / 32][rows], by lane: d * sum of x_q over each 32 values (formats with min terms)
 };
+
+// The widest group (fewest lanes per row of the last vector) that still holds its rows, from 4 bytes (every lane a
+// row) to 16: a step of 16 bytes stays inside Q6_K's sub-block of 16 weights, whose scale multiplies whole lanes.
+inline int tail_group(int64_t M, int lanes) {
+  const int64_t last = M - (M - 1) / lanes * lanes;
+  int group = 4;
+  while (group < 16 && last <= lanes * 2 / group) group *= 2;
+  return group;
+}
 
 // Symmetric int8 per `block` values, as ggml_dot.cpp's GEMV quantizes: d = max|x| / 127, q = round-half-even(x / d).
 InterleavedRows quantize_interleaved(const float* x, int64_t M, int64_t K, int64_t block, int lanes, int32_t bias,
                                      bool with_sums) {
   InterleavedRows out;
   out.rows = (M + lanes - 1) / lanes * lanes;
+  out.tail_group = M > lanes ? tail_group(M, lanes) : 4;  // int8_gemm_tiles' one-vector tile takes no groups
   out.u.assign(K * out.rows, static_cast<uint8_t>(bias));
   out.d.assign(K / block * out.rows, 0.0f);
   if (with_sums) out.sums.assign(K / 32 * out.rows, 0.0f);
+  const int64_t last_vector = out.rows - lanes;
   // Rows split over the threads: a 512-row prompt chunk is 0.3-4.6 M values to quantize, every call.
   at::parallel_for(0, M, 16, [&](int64_t first_row, int64_t last_row) {
     alignas(32) int8_t q[256];
     for (int64_t m = first_row; m < last_row; ++m) {
-      // Row m's 4-value groups, lanes * 4 bytes apart in its vector of rows.
-      uint8_t* groups = out.u.data() + (m / lanes * K * lanes) + m % lanes * 4;
+      const int64_t vector = m / lanes * lanes;
+      const int group = vector == last_vector ? out.tail_group : 4, spread = group / 4;
+      const int64_t lane = vector + m % lanes * spread;  // its first lane
+      // Row m's groups of K, lanes * 4 bytes apart in its vector of rows.
+      uint8_t* groups = out.u.data() + vector * K + m % lanes * group;
       for (int64_t b = 0; b < K / block; ++b) {
         const float d = quantize_int8(x + m * K + b * block, block, q);
-        out.d[b * out.rows + m] = d;
+        std::fill_n(out.d.begin() + b * out.rows + lane, spread, d);
         for (int64_t g = 0; g < block; g += 32) {
           const __m256i biased = _mm256_xor_si256(load256(reinterpret_cast<const uint8_t*>(q + g)), bytes(-128));
           alignas(32) uint8_t u[32];
           const __m256i stored = bias ? biased : load256(reinterpret_cast<const uint8_t*>(q + g));
           _mm256_store_si256(reinterpret_cast<__m256i*>(u), stored);
-          uint8_t* to = groups + (b * block + g) / 4 * lanes * 4;
-          for (int j = 0; j < 8; ++j) std::memcpy(to + j * lanes * 4, u + 4 * j, 4);
-          if (with_sums) out.sums[(b * block + g) / 32 * out.rows + m] = d * static_cast<float>(byte_sum32(biased) - 32 * 128);
+          uint8_t* to = groups + (b * block + g) / group * lanes * 4;
+          for (int j = 0; j < 32 / group; ++j) std::memcpy(to + j * lanes * 4, u + group * j, group);
+          if (with_sums)
+            std::fill_n(out.sums.begin() + (b * block + g) / 32 * out.rows + lane, spread,
+                        d * static_cast<float>(byte_sum32(biased) - 32 * 128));
         }
       }
     }
@@ -340,12 +398,6 @@ struct Panel {
   }
 };
 
-inline int32_t load4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return v;
-}
-
 // Holds v in a register at this point: without it GCC re-associates the AVX2 tile's int16 sums into trees of
 // products, which need more than the 16 ymm registers (x reloaded and sums spilled in the inner loop, seen in the
 // disassembly of the 2x2 tile).
@@ -358,7 +410,7 @@ inline void keep_in_register(T& v) {
 // VNNI: vpdpbusd into a partial sum per sub-block, times its scale (vpmulld) for the K-quants. Unsigned weights are
 // its unsigned operand and x the signed one, which an instruction may take from memory: x held in registers, or GCC
 // folded its loads into every column's vpdpbusd (NR loads per vector instead of one; Q4_K at 32 rows 5% slower).
-template <int64_t QT, typename V, int NR, int RV>
+template <int64_t QT, typename V, int NR, int RV, int kGroup>
 inline void block_totals(const uint8_t* xu, int64_t vector_bytes, const int8_t* const* w, const int32_t* const* sc,
                          int64_t b, typename V::I (&total)[NR][RV]) {
   using L = GemmLayout<QT>;
@@ -369,21 +421,21 @@ inline void block_totals(const uint8_t* xu, int64_t vector_bytes, const int8_t* 
     typename V::I part[NR][RV];
     for (int n = 0; n < NR; ++n)
       for (int r = 0; r < RV; ++r) part[n][r] = V::izero();
-    const uint8_t* xp = xu + k0 / 4 * stride;
+    const uint8_t* xp = xu + k0 / kGroup * stride;
 #pragma GCC unroll 8
-    for (int g = 0; g < L::kSub / 4; ++g, xp += stride) {
+    for (int g = 0; g < L::kSub / kGroup; ++g, xp += stride) {
       typename V::I xv[RV];
       for (int r = 0; r < RV; ++r) {
         xv[r] = V::iload(xp + r * vector_bytes);
         if constexpr (L::kUnsignedWeights) keep_in_register(xv[r]);
       }
       for (int n = 0; n < NR; ++n) {
-        const int32_t w4 = load4(w[n] + k0 + 4 * g);
+        const typename V::I wv = V::template weights<kGroup>(w[n] + k0 + kGroup * g);
         for (int r = 0; r < RV; ++r) {
           if constexpr (L::kUnsignedWeights)
-            part[n][r] = V::dot_unsigned(part[n][r], xv[r], w4);
+            part[n][r] = V::dot_unsigned(part[n][r], xv[r], wv);
           else
-            part[n][r] = V::dot(part[n][r], xv[r], w4);
+            part[n][r] = V::dot(part[n][r], xv[r], wv);
         }
       }
     }
@@ -403,7 +455,7 @@ inline void block_totals(const uint8_t* xu, int64_t vector_bytes, const int8_t* 
 // each (column, vector) adds its vpmaddubsw into its own int16 sums, widened by the sub-block's scale every
 // kPairSteps steps. Unsigned weights are the instruction's unsigned operand, x (then signed) the other; Q8_0's
 // |w| is, against x with w's sign (kSignedPairs).
-template <int64_t QT, int NR, int RV>
+template <int64_t QT, int NR, int RV, int kGroup>
 inline void block_totals_pairs(const uint8_t* xu, int64_t vector_bytes, const int8_t* const* w,
                                const int32_t* const* sc, int64_t b, __m256i (&total)[NR][RV]) {
   using L = GemmLayout<QT>;
@@ -412,24 +464,25 @@ inline void block_totals_pairs(const uint8_t* xu, int64_t vector_bytes, const in
     for (int r = 0; r < RV; ++r) total[n][r] = _mm256_setzero_si256();
   for (int s = 0; s < kW / L::kSub; ++s) {
     const int64_t k0 = b * kW + s * L::kSub;
-    for (int g0 = 0; g0 < L::kSub / 4; g0 += L::kPairSteps) {
-      const uint8_t* xp = xu + (k0 / 4 + g0) * 32;
+    constexpr int kSteps = L::kSub / kGroup, kPairSteps = std::min(L::kPairSteps, kSteps);
+    for (int g0 = 0; g0 < kSteps; g0 += kPairSteps) {
+      const uint8_t* xp = xu + (k0 / kGroup + g0) * 32;
       __m256i pairs[NR][RV];
 #pragma GCC unroll 8
-      for (int g = 0; g < L::kPairSteps; ++g) {
+      for (int g = 0; g < kPairSteps; ++g) {
         __m256i xv[RV];
         for (int r = 0; r < RV; ++r) xv[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + 32 * g + r * vector_bytes));
         for (int n = 0; n < NR; ++n) {
-          const __m256i w4 = _mm256_set1_epi32(load4(w[n] + k0 + 4 * (g0 + g)));
-          [[maybe_unused]] const __m256i magnitude = L::kSignedPairs ? _mm256_abs_epi8(w4) : w4;
+          const __m256i wv = Rows8::weights<kGroup>(w[n] + k0 + kGroup * (g0 + g));
+          [[maybe_unused]] const __m256i magnitude = L::kSignedPairs ? _mm256_abs_epi8(wv) : wv;
           for (int r = 0; r < RV; ++r) {
             __m256i product;
             if constexpr (L::kUnsignedWeights)
-              product = _mm256_maddubs_epi16(w4, xv[r]);
+              product = _mm256_maddubs_epi16(wv, xv[r]);
             else if constexpr (L::kSignedPairs)
-              product = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xv[r], w4));
+              product = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xv[r], wv));
             else
-              product = _mm256_maddubs_epi16(xv[r], w4);
+              product = _mm256_maddubs_epi16(xv[r], wv);
             pairs[n][r] = g == 0 ? product : _mm256_add_epi16(pairs[n][r], product);
             keep_in_register(pairs[n][r]);
           }
@@ -446,9 +499,10 @@ inline void block_totals_pairs(const uint8_t* xu, int64_t vector_bytes, const in
   }
 }
 
-// out[n][r * lanes + l] = y of row (first_vector + r) * lanes + l, column c0 + n of the panel. `ahead` (ahead_bytes
-// from it, none if 0): the blocks the thread unpacks next, prefetched a slice per block.
-template <int64_t QT, typename V, int NR, int RV>
+// out[n][r * lanes + l] = y of row (first_vector + r) * lanes + l, column c0 + n of the panel (kGroup > 4, the last
+// vector's layout: y of its row l / (kGroup / 4), in each of that row's lanes). `ahead` (ahead_bytes from it, none
+// if 0): the blocks the thread unpacks next, prefetched a slice per block.
+template <int64_t QT, typename V, int NR, int RV, int kGroup = 4>
 void gemm_tile(const Panel<QT>& panel, int64_t c0, const InterleavedRows& x, int64_t first_vector, float* out,
                const uint8_t* ahead, int64_t ahead_bytes) {
   using L = GemmLayout<QT>;
@@ -469,10 +523,13 @@ void gemm_tile(const Panel<QT>& panel, int64_t c0, const InterleavedRows& x, int
       _mm_prefetch(reinterpret_cast<const char*>(ahead + offset), _MM_HINT_T0);
     typename V::I total[NR][RV];
     if constexpr (V::kInt16Pairs) {
-      block_totals_pairs<QT, NR, RV>(xu, vector_bytes, w, sc, b, total);
+      block_totals_pairs<QT, NR, RV, kGroup>(xu, vector_bytes, w, sc, b, total);
     } else {
-      block_totals<QT, V, NR, RV>(xu, vector_bytes, w, sc, b, total);
+      block_totals<QT, V, NR, RV, kGroup>(xu, vector_bytes, w, sc, b, total);
     }
+    if constexpr (kGroup > 4)
+      for (int n = 0; n < NR; ++n)
+        for (int r = 0; r < RV; ++r) total[n][r] = V::template row_totals<kGroup>(total[n][r]);
     for (int r = 0; r < RV; ++r) {
       const typename V::F xd = V::fload(x.d.data() + b * x.rows + (first_vector + r) * V::kLanes);
       for (int n = 0; n < NR; ++n)
@@ -526,6 +583,8 @@ constexpr int64_t kRowBlockBytes = 128 << 10, kPanelTiles = 8;
 template <int64_t QT, typename V, int NR, int RV, typename Y>
 void int8_gemm_tiles(const InterleavedRows& q, const uint8_t* weight, int64_t M, int64_t N, int64_t K, Y* y) {
   const int64_t row_bytes = K / Format<QT>::kWeights * Format<QT>::kBytes, vectors = q.rows / V::kLanes;
+  // Vectors with every lane a row; a call of one vector (the one-vector tile) has no grouped layout.
+  const int64_t full_vectors = RV > 1 && q.tail_group > 4 ? vectors - 1 : vectors;
   const int64_t block_vectors = std::max<int64_t>(RV, kRowBlockBytes / (K * V::kLanes) / RV * RV);
   const int64_t panel_tiles = vectors > block_vectors ? kPanelTiles : 1, width = panel_tiles * NR;
   const int64_t panels = (N + width - 1) / width;
@@ -557,11 +616,11 @@ void int8_gemm_tiles(const InterleavedRows& q, const uint8_t* weight, int64_t M,
       const uint8_t* ahead = following < end ? weight + following * width * row_bytes : nullptr;
       int64_t ahead_bytes = ahead ? std::min<int64_t>(width, N - following * width) * row_bytes : 0;
       for (int64_t v0 = 0; v0 < vectors; v0 += block_vectors) {
-        const int64_t v1 = std::min(vectors, v0 + block_vectors);
+        const int64_t v1 = std::min(vectors, v0 + block_vectors), full_end = std::min(v1, full_vectors);
         for (int64_t c0 = 0; c0 < columns; c0 += NR) {
           const int64_t tile_columns = std::min<int64_t>(NR, columns - c0);
-          for (int64_t v = v0; v < v1; v += RV) {
-            const int rv = static_cast<int>(std::min<int64_t>(RV, v1 - v));
+          for (int64_t v = v0; v < full_end; v += RV) {
+            const int rv = static_cast<int>(std::min<int64_t>(RV, full_end - v));
             if (rv == RV)
               gemm_tile<QT, V, NR, RV>(panel, c0, q, v, out, ahead, ahead_bytes);
             else
@@ -569,6 +628,19 @@ void int8_gemm_tiles(const InterleavedRows& q, const uint8_t* weight, int64_t M,
             ahead_bytes = 0;
             store_tile<V::kLanes>(out, rv, static_cast<int>(tile_columns), v, M, y + n0 + c0, N);
           }
+          if constexpr (RV > 1)
+            if (full_end < v1) {  // the last vector, in its grouped layout
+              if (q.tail_group == 8)
+                gemm_tile<QT, V, NR, 1, 8>(panel, c0, q, full_end, out, ahead, ahead_bytes);
+              else
+                gemm_tile<QT, V, NR, 1, 16>(panel, c0, q, full_end, out, ahead, ahead_bytes);
+              ahead_bytes = 0;
+              const int spread = q.tail_group / 4;  // each row's first lane into lane `row`, as store_tile reads
+              for (int n = 0; n < NR; ++n)
+                for (int row = 1; row < V::kLanes / spread; ++row)
+                  out[n * V::kLanes + row] = out[n * V::kLanes + row * spread];
+              store_tile<V::kLanes>(out, 1, static_cast<int>(tile_columns), full_end, M, y + n0 + c0, N);
+            }
         }
       }
       p = following;
