@@ -33,6 +33,16 @@ class Block:
     ref_count: int = 0
     block_hash: bytes | None = None
     token_ids: tuple[int, ...] = ()
+    partial_keys: tuple = ()  # its keys in BlockManager.partial (cached blocks of the full-attention group)
+
+
+@dataclass(frozen=True)
+class PartialHit:
+    """The first `num_tokens` tokens of a sequence's next block, found in the cached block `block_id`: their KV is
+    copied into a block of the sequence's own instead of computed."""
+
+    block_id: int
+    num_tokens: int
 
 
 def hash_block(parent: bytes | None, token_ids: list[int], salt: str | None) -> bytes:
@@ -47,6 +57,8 @@ class BlockManager:
     """The full-attention group (every layer of a model without sliding windows), and through `sliding` the
     sliding-window group when there is one. The public methods answer for both groups."""
 
+    indexes_partial_hits = True
+
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, sliding_window: int = 0,
                  num_sliding_blocks: int | None = None):
         self.block_size = block_size
@@ -55,6 +67,9 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[bytes, int] = {}  # block hash -> block id
+        # (parent's hash, tenant's salt, n, hash of the first n tokens) -> a cached block that starts so: where
+        # partial_hit looks for a block's first tokens. Only this group's (a sliding group's hit must be whole).
+        self.partial: dict[tuple, int] = {}
         # The sliding group's pool holds every sequence's window, not whole contexts (carpool.engine.kv_pools);
         # admission and allocation check both groups, so it running short makes requests wait.
         self.sliding = (
@@ -99,11 +114,8 @@ class BlockManager:
         """
         if not self.enable_prefix_caching:
             return []
-        servable = seq.num_tokens - 1
-        if seq.params.prompt_logprobs is not None:
-            servable = min(servable, len(seq.prompt_logprobs) - 1)
         hits = []
-        for i, block_hash in enumerate(self._block_hashes(seq, servable // self.block_size)):
+        for i, block_hash in enumerate(self._block_hashes(seq, self._servable(seq) // self.block_size)):
             block_id = self._cached_block(seq, i, block_hash)
             if block_id is None:
                 break
@@ -111,6 +123,31 @@ class BlockManager:
         if self.sliding:
             del hits[self.sliding.longest_covered_prefix(seq, len(hits)) :]
         return hits
+
+    @staticmethod
+    def _servable(seq: Sequence) -> int:
+        """How many of seq's first tokens the cache may serve: never the last, whose logits the engine samples
+        from, nor a position whose prompt logprob is still to be read (prompt_logprobs: its logits are needed)."""
+        servable = seq.num_tokens - 1
+        if seq.params.prompt_logprobs is not None:
+            servable = min(servable, len(seq.prompt_logprobs) - 1)
+        return servable
+
+    def partial_hit(self, seq: Sequence, hits: list[int]) -> PartialHit | None:
+        """The longest start of seq's block after `hits` that a cached block also starts with. Blocks are cached
+        and hashed whole, so without this a shared prefix that ends inside a block (a system prompt's last tokens,
+        a conversation's previous turn) was computed again by every request: token-granular reuse, as llama.cpp's
+        slots and SGLang's radix cache have. None without a hit, and for a model with sliding-window layers."""
+        if not self.enable_prefix_caching or self.sliding:
+            return None
+        start = len(hits) * self.block_size
+        wanted = seq.token_ids[start : start + min(self._servable(seq) - start, self.block_size)]
+        parent = self._block_hashes(seq, len(hits))[-1] if hits else None
+        for n in range(len(wanted), 0, -1):
+            block_id = self.partial.get((parent, seq.cache_salt, n, hash(tuple(wanted[:n]))))
+            if block_id is not None and self.blocks[block_id].token_ids[:n] == tuple(wanted[:n]):
+                return PartialHit(block_id, n)
+        return None
 
     def _cached_block(self, seq: Sequence, index: int, block_hash: bytes) -> int | None:
         """The cached block holding seq's index-th block, if any. The stored tokens are compared too, so that a
@@ -147,12 +184,17 @@ class BlockManager:
         total = num_hit_blocks * self.block_size + num_new_tokens
         return cdiv(total, self.block_size) - num_hit_blocks + revived <= self.num_free_blocks
 
-    def admit(self, seq: Sequence, hits: list[int]) -> None:
-        """Share the matched cached blocks with seq (by reference, never copied)."""
+    def admit(self, seq: Sequence, hits: list[int], partial: PartialHit | None = None) -> None:
+        """Share the matched cached blocks with seq (by reference, never copied). With a partial hit, seq gets a
+        block of its own for the next position, and its first partial.num_tokens tokens count as computed: the
+        caller copies their KV from partial.block_id into seq.block_table[len(hits)] before the next forward."""
         self._take(seq, hits)
         if self.sliding:
             self.sliding.admit_window(seq, len(hits))
         seq.num_computed_tokens = len(hits) * self.block_size
+        if partial:
+            self.allocate(seq, seq.num_computed_tokens + partial.num_tokens)
+            seq.num_computed_tokens += partial.num_tokens
 
     def _take(self, seq: Sequence, hits: list[int]) -> None:
         for block_id in hits:
@@ -165,8 +207,10 @@ class BlockManager:
     def cache_full_blocks(self, seq: Sequence) -> None:
         """After a step: register the blocks that seq's computed tokens have filled, so later requests can hit
         them, and give back the sliding-window blocks that its next queries can no longer see."""
-        for i in self._register_full_blocks(seq):
-            seq.num_cache_write_tokens += max(0, min(self.block_size, seq.num_prompt_tokens - i * self.block_size))
+        bs = self.block_size
+        for i in self._register_full_blocks(seq):  # the prompt tokens of block i that seq computed
+            seq.num_cache_write_tokens += max(0, min((i + 1) * bs, seq.num_prompt_tokens)
+                                              - max(i * bs, seq.num_cached_prompt_tokens))
         if self.sliding:
             self.sliding._register_full_blocks(seq)
             self.sliding.release_out_of_window(seq)
@@ -189,6 +233,11 @@ class BlockManager:
             block.block_hash = block_hash
             block.token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             self.cached[block_hash] = block.block_id
+            if self.indexes_partial_hits:
+                parent = seq.block_hashes[i - 1] if i else None
+                block.partial_keys = tuple((parent, seq.cache_salt, n, hash(block.token_ids[:n])) for n in range(1, bs))
+                for key in block.partial_keys:
+                    self.partial.setdefault(key, block.block_id)
             registered.append(i)
         return registered
 
@@ -208,7 +257,10 @@ class BlockManager:
             block = self.blocks[block_id]
             if block.block_hash is not None:
                 del self.cached[block.block_hash]
-                block.block_hash, block.token_ids = None, ()
+                for key in block.partial_keys:
+                    if self.partial.get(key) == block_id:
+                        del self.partial[key]
+                block.block_hash, block.token_ids, block.partial_keys = None, (), ()
             block.ref_count = 1
             self.table(seq).append(block_id)
 
@@ -251,6 +303,8 @@ class SlidingWindowGroup(BlockManager):
 
     Prefix cache (vLLM's rule): a hit of L tokens needs the full group's blocks for [0, L) and this group's
     blocks for the window before L, [L - window + 1, L), still cached."""
+
+    indexes_partial_hits = False
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, window: int):
         super().__init__(num_blocks, block_size, enable_prefix_caching)

@@ -66,6 +66,8 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor | None, list[Sequence]]:
         """Forward the batch; returns logits for the sequences that reached their last token: one row each, or
         1 + len(spec_token_ids) rows for a sequence verifying drafts, in the order of the returned list."""
+        for source, target, num_tokens in batch.kv_copies.values():  # partial prefix hits (BlockManager.partial_hit)
+            self.kv_cache[:, :, target, :num_tokens] = self.kv_cache[:, :, source, :num_tokens]
         order = sorted(
             range(len(batch.seqs)),
             key=lambda i: (not _decoding(batch.seqs[i], batch.num_new_tokens[i]), batch.seqs[i].num_computed_tokens),

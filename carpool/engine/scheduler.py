@@ -23,6 +23,8 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # KV to copy before the forward, per admitted sequence with a partial prefix hit: (from block, to block, tokens)
+    kv_copies: dict[Sequence, tuple[int, int, int]] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(self.seqs)
@@ -172,13 +174,17 @@ class Scheduler:
             return False
         while True:
             hits = self.block_manager.match_prefix(seq)  # again after a preemption: blocks may have been evicted
-            num_new = min(seq.num_tokens - len(hits) * self.block_manager.block_size, self._budget(batch, seq))
-            if self.block_manager.can_admit(seq, hits, num_new):
+            partial = self.block_manager.partial_hit(seq, hits)
+            copied = partial.num_tokens if partial else 0
+            num_new = min(seq.num_tokens - len(hits) * self.block_manager.block_size - copied, self._budget(batch, seq))
+            if self.block_manager.can_admit(seq, hits, copied + num_new):
                 break
             if not self._make_room(seq, batch, rank):
                 return False
         self.waiting.remove(seq)
-        self.block_manager.admit(seq, hits)
+        self.block_manager.admit(seq, hits, partial)
+        if partial:
+            batch.kv_copies[seq] = (partial.block_id, seq.block_table[len(hits)], partial.num_tokens)
         if seq.times.first_scheduled is None:
             seq.num_cached_prompt_tokens = seq.num_computed_tokens
             seq.times.first_scheduled = now
@@ -209,6 +215,7 @@ class Scheduler:
             del batch.seqs[i], batch.num_new_tokens[i]
         self.running.remove(seq)
         self.block_manager.free(seq)
+        batch.kv_copies.pop(seq, None)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         batch.preempted.append(seq)

@@ -1,6 +1,7 @@
 """Automatic prefix caching: same outputs as without it, shared blocks by reference, exact block accounting."""
 
 import pytest
+import torch
 
 from block_invariants import check_block_invariants, run_with_aborts
 
@@ -61,6 +62,39 @@ def test_shared_prefix_is_shared_by_reference_and_isolated_by_salt(llm, tokenize
     while engine.has_unfinished_requests():
         engine.step()
         check_block_invariants(engine)
+
+
+def test_a_prefix_ending_inside_a_block_is_copied_token_for_token(llm, tokenizer):
+    """Blocks are hashed whole; the shared tokens after the last whole block (a system prompt's tail) come from a
+    cached block that starts with them, copied into a block of the request's own, not computed again."""
+    engine, bs = llm.engine, llm.engine.block_manager.block_size
+    system = tokenizer.encode("You are a terse assistant who answers in one line. " * 3)
+    shared = len(system) + 5
+    assert shared % bs  # ends inside a block
+    first_prompt = system + tokenizer.encode(" Question one: name a planet with rings, and say why it has them.")
+    second_prompt = first_prompt[:shared] + tokenizer.encode(" What is the capital of France?")
+    assert second_prompt[shared] != first_prompt[shared] and len(first_prompt) >= (shared // bs + 1) * bs  # a whole block cached
+    first = engine.add_request("p1", first_prompt, REPLY, cache_salt="partial")
+    while first.num_computed_tokens < first.num_prompt_tokens:
+        engine.step()
+    source = first.block_table[shared // bs]
+    second = engine.add_request("p2", second_prompt, REPLY, cache_salt="partial")
+    other_tenant = engine.add_request("p3", second_prompt, REPLY, cache_salt="partial-other")
+    engine.step()
+    assert second.num_cached_prompt_tokens == shared
+    assert other_tenant.num_cached_prompt_tokens == 0
+    own = second.block_table[shared // bs]
+    assert own != source and engine.block_manager.blocks[source].ref_count == 1  # a copy, not a share
+    kv = engine.runner.kv_cache
+    assert torch.equal(kv[:, :, own, : shared % bs], kv[:, :, source, : shared % bs])
+    outputs = {}
+    while engine.has_unfinished_requests():
+        outputs.update({o.request_id: o for o in engine.step()})
+        check_block_invariants(engine)
+    # what a cold engine computes from scratch, and billing: cached and newly cached tokens never overlap
+    cold = LLM(dtype="float32", max_num_seqs=4, enable_prefix_caching=False, matmul="exact")
+    assert outputs["p2"].token_ids == cold.generate([second_prompt], REPLY)[0].token_ids
+    assert outputs["p2"].num_cached_tokens + second.num_cache_write_tokens <= len(second_prompt)
 
 
 def test_waiting_requests_with_a_shared_uncached_prefix_let_one_compute_it(llm, tokenizer):
