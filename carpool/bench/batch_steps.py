@@ -9,15 +9,14 @@ vector (8 rows on avx2 and avxvnni) show what a partly filled last vector costs.
 """
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
 from carpool import LLM, SamplingParams
 from carpool.bench.decode_step import context_prompt
+from carpool.bench.report import write_report
 from carpool.kernels import kernel_path
 
 
@@ -63,8 +62,7 @@ def main(args: argparse.Namespace) -> None:
     for row in report["sizes"]:
         print(f"{row['size']:>9} {row['step_ms']:>9.1f} {row['ms_per_sequence']:>8.2f}")
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=2))
+        write_report(args.out, report)
 
 
 if __name__ == "__main__":

@@ -13,15 +13,14 @@ the keys and values of the sequence's context, --context tokens of a meeting tra
 """
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
 from carpool import LLM, SamplingParams
 from carpool.bench.datasets import long_docs
+from carpool.bench.report import write_report
 from carpool.engine.model_runner import ModelRunner
 from carpool.models.layers import projection_parts
 from carpool.models.quantization import matmul_mode
@@ -147,8 +146,7 @@ def main(args: argparse.Namespace) -> None:
         print(f"  {mode:9s} layers: {r['wall_ms']:.2f} ms/step ({r['cpu_ms']:.2f} CPU), overhead "
               f"{r['overhead_wall_ms']:.2f} ms ({r['overhead_cpu_ms']:.2f} CPU), {r['x_floor']:.2f}x the floor")
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=2))
+        write_report(args.out, report)
 
 
 if __name__ == "__main__":
