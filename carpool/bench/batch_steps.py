@@ -20,6 +20,11 @@ from carpool.bench.report import write_report
 from carpool.kernels import kernel_path
 
 
+def _prefilling(engine) -> bool:
+    scheduler = engine.scheduler
+    return bool(scheduler.waiting) or any(s.num_computed_tokens < s.num_prompt_tokens for s in scheduler.running)
+
+
 def run(model: str, sizes: list[int], steps: int, threads: int, context: int) -> dict:
     if not sizes or min(sizes) < 1:
         raise ValueError(f"sizes: want batch sizes of at least 1, got {sizes}")
@@ -30,9 +35,9 @@ def run(model: str, sizes: list[int], steps: int, threads: int, context: int) ->
     prompt = context_prompt(llm, context + largest)
     # Enough tokens for every step below and the decodes that ran beside the prompts' chunks; aborted at the end.
     params = SamplingParams(max_tokens=context + (steps + 1) * len(sizes), temperature=0, ignore_eos=True)
-    for i in range(largest):  # distinct prompts, one token apart in length
+    for i in range(largest):  # distinct prompts: the same text, each one token further on
         engine.add_request(f"seq-{i}", prompt[i : i + context], params)
-    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) or engine.scheduler.waiting:
+    while _prefilling(engine):
         engine.step()
     rows = []
     for size in sorted(set(sizes), reverse=True):

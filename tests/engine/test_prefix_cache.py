@@ -73,7 +73,8 @@ def test_a_prefix_ending_inside_a_block_is_copied_token_for_token(llm, tokenizer
     assert shared % bs  # ends inside a block
     first_prompt = system + tokenizer.encode(" Question one: name a planet with rings, and say why it has them.")
     second_prompt = first_prompt[:shared] + tokenizer.encode(" What is the capital of France?")
-    assert second_prompt[shared] != first_prompt[shared] and len(first_prompt) >= (shared // bs + 1) * bs  # a whole block cached
+    assert second_prompt[shared] != first_prompt[shared]
+    assert len(first_prompt) >= (shared // bs + 1) * bs  # the block holding the shared end is whole, so cached
     first = engine.add_request("p1", first_prompt, REPLY, cache_salt="partial")
     while first.num_computed_tokens < first.num_prompt_tokens:
         engine.step()

@@ -222,12 +222,14 @@ struct Rows16 {
   static F fload(const float* p) { return _mm512_loadu_ps(p); }
   static I dot(I acc, I x, I w) { return _mm512_dpbusd_epi32(acc, x, w); }
   static I dot_unsigned(I acc, I x, I w) { return _mm512_dpbusd_epi32(acc, w, x); }
+  // A column's kGroup weights at p, in every kGroup bytes of the vector (each row's share of a step of x).
   template <int kGroup>
   static I weights(const int8_t* p) {
     if constexpr (kGroup == 4) return _mm512_set1_epi32(load4(p));
     else if constexpr (kGroup == 8) return _mm512_set1_epi64(load8(p));
     else return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
+  // Each lane the total of its row's kGroup / 4 lanes (InterleavedRows' last vector).
   template <int kGroup>
   static I row_totals(I t) {
     if constexpr (kGroup >= 8) t = _mm512_add_epi32(t, _mm512_shuffle_epi32(t, _MM_PERM_CDAB));
@@ -259,13 +261,13 @@ struct Rows8 {
   // block_totals_pairs does it.
   static constexpr bool kInt16Pairs = true;
 #endif
-  template <int kGroup>
+  template <int kGroup>  // as Rows16's
   static I weights(const int8_t* p) {
     if constexpr (kGroup == 4) return _mm256_set1_epi32(load4(p));
     else if constexpr (kGroup == 8) return _mm256_set1_epi64x(load8(p));
     else return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
-  template <int kGroup>
+  template <int kGroup>  // as Rows16's
   static I row_totals(I t) {
     if constexpr (kGroup >= 8) t = _mm256_add_epi32(t, _mm256_shuffle_epi32(t, 0xB1));
     if constexpr (kGroup >= 16) t = _mm256_add_epi32(t, _mm256_shuffle_epi32(t, 0x4E));
@@ -297,10 +299,10 @@ constexpr int32_t kXBias =
 
 // x quantized once per call as the tile reads it (see the top); rows padded to whole vectors with x = 0.
 // The last vector may hold fewer rows, each over more lanes (tail_group bytes of K per row and step instead of 4:
-// tail_rows() rows, each over tail_group / 4 int32 lanes), so a call's last few rows do not cost a whole vector's
-// multiplies: 17 rows ran as long as 24 (the 1.5B's decode step, forced avx2, 286 vs 283 ms). A row's scale and
-// sums fill each of its lanes; its lanes' integer totals are added before they are scaled (V::row_totals), so every
-// lane holds what one lane of a full vector would, to the bit.
+// lanes * 4 / tail_group rows, each over tail_group / 4 int32 lanes), so a call's last few rows do not cost a whole
+// vector's multiplies: 17 rows ran as long as 24 (the 1.5B's decode step, forced avx2, 286 vs 283 ms). A row's
+// scale and sums fill each of its lanes; its lanes' integer totals are added before they are scaled (V::row_totals),
+// so every lane holds what one lane of a full vector would, to the bit.
 struct InterleavedRows {
   int64_t rows = 0;            // padded
   int tail_group = 4;          // bytes of K per row and step in the last vector
