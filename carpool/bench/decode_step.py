@@ -5,7 +5,8 @@ the Python layers, interleaved in one run so that a shared machine's noise hits 
     python -m carpool.bench.decode_step --model smollm2-135m --rounds 30 --threads 2 --context 1000
 
 Per mode: the step's wall and process CPU time (with --threads 1 the CPU time is the step's own work, whatever
-else the machine runs; with more, idle threads' spinning counts too). Beside them: every projection and the LM
+else the machine runs; with more, idle threads' spinning counts too) and the operator calls one step dispatches
+(counted by torch.profiler: the machine's load cannot change them). Beside them: every projection and the LM
 head run alone at batch 1 (the matmuls) and the attention alone at the sequence's context, so that
 overhead = step - matmuls - attention is what neither kernel accounts for (norms, rotary, cache writes,
 allocations, Python, metadata, sampling); and the bandwidth floor: the bytes one step streams (every weight, and
@@ -17,6 +18,7 @@ import statistics
 import time
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from carpool import LLM, SamplingParams
 from carpool.bench.datasets import long_docs
@@ -81,6 +83,13 @@ def attention_ms(engine, dtype: torch.dtype, repeats: int) -> tuple[float, float
     return _median_ms(calls, repeats)
 
 
+def dispatched_ops(engine) -> int:
+    """Operator calls (aten and carpool, nested ones included) that one engine step sends through the dispatcher."""
+    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+        engine.step()
+    return len(profiler.events())
+
+
 def _median_ms(calls: list, repeats: int) -> tuple[float, float]:
     """Median wall and CPU milliseconds of one pass over `calls`."""
     times = []
@@ -116,6 +125,12 @@ def run(model_name: str, rounds: int, steps: int, threads: int, bandwidth_gbs: f
             wall, cpu = (time.perf_counter() - wall) * 1000 / steps, (time.process_time() - cpu) * 1000 / steps
             samples[mode].append((wall, cpu))
         attention.append(attention_ms(engine, dtype, 3))
+    ops = {}
+    for mode in samples:
+        model.fused_decode = mode != "python"
+        model.decode_stack().set_one_region(mode == "fused")
+        ops[mode] = dispatched_ops(engine)
+    model.fused_decode = True
     model.decode_stack().set_one_region(True)
     with matmul_mode(engine.config.matmul):  # the engine's mode, as its steps run (a thread's default is exact)
         matmuls = matmuls_ms(model, dtype, 5)
@@ -129,7 +144,8 @@ def run(model_name: str, rounds: int, steps: int, threads: int, bandwidth_gbs: f
     for mode, values in samples.items():
         wall, cpu = statistics.median(v[0] for v in values), statistics.median(v[1] for v in values)
         report[mode] = {"wall_ms": wall, "cpu_ms": cpu, "overhead_wall_ms": wall - matmuls[0] - attend[0],
-                        "overhead_cpu_ms": cpu - matmuls[1] - attend[1], "x_floor": wall / floor}
+                        "overhead_cpu_ms": cpu - matmuls[1] - attend[1], "x_floor": wall / floor,
+                        "ops_per_step": ops[mode]}
     return report
 
 
@@ -144,7 +160,8 @@ def main(args: argparse.Namespace) -> None:
     for mode in ("python", "fused-ops", "fused"):
         r = report[mode]
         print(f"  {mode:9s} layers: {r['wall_ms']:.2f} ms/step ({r['cpu_ms']:.2f} CPU), overhead "
-              f"{r['overhead_wall_ms']:.2f} ms ({r['overhead_cpu_ms']:.2f} CPU), {r['x_floor']:.2f}x the floor")
+              f"{r['overhead_wall_ms']:.2f} ms ({r['overhead_cpu_ms']:.2f} CPU), {r['x_floor']:.2f}x the floor, "
+              f"{r['ops_per_step']} operator calls")
     if args.out:
         write_report(args.out, report)
 

@@ -12,6 +12,9 @@ def test_the_fused_step_does_less_work_than_the_python_layers():
     assert report["mean_context"] == 100 + 45 // 2
     element = {"torch.bfloat16": 2, "torch.float32": 4}[report["dtype"]]
     assert report["kv_bytes"] == 30 * 2 * 3 * 64 * element * report["mean_context"]
-    # One thread: CPU time is the step's own work. The Python layers cost ~2 ms a step more (measured 10.2 vs 7.8).
-    assert report["fused"]["cpu_ms"] < report["python"]["cpu_ms"] - 0.5
-    assert report["fused"]["overhead_cpu_ms"] < report["python"]["overhead_cpu_ms"]
+    # The one-region step is one C++ call for all 30 layers: it dispatches a few dozen operators (embedding, final
+    # norm, LM head, sampling) where the layers one by one dispatch ~2,000 (measured 88 vs 1,995). Counted, not
+    # timed: a busy machine once made the Python layers' CPU time the smaller one.
+    assert report["fused"]["ops_per_step"] * 10 < report["python"]["ops_per_step"]
+    assert report["fused"]["ops_per_step"] < report["fused-ops"]["ops_per_step"]
+    assert all(report[mode]["wall_ms"] > 0 for mode in ("fused", "fused-ops", "python"))
