@@ -8,9 +8,10 @@ batched kernel above); "int8-dot" says which of the two the default mode runs at
 (torch.ops.carpool.int8_dot_max_rows; prompt chunks above it stay exact). --cpu-time times the calling thread's CPU
 time instead of the wall clock: steadier on a loaded machine, meaningful at 1 thread only.
 
-Q4_K and Q6_K come from the model's GGUF file (its largest tensor of each); Q4_0, Q4_1, Q5_0 and Q8_0 are the
-same shape quantized by gguf-py. GB/s counts the weight blocks one call streams. Then the error of one int8 call
-against the exact path.
+Each block format the model's GGUF file holds comes from it (its largest matrix of that format: Qwen2.5-Coder-1.5B's
+Q4_K and Q6_K, SmolLM2's Q4_1 and its Q8_0 embedding, which is also its LM head); the other 32-weight formats (Q4_0,
+Q4_1, Q5_0, Q8_0) are the largest layer matrix's shape quantized by gguf-py. GB/s counts the weight blocks one call
+streams. Then the error of one int8 call against the exact path.
 """
 
 import argparse
@@ -32,20 +33,28 @@ QUANTIZED_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0)
 
 
 def weights(model: str) -> dict:
-    """qtype -> uint8 blocks [rows, bytes]: the file's largest tensor of each K-quant type, and that shape in the
-    gguf-py formats."""
+    """qtype -> uint8 blocks [rows, bytes]: the file's largest matrix of each block format (the token embedding only
+    where the LM head reads it, as SmolLM2 ties them), and the largest layer matrix's shape quantized by gguf-py in
+    the 32-weight formats the file lacks."""
     reader = gguf.GGUFReader(model_path(model))
-    found = {}
+    tied = all(t.name != "output.weight" for t in reader.tensors)
+    found, largest = {}, None
     for tensor in reader.tensors:
-        if tensor.tensor_type in FILE_TYPES and len(tensor.shape) == 2 and tensor.name != "token_embd.weight":
-            best = found.get(tensor.tensor_type)
-            if best is None or tensor.n_bytes > best.n_bytes:
-                found[tensor.tensor_type] = tensor
-    out = {qtype: torch.from_numpy(np.array(t.data)) for qtype, t in found.items()}
-    cols, rows = (int(n) for n in found[Q.Q4_K].shape)
+        if tensor.tensor_type not in (*FILE_TYPES, *QUANTIZED_TYPES) or len(tensor.shape) != 2:
+            continue
+        if tensor.name == "token_embd.weight" and not tied:
+            continue
+        size = (int(tensor.n_elements), int(tensor.shape[1]))  # ties go to the more rows: an up projection
+        if tensor.tensor_type not in found or size > found[tensor.tensor_type][0]:
+            found[tensor.tensor_type] = (size, tensor)
+        if tensor.name.startswith("blk.") and (largest is None or size > largest[0]):
+            largest = (size, tensor)
+    out = {qtype: torch.from_numpy(np.array(t.data)) for qtype, (_, t) in found.items()}
+    cols, rows = (int(n) for n in largest[1].shape)
     dense = np.random.default_rng(0).standard_normal((rows, cols)).astype(np.float32) * 0.02
     for qtype in QUANTIZED_TYPES:
-        out[qtype] = torch.from_numpy(np.ascontiguousarray(gguf.quants.quantize(dense, qtype)))
+        if qtype not in out:
+            out[qtype] = torch.from_numpy(np.ascontiguousarray(gguf.quants.quantize(dense, qtype)))
     return out
 
 

@@ -52,8 +52,10 @@ struct Int8Rows {
   std::vector<float> d;
   std::vector<int16_t> sums;
   std::vector<int32_t> block_sums;
+  std::vector<int8_t> q_octets;  // q's whole 256-value octets reordered for the AVX2 build's Q4_0/Q4_1 (ggml_dot.cpp)
 
   const int8_t* q_row(int64_t m) const { return q.data() + m * K; }
+  const int8_t* octet_row(int64_t m) const { return q_octets.data() + m * (K / 256 * 256); }
   const float* d_row(int64_t m) const { return d.data() + m * blocks_per_row; }
   const int16_t* sums_row(int64_t m) const { return sums.data() + m * (K / 16); }
   const int32_t* block_sums_row(int64_t m) const { return block_sums.data() + m * blocks_per_row; }
