@@ -33,7 +33,7 @@ namespace {
 thread_local MatmulMode current_mode = MatmulMode::kExact;
 
 // The AVX2 build (no VNNI) dots Q4_0 and Q4_1 octets two blocks a register: blocks k and k + 4 side by side, as
-// 16 bytes of nibbles each, unpack in 3 ops per pair instead of 4 per block, and the eight blocks' integer sums
+// 16 bytes of nibbles each, load and unpack in 5 ops a pair instead of 4 a block, and the eight blocks' integer sums
 // reduce in 3 hadds instead of 6, 2 permutes and an add. x must come in the same order: quantize_rows keeps a
 // copy so arranged (Int8Rows::q_octets). On Zen 3 (the GEMV compute-bound there: a cache-resident matrix ran no
 // faster than one from DRAM), SmolLM2's Q4_1 matrices at one row and one thread took 1.11-1.23x less time (gate/up
