@@ -10,8 +10,9 @@ time instead of the wall clock: steadier on a loaded machine, meaningful at 1 th
 
 Each block format the model's GGUF file holds comes from it (its largest matrix of that format: Qwen2.5-Coder-1.5B's
 Q4_K and Q6_K, SmolLM2's Q4_1 and its Q8_0 embedding, which is also its LM head); the other 32-weight formats (Q4_0,
-Q4_1, Q5_0, Q8_0) are the largest layer matrix's shape quantized by gguf-py. GB/s counts the weight blocks one call
-streams. Then the error of one int8 call against the exact path.
+Q4_1, Q5_0, Q8_0) are the largest layer matrix's shape quantized by gguf-py. Each runs in the layout the loader gives
+it on this kernel path (Q4_0/Q4_1 octet-major on OCTET_MAJOR_PATHS). GB/s counts the weight blocks one call streams.
+Then the error of one int8 call against the exact path.
 """
 
 import argparse
@@ -24,7 +25,7 @@ import torch
 
 from carpool.kernels import kernel_path
 from carpool.models.catalog import model_path
-from carpool.models.quantization import set_matmul_mode
+from carpool.models.quantization import GGMLWeight, set_matmul_mode
 
 Q = gguf.GGMLQuantizationType
 COMPARED = ("exact", "int8-dot-all")
@@ -92,31 +93,30 @@ def main() -> None:
     parser.add_argument("--cpu-time", action="store_true", help="time thread CPU time (1 thread) not wall time")
     args = parser.parse_args()
     clock = time.thread_time if args.cpu_time else time.perf_counter
-    blocks = weights(args.model)
+    blocks = {qtype: GGMLWeight(qtype, data).for_kernels() for qtype, data in weights(args.model).items()}
     print(f"kernel path {kernel_path()}, {args.dtype} activations, {'CPU' if args.cpu_time else 'wall'} time; "
           "GB/s of weight blocks (ms per call)")
     print("| format | shape | threads | rows | " + " | ".join(COMPARED) + " | speed-up | int8-dot |")
     print("| --- | --- | --- | --- | " + " | ".join("---" for _ in COMPARED) + " | --- | --- |")
-    for qtype, data in sorted(blocks.items()):
-        cols = data.shape[1] // gguf.GGML_QUANT_SIZES[qtype][1] * gguf.GGML_QUANT_SIZES[qtype][0]
+    for qtype, weight in sorted(blocks.items()):
+        data, cols, name = weight.data, weight.shape[1], qtype.name + (" octet-major" if weight.octet_major else "")
         for threads in args.threads:
             torch.set_num_threads(threads)
             for rows in args.rows:
                 x = torch.randn(rows, cols).to(getattr(torch, args.dtype))
                 default = "int8" if rows <= torch.ops.carpool.int8_dot_max_rows(int(qtype)) else "exact"
-                times = seconds_per_call({mode: functools.partial(linear, mode, x, data, int(qtype))
+                times = seconds_per_call({mode: functools.partial(linear, mode, x, data, weight.kernel_qtype)
                                           for mode in COMPARED}, clock=clock)
                 cells = " | ".join(f"{data.numel() / t / 1e9:.1f} ({t * 1e3:.3f})" for t in times.values())
-                print(f"| {qtype.name} | {data.shape[0]}x{cols} | {threads} | {rows} | {cells} | "
+                print(f"| {name} | {data.shape[0]}x{cols} | {threads} | {rows} | {cells} | "
                       f"{times['exact'] / times['int8-dot-all']:.2f}x | {default} |", flush=True)
     print("\nint8 against exact, fp32 rows of N(0, 1) activations (1 row: the GEMV, 32 and 512: the batched kernel): "
           "max |error| / max |y|, rms error / rms y")
     print("| format | rows | max | rms |\n| --- | --- | --- | --- |")
-    for qtype, data in sorted(blocks.items()):
-        cols = data.shape[1] // gguf.GGML_QUANT_SIZES[qtype][1] * gguf.GGML_QUANT_SIZES[qtype][0]
+    for qtype, weight in sorted(blocks.items()):
         for rows in (1, 32, 512):
-            x = torch.randn(rows, cols)
-            exact, fast = (linear(mode, x, data, int(qtype)) for mode in COMPARED)
+            x = torch.randn(rows, weight.shape[1])
+            exact, fast = (linear(mode, x, weight.data, weight.kernel_qtype) for mode in COMPARED)
             error = fast - exact
             print(f"| {qtype.name} | {rows} | {(error.abs().max() / exact.abs().max()).item():.2e} | "
                   f"{(error.norm() / exact.norm()).item():.2e} |")

@@ -29,6 +29,10 @@ TORCH_CAPABILITY = {"amx": "avx512", "avx512": "avx512", "avxvnni": "avx2", "avx
 BF16_PATHS = frozenset({"amx", "avx512"})
 # Paths with a batched int8 kernel and fp32 FMAs as their exact path: prompts run faster on the int8 kernels there.
 INT8_PROMPT_PATHS = frozenset({"avxvnni", "avx2"})
+# Paths whose GEMV runs Q4_0/Q4_1 rows faster octet-major (kernels/csrc/ggml_blocks.h), so the loader rearranges
+# them: avx2, where the GEMV is compute-bound and gathering each octet's scales was ~20 of its 69 instructions
+# (Zen 3: SmolLM2's Q4_1 matrices 1.14-1.23x at one thread). Not measured on the VNNI and AVX-512 builds.
+OCTET_MAJOR_PATHS = frozenset({"avx2"})
 
 ENV_VAR = "CARPOOL_KERNEL_ISA"
 

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 from torch import nn
 
-import carpool.kernels  # noqa: F401  (registers torch.ops.carpool)
-from carpool.kernels.isa import INT8_PROMPT_PATHS
+from carpool.kernels import kernel_path
+from carpool.kernels.isa import INT8_PROMPT_PATHS, OCTET_MAJOR_PATHS
 
 # The load-time quantization modes.
 GGML_TYPES = {
@@ -52,12 +52,32 @@ KERNEL_TYPES = frozenset(
 )
 
 
+# Set in a qtype the ops take when the rows are octet-major (kOctetMajor in kernels/csrc/ggml_blocks.h).
+OCTET_MAJOR = 1 << 8
+OCTET_MAJOR_TYPES = frozenset({gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1})
+OCTET_WEIGHTS = 256  # eight blocks of 32: rows narrower than this have no octet to rearrange
+
+
 @dataclass
 class GGMLWeight:
-    """A [rows, cols] weight as GGML blocks along each row: uint8 data of shape [rows, bytes per row]."""
+    """A [rows, cols] weight as GGML blocks along each row: uint8 data of shape [rows, bytes per row], in GGUF's
+    layout or, for Q4_0/Q4_1, octet-major (each eight blocks' scales together, the same bytes rearranged)."""
 
     qtype: gguf.GGMLQuantizationType
     data: torch.Tensor
+    octet_major: bool = False
+
+    @property
+    def kernel_qtype(self) -> int:
+        """The qtype torch.ops.carpool's block ops take for these rows."""
+        return int(self.qtype) | (OCTET_MAJOR if self.octet_major else 0)
+
+    def for_kernels(self) -> "GGMLWeight":
+        """These weights as this CPU's kernel path runs them fastest: octet-major on OCTET_MAJOR_PATHS."""
+        if (self.octet_major or self.qtype not in OCTET_MAJOR_TYPES or self.shape[1] < OCTET_WEIGHTS
+                or kernel_path() not in OCTET_MAJOR_PATHS):
+            return self
+        return GGMLWeight(self.qtype, torch.ops.carpool.ggml_octet_major(self.data, int(self.qtype)), True)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -68,7 +88,7 @@ class GGMLWeight:
         """fp32 values, as gguf-py computes them: by the C++ kernel (bit-exact, 2-13x faster than gguf-py's numpy,
         which made `--quantization none` take 11 s for Qwen 0.5B) for the formats it runs, else by gguf-py."""
         if self.qtype in KERNEL_TYPES:
-            return torch.ops.carpool.ggml_dequantize(self.data.contiguous(), int(self.qtype), torch.float32)
+            return torch.ops.carpool.ggml_dequantize(self.data.contiguous(), self.kernel_qtype, torch.float32)
         return torch.from_numpy(gguf.quants.dequantize(self.data.numpy(), self.qtype).astype(np.float32))
 
     @classmethod
@@ -118,8 +138,8 @@ def quantizable(shape, qtype: gguf.GGMLQuantizationType) -> bool:
 
 def concat_rows(weights: list) -> "torch.Tensor | GGMLWeight":
     """Stack weights along their output rows (fused q/k/v, gate/up); blocks stay blocks when all share a type."""
-    if all(isinstance(w, GGMLWeight) for w in weights) and len({w.qtype for w in weights}) == 1:
-        return GGMLWeight(weights[0].qtype, torch.cat([w.data for w in weights]))
+    if all(isinstance(w, GGMLWeight) for w in weights) and len({w.kernel_qtype for w in weights}) == 1:
+        return GGMLWeight(weights[0].qtype, torch.cat([w.data for w in weights]), weights[0].octet_major)
     return torch.cat([w.dequantize() if isinstance(w, GGMLWeight) else w for w in weights])
 
 
@@ -128,16 +148,21 @@ class GGMLLinear(nn.Module):
 
     def __init__(self, weight: GGMLWeight):
         super().__init__()
-        self.qtype = int(weight.qtype)
+        self.ggml_type, self.octet_major = weight.qtype, weight.octet_major
+        self.qtype = weight.kernel_qtype
         self.out_features, self.in_features = weight.shape
         self.register_buffer("qweight", weight.data, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.carpool.ggml_linear(x, self.qweight, self.qtype)
 
+    def rows(self, ids: torch.Tensor) -> "GGMLLinear":
+        """A linear computing only the outputs `ids`, in their order: a copy of those weight rows."""
+        return GGMLLinear(GGMLWeight(self.ggml_type, self.qweight.index_select(0, ids), self.octet_major))
+
     def extra_repr(self) -> str:
-        name = gguf.GGMLQuantizationType(self.qtype).name
-        return f"in_features={self.in_features}, out_features={self.out_features}, qtype={name}"
+        layout = ", octet-major" if self.octet_major else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, qtype={self.ggml_type.name}{layout}"
 
 
 class GGMLEmbedding(nn.Module):
@@ -145,7 +170,7 @@ class GGMLEmbedding(nn.Module):
 
     def __init__(self, weight: GGMLWeight, dtype: torch.dtype):
         super().__init__()
-        self.qtype = int(weight.qtype)
+        self.ggml_type, self.qtype = weight.qtype, weight.kernel_qtype
         self.dtype = dtype
         self.register_buffer("qweight", weight.data, persistent=False)
 
@@ -179,13 +204,16 @@ def resolve_weights(state: dict, quantization: str, device: torch.device) -> dic
 
 
 def install_ggml_modules(model: nn.Module, state: dict, dtype: torch.dtype) -> dict:
-    """Swap the Linear/Embedding modules whose weights are GGMLWeights for block-format modules; returns the
-    dense rest of the state dict, for load_state_dict."""
-    dense = {}
+    """Swap the Linear/Embedding modules whose weights are GGMLWeights (in the layout this CPU's kernels run
+    fastest) for block-format modules; returns the dense rest of the state dict, for load_state_dict."""
+    dense, laid_out = {}, {}  # a tied embedding and LM head: one GGMLWeight, rearranged once and shared
     for name, value in state.items():
         if not isinstance(value, GGMLWeight):
             dense[name] = value
             continue
+        if id(value) not in laid_out:
+            laid_out[id(value)] = value.for_kernels()
+        value = laid_out[id(value)]
         module_name = name.removesuffix(".weight")
         module = model.get_submodule(module_name)
         if isinstance(module, nn.Embedding):

@@ -37,7 +37,7 @@ def test_the_draft_head_computes_the_subset_in_its_own_format(cheap_draft_llm):
     assert set(ids[SUBSET:]) == {i for i in cheap_draft_llm.engine.tokenizer.added_token_ids
                                  | cheap_draft_llm.engine.tokenizer.stop_token_ids if i >= SUBSET}
     head = drafter.model.lm_head
-    assert head.out_features == len(ids) and head.qtype == gguf.GGMLQuantizationType.Q4_0
+    assert head.out_features == len(ids) and head.ggml_type == gguf.GGMLQuantizationType.Q4_0
     # The target keeps its own format: dense float32.
     assert not hasattr(cheap_draft_llm.engine.model.lm_head, "qtype")
 

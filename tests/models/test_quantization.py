@@ -7,6 +7,9 @@ import torch
 
 from carpool import LLM, SamplingParams
 from carpool.engine.config import EngineConfig
+from carpool.kernels import kernel_path
+from carpool.kernels.isa import OCTET_MAJOR_PATHS
+from carpool.models import quantization
 from carpool.models.quantization import (
     KERNEL_TYPES,
     GGMLEmbedding,
@@ -22,7 +25,7 @@ from test_reference import PROMPTS
 
 def block_types(model) -> dict[str, str]:
     return {
-        name: gguf.GGMLQuantizationType(module.qtype).name
+        name: module.ggml_type.name
         for name, module in model.named_modules()
         if isinstance(module, (GGMLLinear, GGMLEmbedding))
     }
@@ -33,6 +36,8 @@ def test_auto_keeps_the_gguf_files_own_blocks(llm):
     types = block_types(llm.engine.model)
     layers = llm.engine.model_config.num_layers
     assert sum(t == "Q4_1" for t in types.values()) == 4 * layers  # qkv, o, gate_up, down
+    q4_1 = [m for m in llm.engine.model.modules() if isinstance(m, GGMLLinear) and m.ggml_type.name == "Q4_1"]
+    assert {m.octet_major for m in q4_1} == {kernel_path() in OCTET_MAJOR_PATHS}  # rearranged where that gains
     assert types["embed_tokens"] == types["lm_head"] == "Q8_0"
     assert not any(isinstance(m, torch.nn.Linear) for m in llm.engine.model.modules())
 
@@ -99,3 +104,23 @@ def test_q_k_m_file_types_run_on_the_kernels(qtype):
     x = torch.randn(3, 512)
     torch.testing.assert_close(model["proj"](x), x @ dense.T, rtol=1e-5, atol=1e-4)
     assert torch.equal(model["embed"](torch.tensor([[5, 0]])), dense[[5, 0]].unsqueeze(0))
+
+
+@pytest.mark.parametrize("gains", (True, False), ids=("octet-major path", "other paths"))
+def test_q4_rows_are_laid_out_for_the_path_once_for_a_tied_head(monkeypatch, gains):
+    """On OCTET_MAJOR_PATHS the loader rearranges Q4_0/Q4_1 rows octet-major: one copy for a tied embedding and LM
+    head, rows narrower than an octet left as they are; the modules' outputs stay the GGUF rows' own."""
+    monkeypatch.setattr(quantization, "OCTET_MAJOR_PATHS", {kernel_path()} if gains else set())
+    q4_1 = gguf.GGMLQuantizationType.Q4_1
+    tied, narrow = GGMLWeight.quantize(torch.randn(24, 512), q4_1), GGMLWeight.quantize(torch.randn(8, 64), q4_1)
+    model = torch.nn.ModuleDict({"head": torch.nn.Linear(512, 24, bias=False), "embed": torch.nn.Embedding(24, 512),
+                                 "small": torch.nn.Linear(64, 8, bias=False)})
+    install_ggml_modules(model, {"head.weight": tied, "embed.weight": tied, "small.weight": narrow}, torch.float32)
+    head, embed, small = model["head"], model["embed"], model["small"]
+    assert head.octet_major == gains and head.qweight is embed.qweight and not small.octet_major
+    assert torch.equal(head.qweight, tied.data) != gains
+    x, ids = torch.randn(3, 512), torch.tensor([7, 0, 23])
+    assert torch.equal(head(x), torch.ops.carpool.ggml_linear(x, tied.data, int(q4_1)))
+    assert torch.equal(embed(ids), tied.dequantize()[ids])
+    # The speculative draft's head keeps a subset of the rows, in the same layout.
+    assert torch.equal(head.rows(ids)(x), head(x)[:, ids])

@@ -18,7 +18,6 @@ distribution it was drawn from (zero outside the subset).
 
 from dataclasses import replace
 
-import gguf
 import torch
 from torch import nn
 
@@ -29,7 +28,7 @@ from carpool.engine.sampler import filtered_probs, token_generator
 from carpool.engine.scheduler import ScheduledBatch
 from carpool.engine.sequence import Sequence
 from carpool.engine.spec_decode.rejection_sampler import Extended
-from carpool.models.quantization import GGMLLinear, GGMLWeight
+from carpool.models.quantization import GGMLLinear
 
 _DRAFT_STREAM = 0x5DEECE66D  # the draft's seeded stream at a position, apart from the target's at the same one
 
@@ -168,7 +167,7 @@ def draft_vocabulary(vocab_size: int, size: int | None, always: frozenset[int]) 
 def head_rows(head: nn.Module, ids: torch.Tensor) -> nn.Module:
     """An LM head computing only the logits of `ids`, in their order: a copy of those rows, in the head's format."""
     if isinstance(head, GGMLLinear):
-        return GGMLLinear(GGMLWeight(gguf.GGMLQuantizationType(head.qtype), head.qweight.index_select(0, ids)))
+        return head.rows(ids)
     rows = nn.Linear(head.in_features, len(ids), bias=False, device=head.weight.device, dtype=head.weight.dtype)
     rows.weight = nn.Parameter(head.weight.detach().index_select(0, ids), requires_grad=False)
     return rows

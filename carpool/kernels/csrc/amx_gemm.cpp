@@ -102,7 +102,8 @@ void tile_block(const c10::BFloat16* panel, const uint32_t* xv, int64_t K, float
 }
 
 template <int64_t QT>
-void amx_gemm(const c10::BFloat16* x, const uint8_t* weight, int64_t M, int64_t N, int64_t K, c10::BFloat16* y) {
+void amx_gemm(const c10::BFloat16* x, const uint8_t* weight, bool octet_major, int64_t M, int64_t N, int64_t K,
+              c10::BFloat16* y) {
   const int64_t vectors = (M + kRows - 1) / kRows, row_bytes = K / Format<QT>::kWeights * Format<QT>::kBytes;
   const std::vector<uint32_t> paired = pair_rows(x, M, K, vectors);
   const int64_t panels = (N + kPanelColumns - 1) / kPanelColumns;
@@ -113,7 +114,7 @@ void amx_gemm(const c10::BFloat16* x, const uint8_t* weight, int64_t M, int64_t 
     alignas(64) float out[kPanelColumns * 2 * kRows];
     for (int64_t p = next_panel.fetch_add(1); p < panels; p = next_panel.fetch_add(1)) {
       const int64_t n0 = p * kPanelColumns, columns = std::min<int64_t>(kPanelColumns, N - n0);
-      for (int64_t n = 0; n < columns; ++n) dequantize_row<QT>(weight + (n0 + n) * row_bytes, K, panel.data() + n * K);
+      for (int64_t n = 0; n < columns; ++n) dequantize_row<QT>(weight + (n0 + n) * row_bytes, K, octet_major, panel.data() + n * K);
       std::fill(panel.begin() + columns * K, panel.end(), c10::BFloat16(0.0f));
       for (int64_t v = 0; v < vectors; v += 2) {
         const uint32_t* xv = paired.data() + v * (K / 2) * kRows;
@@ -134,7 +135,8 @@ void amx_gemm(const c10::BFloat16* x, const uint8_t* weight, int64_t M, int64_t 
 void amx_exact_linear(const c10::BFloat16* x, const uint8_t* weight, int64_t qtype, int64_t M, int64_t N,
                       int64_t K, c10::BFloat16* y) {
   require_tile_permission();
-  dispatch_qtype(qtype, [&]<int64_t QT>() { amx_gemm<QT>(x, weight, M, N, K, y); });
+  const RowFormat format = row_format(qtype);
+  dispatch_qtype(format.qtype, [&]<int64_t QT>() { amx_gemm<QT>(x, weight, format.octet_major, M, N, K, y); });
 }
 
 }  // namespace carpool::ggml

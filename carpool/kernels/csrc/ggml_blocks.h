@@ -33,6 +33,55 @@ template <> struct Format<kQ4_K> { static constexpr int64_t kWeights = 256, kByt
 template <> struct Format<kQ5_K> { static constexpr int64_t kWeights = 256, kBytes = 176; }; // Q4_K + 32 B high bits
 template <> struct Format<kQ6_K> { static constexpr int64_t kWeights = 256, kBytes = 210; }; // 128 B low, 64 B high, 16 scales, d
 
+// Octet-major rows: carpool's own arrangement of a Q4_0 or Q4_1 weight row, made once at load
+// (torch.ops.carpool.ggml_octet_major) for the GEMV of the AVX2 build (ggml_dot.cpp), which otherwise gathers each
+// octet's eight f16 scales from 18 or 20 bytes apart and its nibbles from two places per register. Each run of eight
+// blocks (an octet) holds their eight d, then (Q4_1) their eight m, as f16, then the 16 bytes of nibbles of blocks
+// 0, 4, 1, 5, 2, 6, 3, 7; blocks past the row's last whole octet keep GGUF's layout. Same bytes per row. The qtype
+// passed with such rows carries kOctetMajor; every kernel that reads blocks takes them (GgufBlocks below).
+constexpr int64_t kOctetMajor = 1 << 8;
+template <int64_t QT>
+constexpr bool kHasOctetMajor = QT == kQ4_0 || QT == kQ4_1;
+template <int64_t QT>
+constexpr int64_t kOctetScaleBytes = QT == kQ4_1 ? 32 : 16;  // d (and m) of an octet's eight blocks
+
+// A qtype as the ops take it: the GGML type, and whether kOctetMajor marks its rows.
+struct RowFormat {
+  int64_t qtype;
+  bool octet_major;
+};
+inline RowFormat row_format(int64_t qtype) {
+  const RowFormat format{qtype & ~kOctetMajor, (qtype & kOctetMajor) != 0};
+  TORCH_CHECK(!format.octet_major || format.qtype == kQ4_0 || format.qtype == kQ4_1,
+              "qtype: only Q4_0 (2) and Q4_1 (3) rows are octet-major, got ", qtype);
+  return format;
+}
+
+// Block b of a weight row in GGUF's layout: the row's own bytes, or, in an octet-major row's octets, the block
+// gathered into scratch.
+template <int64_t QT>
+class GgufBlocks {
+ public:
+  GgufBlocks(const uint8_t* row, int64_t K, bool octet_major)
+      : row_(row), octet_blocks_(kHasOctetMajor<QT> && octet_major ? K / Format<QT>::kWeights / 8 * 8 : 0) {}
+
+  const uint8_t* operator[](int64_t b) {
+    constexpr int64_t kBytes = Format<QT>::kBytes;
+    if (b >= octet_blocks_) return row_ + b * kBytes;
+    const uint8_t* octet = row_ + b / 8 * 8 * kBytes;
+    const int64_t j = b % 8;
+    std::memcpy(scratch_, octet + 2 * j, 2);
+    if constexpr (QT == kQ4_1) std::memcpy(scratch_ + 2, octet + 16 + 2 * j, 2);
+    std::memcpy(scratch_ + kBytes - 16, octet + kOctetScaleBytes<QT> + 32 * (j % 4) + 16 * (j / 4), 16);
+    return scratch_;
+  }
+
+ private:
+  const uint8_t* row_;
+  int64_t octet_blocks_;
+  uint8_t scratch_[Format<QT>::kBytes];
+};
+
 // Calls fn.template operator()<QT>() for the runtime qtype.
 template <typename Fn>
 void dispatch_qtype(int64_t qtype, Fn&& fn) {
@@ -279,11 +328,11 @@ inline void dequantize_block(const uint8_t* p, Out* out) {
   }
 }
 
-// A weight row of K values (K / kWeights blocks) -> K values at out.
+// A weight row of K values (K / kWeights blocks, octet-major or not) -> K values at out.
 template <int64_t QT, typename Out>
-void dequantize_row(const uint8_t* row, int64_t K, Out* out) {
-  for (int64_t b = 0; b < K / Format<QT>::kWeights; ++b)
-    dequantize_block<QT>(row + b * Format<QT>::kBytes, out + b * Format<QT>::kWeights);
+void dequantize_row(const uint8_t* row, int64_t K, bool octet_major, Out* out) {
+  GgufBlocks<QT> blocks(row, K, octet_major);
+  for (int64_t b = 0; b < K / Format<QT>::kWeights; ++b) dequantize_block<QT>(blocks[b], out + b * Format<QT>::kWeights);
 }
 
 }  // namespace carpool::ggml

@@ -156,32 +156,47 @@ inline __m256i sum8(__m512i a, __m512i b, __m512i c, __m512i d) {
 #endif
 
 // Blocks [0, 8 * octets) of one weight row against MR activation rows, into acc (8 lanes a row). xo: x's rows in
-// the paired order (Int8Rows::octet_row), where PairedOctet<QT>.
-template <int64_t QT, int MR>
+// the paired order (Int8Rows::octet_row), where PairedOctet<QT>. kOctetMajor: the row is octet-major (ggml_blocks.h).
+template <int64_t QT, int MR, bool kOctetMajor>
 void dot_octets(const uint8_t* row, int64_t octets, const int8_t* const* xq, const int8_t* const* xo,
                 const float* const* xd, const int32_t* const* xbs, __m256* acc) {
   constexpr int64_t kBytes = Format<QT>::kBytes;
   for (int64_t o = 0; o < octets; ++o) {
     const uint8_t* p = row + 8 * o * kBytes;
-    // Each block's first 4 bytes: d (and Q4_1's m) as f16, split into eight d and eight m. Eight scalar loads and
-    // one vector load of them, not vpgatherdd: the gather alone held Q4_1 at 17.6 GB/s a core, 28.9 without it
-    // (Zen 5, one row, a stand-alone loop).
-    alignas(32) uint32_t first_words[8];
-    for (int j = 0; j < 8; ++j) std::memcpy(&first_words[j], p + j * kBytes, 4);
-    const __m256i words = _mm256_load_si256(reinterpret_cast<const __m256i*>(first_words));
-    const __m256i halves = _mm256_permute4x64_epi64(
-        _mm256_packus_epi32(_mm256_and_si256(words, _mm256_set1_epi32(0xFFFF)), _mm256_srli_epi32(words, 16)), 0xD8);
-    const __m256 d = _mm256_cvtph_ps(_mm256_castsi256_si128(halves));
+    __m256 d, m;
+    if constexpr (kOctetMajor) {
+      d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+      if constexpr (QT == kQ4_1) m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+    } else {
+      // Each block's first 4 bytes: d (and Q4_1's m) as f16, split into eight d and eight m. Eight scalar loads and
+      // one vector load of them, not vpgatherdd: the gather alone held Q4_1 at 17.6 GB/s a core, 28.9 without it
+      // (Zen 5, one row, a stand-alone loop).
+      alignas(32) uint32_t first_words[8];
+      for (int j = 0; j < 8; ++j) std::memcpy(&first_words[j], p + j * kBytes, 4);
+      const __m256i words = _mm256_load_si256(reinterpret_cast<const __m256i*>(first_words));
+      const __m256i halves = _mm256_permute4x64_epi64(
+          _mm256_packus_epi32(_mm256_and_si256(words, _mm256_set1_epi32(0xFFFF)), _mm256_srli_epi32(words, 16)),
+          0xD8);
+      d = _mm256_cvtph_ps(_mm256_castsi256_si128(halves));
+      if constexpr (QT == kQ4_1) m = _mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1));
+    }
     __m256i w[8];
     if constexpr (PairedOctet<QT>) {  // w[k]: low nibbles of blocks k | k + 4, w[k + 4]: their high nibbles
       for (int k = 0; k < 4; ++k) {
-        const uint8_t* nibbles = p + k * kBytes + Octet<QT>::kNibbles;
-        const __m256i raw = _mm256_inserti128_si256(
-            _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(nibbles))),
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(nibbles + 4 * kBytes)), 1);
+        __m256i raw;
+        if constexpr (kOctetMajor) {
+          raw = load256(p + kOctetScaleBytes<QT> + 32 * k);
+        } else {
+          const uint8_t* nibbles = p + k * kBytes + Octet<QT>::kNibbles;
+          raw = _mm256_inserti128_si256(
+              _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(nibbles))),
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(nibbles + 4 * kBytes)), 1);
+        }
         w[k] = _mm256_and_si256(raw, bytes(0x0F));
         w[k + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), bytes(0x0F));
       }
+    } else if constexpr (kOctetMajor) {
+      for (int j = 0; j < 8; ++j) w[j] = nibbles32(p + kOctetScaleBytes<QT> + 32 * (j % 4) + 16 * (j / 4));
     } else {
       for (int j = 0; j < 8; ++j) w[j] = Octet<QT>::weights(p + j * kBytes);
     }
@@ -216,15 +231,13 @@ void dot_octets(const uint8_t* row, int64_t octets, const int8_t* const* xq, con
       if constexpr (Octet<QT>::kShift >= 0)
         sums = _mm256_sub_epi32(sums, _mm256_slli_epi32(x_sums, Octet<QT>::kShift));
       acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d, x_scale), acc[i]);
-      if constexpr (QT == kQ4_1) {  // + m d_x sum(q_x)
-        const __m256 m = _mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1));
+      if constexpr (QT == kQ4_1)  // + m d_x sum(q_x)
         acc[i] = _mm256_fmadd_ps(m, _mm256_mul_ps(x_scale, _mm256_cvtepi32_ps(x_sums)), acc[i]);
-      }
     }
   }
 }
 
-template <int64_t QT, int MR>
+template <int64_t QT, int MR, bool kOctetMajor>
 void dot_block_rows(const uint8_t* row, const Int8Rows& x, int64_t m0, float* out) {
   const int64_t blocks = x.K / Format<QT>::kWeights;
   const int8_t* xq[MR];
@@ -247,7 +260,7 @@ void dot_block_rows(const uint8_t* row, const Int8Rows& x, int64_t m0, float* ou
   }
   int64_t first_block = 0;
   if constexpr (HasOctet<QT>) {
-    dot_octets<QT, MR>(row, blocks / 8, xq, xo, xd, xbs, acc);
+    dot_octets<QT, MR, kOctetMajor>(row, blocks / 8, xq, xo, xd, xbs, acc);
     first_block = blocks / 8 * 8;
   }
   for (int64_t b = first_block; b < blocks; ++b) {
@@ -479,12 +492,12 @@ void dot_block_rows_scalar(const uint8_t* p, const Int8Rows& x, int64_t m, int64
   }
 }
 
-template <int64_t QT, int MR>
+template <int64_t QT, int MR, bool kOctetMajor>
 void dot_block_rows(const uint8_t* row, const Int8Rows& x, int64_t m0, float* out) {
+  GgufBlocks<QT> blocks(row, x.K, kOctetMajor);
   for (int i = 0; i < MR; ++i) {
     float acc = 0.0f;
-    for (int64_t b = 0; b < x.K / Format<QT>::kWeights; ++b)
-      dot_block_rows_scalar<QT>(row + b * Format<QT>::kBytes, x, m0 + i, b, acc);
+    for (int64_t b = 0; b < x.K / Format<QT>::kWeights; ++b) dot_block_rows_scalar<QT>(blocks[b], x, m0 + i, b, acc);
     out[i] = acc;
   }
 }
@@ -503,7 +516,7 @@ constexpr int64_t kGemvPassRows = 4;
 constexpr int64_t kGemvPrefetchBytes = 16 << 10;
 
 // Weight rows [first, last) against every activation row, up to kGemvPassRows at a time per unpacked block.
-template <int64_t QT, typename Y>
+template <int64_t QT, bool kOctetMajor, typename Y>
 void int8_dot_rows(const Int8Rows& x, const uint8_t* weight, int64_t first, int64_t last, Y* y, int64_t ldy) {
   const int64_t row_bytes = x.K / Format<QT>::kWeights * Format<QT>::kBytes, M = x.M;
   float out[kGemvPassRows];
@@ -515,10 +528,10 @@ void int8_dot_rows(const Int8Rows& x, const uint8_t* weight, int64_t first, int6
     for (int64_t m = 0; m < M; m += kGemvPassRows) {
       const int64_t mr = std::min(kGemvPassRows, M - m);
       switch (mr) {
-        case 1: dot_block_rows<QT, 1>(row, x, m, out); break;
-        case 2: dot_block_rows<QT, 2>(row, x, m, out); break;
-        case 3: dot_block_rows<QT, 3>(row, x, m, out); break;
-        default: dot_block_rows<QT, 4>(row, x, m, out); break;
+        case 1: dot_block_rows<QT, 1, kOctetMajor>(row, x, m, out); break;
+        case 2: dot_block_rows<QT, 2, kOctetMajor>(row, x, m, out); break;
+        case 3: dot_block_rows<QT, 3, kOctetMajor>(row, x, m, out); break;
+        default: dot_block_rows<QT, 4, kOctetMajor>(row, x, m, out); break;
       }
       for (int64_t i = 0; i < mr; ++i) y[(m + i) * ldy + n] = Y(out[i]);
     }
@@ -567,6 +580,7 @@ struct RowLimits {
 };
 
 std::atomic<int64_t>& max_rows(int64_t qtype) {
+  qtype = row_format(qtype).qtype;
   TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ5_0 || qtype == kQ8_0 || qtype == kQ4_K ||
                   qtype == kQ5_K || qtype == kQ6_K,
               "qtype: unsupported GGML type ", qtype);
@@ -591,7 +605,7 @@ bool int8_dot_applies(int64_t qtype, int64_t M) {
 
 int64_t block_weights(int64_t qtype) {
   int64_t weights = 0;
-  dispatch_qtype(qtype, [&]<int64_t QT>() { weights = Format<QT>::kWeights; });
+  dispatch_qtype(row_format(qtype).qtype, [&]<int64_t QT>() { weights = Format<QT>::kWeights; });
   return weights;
 }
 
@@ -659,7 +673,12 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int64_t block, Int8Rows
 template <typename Y>
 void int8_gemv_rows(const Int8Rows& x, const uint8_t* weight, int64_t qtype, int64_t first, int64_t last, Y* y,
                     int64_t ldy) {
-  dispatch_qtype(qtype, [&]<int64_t QT>() { int8_dot_rows<QT>(x, weight, first, last, y, ldy); });
+  const RowFormat format = row_format(qtype);
+  dispatch_qtype(format.qtype, [&]<int64_t QT>() {
+    if constexpr (kHasOctetMajor<QT>)
+      if (format.octet_major) return int8_dot_rows<QT, true>(x, weight, first, last, y, ldy);
+    int8_dot_rows<QT, false>(x, weight, first, last, y, ldy);
+  });
 }
 template void int8_gemv_rows<float>(const Int8Rows&, const uint8_t*, int64_t, int64_t, int64_t, float*, int64_t);
 template void int8_gemv_rows<c10::BFloat16>(const Int8Rows&, const uint8_t*, int64_t, int64_t, int64_t,

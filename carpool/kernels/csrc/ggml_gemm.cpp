@@ -380,7 +380,7 @@ struct Panel {
         negdm(L::kMinGroups ? width * K / 32 : 0) {}
 
   template <bool kSums>
-  void unpack(const uint8_t* weight, int64_t row_bytes, int64_t n0, int64_t columns) {
+  void unpack(const uint8_t* weight, bool octet_major, int64_t row_bytes, int64_t n0, int64_t columns) {
     const int64_t blocks = K / kW;
     for (int64_t n = 0; n < width; ++n) {
       if (n >= columns) {  // past the last column: zeros, whose outputs are dropped
@@ -391,9 +391,9 @@ struct Panel {
         if constexpr (L::kMinGroups > 0) std::fill_n(negdm.begin() + n * K / 32, K / 32, 0.0f);
         continue;
       }
-      const uint8_t* row = weight + (n0 + n) * row_bytes;
+      GgufBlocks<QT> row(weight + (n0 + n) * row_bytes, K, octet_major);
       for (int64_t b = 0; b < blocks; ++b)
-        bias[n * blocks + b] = unpack_block<QT, kSums>(row + b * Format<QT>::kBytes, w.data() + n * K + b * kW,
+        bias[n * blocks + b] = unpack_block<QT, kSums>(row[b], w.data() + n * K + b * kW,
                                                 sc.data() + (n * K + b * kW) / L::kSub, d[n * blocks + b],
                                                 L::kMinGroups ? negdm.data() + (n * K + b * kW) / 32 : nullptr);
     }
@@ -583,7 +583,8 @@ constexpr int kTileColumns = 3, kTileVectors = 2, kOneVectorColumns = 3;
 constexpr int64_t kRowBlockBytes = 128 << 10, kPanelTiles = 8;
 
 template <int64_t QT, typename V, int NR, int RV, typename Y>
-void int8_gemm_tiles(const InterleavedRows& q, const uint8_t* weight, int64_t M, int64_t N, int64_t K, Y* y) {
+void int8_gemm_tiles(const InterleavedRows& q, const uint8_t* weight, bool octet_major, int64_t M, int64_t N,
+                     int64_t K, Y* y) {
   const int64_t row_bytes = K / Format<QT>::kWeights * Format<QT>::kBytes, vectors = q.rows / V::kLanes;
   // Vectors with every lane a row (quantize_interleaved never groups a call of one vector, whose tile has RV 1).
   const int64_t full_vectors = q.tail_group > 4 ? vectors - 1 : vectors;
@@ -610,7 +611,7 @@ void int8_gemm_tiles(const InterleavedRows& q, const uint8_t* weight, int64_t M,
         end = std::min(following + chunk, panels);
       }
       const int64_t n0 = p * width, columns = std::min<int64_t>(width, N - n0);
-      panel.template unpack<kXBias<QT, V> != 0>(weight, row_bytes, n0, columns);
+      panel.template unpack<kXBias<QT, V> != 0>(weight, octet_major, row_bytes, n0, columns);
       // The next panel's blocks (contiguous rows) on their way from memory while this one's first tile computes:
       // unpacking is where the weights first arrive, and it waited on them (40% of a 32-row Q4_K call, measured).
       // Spread over the tile's blocks: issued all at once they stalled on the core's outstanding misses (the loop of
@@ -652,26 +653,27 @@ void int8_gemm_tiles(const InterleavedRows& q, const uint8_t* weight, int64_t M,
 }
 
 template <int64_t QT, typename V, typename Y>
-void int8_gemm(const float* x, const uint8_t* weight, int64_t M, int64_t N, int64_t K, Y* y) {
+void int8_gemm(const float* x, const uint8_t* weight, bool octet_major, int64_t M, int64_t N, int64_t K, Y* y) {
   const InterleavedRows q =
       quantize_interleaved(x, M, K, Format<QT>::kWeights, V::kLanes, kXBias<QT, V>, GemmLayout<QT>::kMinGroups > 0);
   if (q.rows == V::kLanes)
-    int8_gemm_tiles<QT, V, kOneVectorColumns, 1>(q, weight, M, N, K, y);
+    int8_gemm_tiles<QT, V, kOneVectorColumns, 1>(q, weight, octet_major, M, N, K, y);
   else
-    int8_gemm_tiles<QT, V, kTileColumns, kTileVectors>(q, weight, M, N, K, y);
+    int8_gemm_tiles<QT, V, kTileColumns, kTileVectors>(q, weight, octet_major, M, N, K, y);
 }
 
 }  // namespace
 
 bool int8_gemm_linear(const at::Tensor& x, const uint8_t* weight, int64_t qtype, int64_t N, at::Tensor& y) {
   const int64_t M = x.size(0), K = x.size(1);
+  const RowFormat format = row_format(qtype);
   bool ran = false;
   auto run = [&]<int64_t QT, typename V>() {
     const float* xs = x.data_ptr<float>();
     if (y.scalar_type() == at::kFloat)
-      int8_gemm<QT, V>(xs, weight, M, N, K, y.data_ptr<float>());
+      int8_gemm<QT, V>(xs, weight, format.octet_major, M, N, K, y.data_ptr<float>());
     else
-      int8_gemm<QT, V>(xs, weight, M, N, K, y.data_ptr<c10::BFloat16>());
+      int8_gemm<QT, V>(xs, weight, format.octet_major, M, N, K, y.data_ptr<c10::BFloat16>());
     ran = true;
   };
   auto lanes = [&]<int64_t QT>() {
@@ -680,7 +682,7 @@ bool int8_gemm_linear(const at::Tensor& x, const uint8_t* weight, int64_t qtype,
 #endif
     run.template operator()<QT, Rows8>();
   };
-  switch (qtype) {
+  switch (format.qtype) {
     case kQ4_0: lanes.template operator()<kQ4_0>(); break;
     case kQ4_1: lanes.template operator()<kQ4_1>(); break;
     case kQ5_0: lanes.template operator()<kQ5_0>(); break;

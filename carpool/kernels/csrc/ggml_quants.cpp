@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -129,13 +130,13 @@ inline void dot_rows(const X* x, const X* w, int64_t rows_left, int64_t K, float
 // activations' kernel type), then every activation row block against every tile of the panel. `panel` is scratch
 // of kExactPanelRows * K values. A row's result does not depend on which panel or range it falls in.
 template <int64_t QT, typename X, typename Y>
-void fused_linear_rows(const X* x, const uint8_t* weight, int64_t M, int64_t K, int64_t first, int64_t last, Y* y,
-                       int64_t ldy, X* panel) {
+void fused_linear_rows(const X* x, const uint8_t* weight, bool octet_major, int64_t M, int64_t K, int64_t first,
+                       int64_t last, Y* y, int64_t ldy, X* panel) {
   const int64_t row_bytes = K / Format<QT>::kWeights * Format<QT>::kBytes;
   alignas(16) float dots[kMaxMR * kTileRows];
   for (int64_t n0 = first; n0 < last; n0 += kExactPanelRows) {
     const int64_t rows = std::min(kExactPanelRows, last - n0);
-    for (int64_t r = 0; r < rows; ++r) dequantize_row<QT>(weight + (n0 + r) * row_bytes, K, panel + r * K);
+    for (int64_t r = 0; r < rows; ++r) dequantize_row<QT>(weight + (n0 + r) * row_bytes, K, octet_major, panel + r * K);
     std::fill(panel + rows * K, panel + kExactPanelRows * K, X(0));
     for (int64_t m = 0; m < M; m += kMaxMR) {
       const int64_t mr = std::min<int64_t>(kMaxMR, M - m);
@@ -151,20 +152,20 @@ void fused_linear_rows(const X* x, const uint8_t* weight, int64_t M, int64_t K, 
 
 // y[M, N] = x[M, K] W^T, panels split over the threads.
 template <int64_t QT, typename X, typename Y>
-void fused_linear(const X* x, const uint8_t* weight, int64_t M, int64_t N, int64_t K, Y* y) {
+void fused_linear(const X* x, const uint8_t* weight, bool octet_major, int64_t M, int64_t N, int64_t K, Y* y) {
   const int64_t panels = (N + kExactPanelRows - 1) / kExactPanelRows;
   at::parallel_for(0, panels, 2, [&](int64_t first, int64_t last) {
     std::vector<X> panel(kExactPanelRows * K);
-    fused_linear_rows<QT>(x, weight, M, K, first * kExactPanelRows, std::min(N, last * kExactPanelRows), y, N,
-                          panel.data());
+    fused_linear_rows<QT>(x, weight, octet_major, M, K, first * kExactPanelRows, std::min(N, last * kExactPanelRows),
+                          y, N, panel.data());
   });
 }
 
 template <int64_t QT, typename T>
-void dequantize_rows(const uint8_t* weight, int64_t N, int64_t K, T* out) {
+void dequantize_rows(const uint8_t* weight, bool octet_major, int64_t N, int64_t K, T* out) {
   const int64_t row_bytes = K / Format<QT>::kWeights * Format<QT>::kBytes;
   at::parallel_for(0, N, 16, [&](int64_t first, int64_t last) {
-    for (int64_t n = first; n < last; ++n) dequantize_row<QT>(weight + n * row_bytes, K, out + n * K);
+    for (int64_t n = first; n < last; ++n) dequantize_row<QT>(weight + n * row_bytes, K, octet_major, out + n * K);
   });
 }
 
@@ -172,11 +173,40 @@ at::Tensor ggml_dequantize(const at::Tensor& qweight, int64_t qtype, at::ScalarT
   const int64_t K = checked_in_features(qweight, qtype), N = qweight.size(0);
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dtype: expected float32 or bfloat16");
   at::Tensor out = at::empty({N, K}, qweight.options().dtype(dtype));
-  dispatch_qtype(qtype, [&]<int64_t QT>() {
+  const RowFormat format = row_format(qtype);
+  dispatch_qtype(format.qtype, [&]<int64_t QT>() {
+    const uint8_t* blocks = qweight.data_ptr<uint8_t>();
     if (dtype == at::kFloat)
-      dequantize_rows<QT>(qweight.data_ptr<uint8_t>(), N, K, out.data_ptr<float>());
+      dequantize_rows<QT>(blocks, format.octet_major, N, K, out.data_ptr<float>());
     else
-      dequantize_rows<QT>(qweight.data_ptr<uint8_t>(), N, K, out.data_ptr<c10::BFloat16>());
+      dequantize_rows<QT>(blocks, format.octet_major, N, K, out.data_ptr<c10::BFloat16>());
+  });
+  return out;
+}
+
+// Q4_0 or Q4_1 rows -> the same rows octet-major (ggml_blocks.h), whose qtype is then qtype | kOctetMajor.
+at::Tensor ggml_octet_major(const at::Tensor& qweight, int64_t qtype) {
+  const int64_t K = checked_in_features(qweight, qtype), N = qweight.size(0);
+  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1, "qtype: only Q4_0 (2) and Q4_1 (3) rows become octet-major, got ",
+              qtype);
+  at::Tensor out = qweight.clone();
+  dispatch_qtype(qtype, [&]<int64_t QT>() {
+    if constexpr (kHasOctetMajor<QT>) {
+      constexpr int64_t kBytes = Format<QT>::kBytes;
+      const int64_t octets = K / Format<QT>::kWeights / 8, row_bytes = qweight.size(1);
+      const uint8_t* from = qweight.data_ptr<uint8_t>();
+      uint8_t* to = out.data_ptr<uint8_t>();
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t o = 0; o < octets; ++o) {
+          const int64_t octet = n * row_bytes + 8 * o * kBytes;
+          for (int64_t j = 0; j < 8; ++j) {
+            const uint8_t* block = from + octet + j * kBytes;
+            std::memcpy(to + octet + 2 * j, block, 2);
+            if constexpr (QT == kQ4_1) std::memcpy(to + octet + 16 + 2 * j, block + 2, 2);
+            std::memcpy(to + octet + kOctetScaleBytes<QT> + 32 * (j % 4) + 16 * (j / 4), block + kBytes - 16, 16);
+          }
+        }
+    }
   });
   return out;
 }
@@ -200,14 +230,16 @@ at::Tensor ggml_linear(const at::Tensor& input, const at::Tensor& qweight, int64
     amx_exact_linear(x.data_ptr<c10::BFloat16>(), blocks, qtype, M, N, K, y.data_ptr<c10::BFloat16>());
     return y.view(out_shape);
   }
-  dispatch_qtype(qtype, [&]<int64_t QT>() {
+  const RowFormat format = row_format(qtype);
+  dispatch_qtype(format.qtype, [&]<int64_t QT>() {
+    const bool octet_major = format.octet_major;
     if (dtype == at::kFloat) {
-      fused_linear<QT>(x.data_ptr<float>(), blocks, M, N, K, y.data_ptr<float>());
+      fused_linear<QT>(x.data_ptr<float>(), blocks, octet_major, M, N, K, y.data_ptr<float>());
     } else if constexpr (kExactBf16Dot) {
-      fused_linear<QT>(x.data_ptr<c10::BFloat16>(), blocks, M, N, K, y.data_ptr<c10::BFloat16>());
+      fused_linear<QT>(x.data_ptr<c10::BFloat16>(), blocks, octet_major, M, N, K, y.data_ptr<c10::BFloat16>());
     } else {
       const at::Tensor wide = x.to(at::kFloat);  // exact: the fp32 kernel on bf16 inputs and fp32 weights
-      fused_linear<QT>(wide.data_ptr<float>(), blocks, M, N, K, y.data_ptr<c10::BFloat16>());
+      fused_linear<QT>(wide.data_ptr<float>(), blocks, octet_major, M, N, K, y.data_ptr<c10::BFloat16>());
     }
   });
   return y.view(out_shape);
@@ -224,7 +256,7 @@ int64_t checked_in_features(const at::Tensor& qweight, int64_t qtype) {
   TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.dim() == 2 && qweight.is_contiguous(),
               "qweight: expected a contiguous uint8 [rows, bytes per row] tensor");
   int64_t weights = 0, bytes = 0;
-  dispatch_qtype(qtype, [&]<int64_t QT>() {
+  dispatch_qtype(row_format(qtype).qtype, [&]<int64_t QT>() {
     weights = Format<QT>::kWeights;
     bytes = Format<QT>::kBytes;
   });
@@ -236,11 +268,14 @@ int64_t checked_in_features(const at::Tensor& qweight, int64_t qtype) {
 template <typename X, typename Y>
 void exact_gemv_rows(const X* x, int64_t M, const uint8_t* weight, int64_t qtype, int64_t K, int64_t first,
                      int64_t last, Y* y, int64_t ldy, X* panel) {
-  if constexpr (std::is_same_v<X, float> || kExactBf16Dot)
-    carpool::ggml::dispatch_qtype(
-        qtype, [&]<int64_t QT>() { fused_linear_rows<QT>(x, weight, M, K, first, last, y, ldy, panel); });
-  else
+  if constexpr (std::is_same_v<X, float> || kExactBf16Dot) {
+    const carpool::ggml::RowFormat format = carpool::ggml::row_format(qtype);
+    carpool::ggml::dispatch_qtype(format.qtype, [&]<int64_t QT>() {
+      fused_linear_rows<QT>(x, weight, format.octet_major, M, K, first, last, y, ldy, panel);
+    });
+  } else {
     TORCH_CHECK(false, "exact_gemv_rows: bf16 activations need the AVX-512 build (widen them to float elsewhere)");
+  }
 }
 template void exact_gemv_rows(const float*, int64_t, const uint8_t*, int64_t, int64_t, int64_t, int64_t, float*,
                               int64_t, float*);
@@ -254,9 +289,11 @@ template void exact_gemv_rows(const c10::BFloat16*, int64_t, const uint8_t*, int
 TORCH_LIBRARY_FRAGMENT(carpool, m) {
   m.def("ggml_dequantize(Tensor qweight, int qtype, ScalarType dtype) -> Tensor");
   m.def("ggml_linear(Tensor input, Tensor qweight, int qtype) -> Tensor");
+  m.def("ggml_octet_major(Tensor qweight, int qtype) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(carpool, CPU, m) {
   m.impl("ggml_dequantize", &ggml_dequantize);
   m.impl("ggml_linear", &ggml_linear);
+  m.impl("ggml_octet_major", &ggml_octet_major);
 }
