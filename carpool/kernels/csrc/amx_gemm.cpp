@@ -114,7 +114,8 @@ void amx_gemm(const c10::BFloat16* x, const uint8_t* weight, bool octet_major, i
     alignas(64) float out[kPanelColumns * 2 * kRows];
     for (int64_t p = next_panel.fetch_add(1); p < panels; p = next_panel.fetch_add(1)) {
       const int64_t n0 = p * kPanelColumns, columns = std::min<int64_t>(kPanelColumns, N - n0);
-      for (int64_t n = 0; n < columns; ++n) dequantize_row<QT>(weight + (n0 + n) * row_bytes, K, octet_major, panel.data() + n * K);
+      for (int64_t n = 0; n < columns; ++n)
+        dequantize_row<QT>(weight + (n0 + n) * row_bytes, K, octet_major, panel.data() + n * K);
       std::fill(panel.begin() + columns * K, panel.end(), c10::BFloat16(0.0f));
       for (int64_t v = 0; v < vectors; v += 2) {
         const uint32_t* xv = paired.data() + v * (K / 2) * kRows;

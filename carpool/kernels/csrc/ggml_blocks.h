@@ -332,7 +332,8 @@ inline void dequantize_block(const uint8_t* p, Out* out) {
 template <int64_t QT, typename Out>
 void dequantize_row(const uint8_t* row, int64_t K, bool octet_major, Out* out) {
   GgufBlocks<QT> blocks(row, K, octet_major);
-  for (int64_t b = 0; b < K / Format<QT>::kWeights; ++b) dequantize_block<QT>(blocks[b], out + b * Format<QT>::kWeights);
+  for (int64_t b = 0; b < K / Format<QT>::kWeights; ++b)
+    dequantize_block<QT>(blocks[b], out + b * Format<QT>::kWeights);
 }
 
 }  // namespace carpool::ggml
