@@ -106,16 +106,15 @@ inline int32_t byte_sum32(__m256i v) {
 // the unsigned values before each format's offset (vpsadbw).
 template <int64_t QT, bool kSums>
 int32_t unpack_block(const uint8_t* p, int8_t* w, int32_t* sc, float& d, float* negdm) {
-  if constexpr (QT == kQ8_0 || QT == kQ4_0 || QT == kQ5_0 || QT == kQ4_1) {
+  if constexpr (QT == kQ8_0 || QT == kQ5_0) {
     d = half_to_float(p);
     sc[0] = 1;
-    if constexpr (QT == kQ4_1) negdm[0] = half_to_float(p + 2);
     __m256i q;
     int offset;
     if constexpr (QT == kQ8_0) {
       q = _mm256_xor_si256(load256(p + 2), bytes(static_cast<int8_t>(0x80)));  // + 128 as unsigned
       offset = 128;
-    } else if constexpr (QT == kQ5_0) {
+    } else {  // Q5_0
       uint32_t high;
       std::memcpy(&high, p + 2, 4);
       const __m256i spread = _mm256_shuffle_epi8(
@@ -124,9 +123,6 @@ int32_t unpack_block(const uint8_t* p, int8_t* w, int32_t* sc, float& d, float* 
       const __m256i mask = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
       q = _mm256_or_si256(nibbles32(p + 6), _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, mask), mask), bytes(0x10)));
       offset = 16;
-    } else {
-      q = nibbles32(p + (QT == kQ4_1 ? 4 : 2));
-      offset = QT == kQ4_0 ? 8 : 0;
     }
     store256(w, _mm256_sub_epi8(q, bytes(static_cast<int8_t>(offset))));
     return kSums ? byte_sum32(q) - 32 * offset : 0;
@@ -195,6 +191,19 @@ int32_t unpack_block(const uint8_t* p, int8_t* w, int32_t* sc, float& d, float* 
   } else {
     static_assert(QT != QT, "not a GGML kernel type");
   }
+}
+
+// The same for a Q4_0 or Q4_1 block's parts where they lie (octet-major or not).
+template <int64_t QT, bool kSums>
+int32_t unpack_block(const Q4Parts& parts, int8_t* w, int32_t* sc, float& d, float* negdm) {
+  static_assert(kHasOctetMajor<QT>);
+  d = half_to_float(parts.d);
+  sc[0] = 1;
+  if constexpr (QT == kQ4_1) negdm[0] = half_to_float(parts.m);
+  const __m256i q = nibbles32(parts.nibbles);
+  constexpr int offset = QT == kQ4_0 ? 8 : 0;
+  store256(w, _mm256_sub_epi8(q, bytes(static_cast<int8_t>(offset))));
+  return kSums ? byte_sum32(q) - 32 * offset : 0;
 }
 
 // ---- vector lanes over activation rows ----------------------------------------------------------------------
@@ -391,11 +400,16 @@ struct Panel {
         if constexpr (L::kMinGroups > 0) std::fill_n(negdm.begin() + n * K / 32, K / 32, 0.0f);
         continue;
       }
-      GgufBlocks<QT> row(weight + (n0 + n) * row_bytes, K, octet_major);
-      for (int64_t b = 0; b < blocks; ++b)
-        bias[n * blocks + b] = unpack_block<QT, kSums>(row[b], w.data() + n * K + b * kW,
-                                                sc.data() + (n * K + b * kW) / L::kSub, d[n * blocks + b],
-                                                L::kMinGroups ? negdm.data() + (n * K + b * kW) / 32 : nullptr);
+      auto unpack_one = [&](int64_t b, const auto& block) {
+        bias[n * blocks + b] = unpack_block<QT, kSums>(block, w.data() + n * K + b * kW,
+                                                       sc.data() + (n * K + b * kW) / L::kSub, d[n * blocks + b],
+                                                       L::kMinGroups ? negdm.data() + (n * K + b * kW) / 32 : nullptr);
+      };
+      const uint8_t* row = weight + (n0 + n) * row_bytes;
+      if constexpr (kHasOctetMajor<QT>)
+        GgufBlocks<QT>(row, K, octet_major).for_each_q4(blocks, unpack_one);
+      else
+        for (int64_t b = 0; b < blocks; ++b) unpack_one(b, row + b * Format<QT>::kBytes);
     }
   }
 };
