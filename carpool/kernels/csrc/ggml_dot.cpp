@@ -267,7 +267,7 @@ void dot_block_rows(const uint8_t* row, const Int8Rows& x, int64_t m0, float* ou
     // The blocks past the last octet two at a time, paired as the octets pair theirs (x's halves swapped into place
     // here): lanes 0-3 of the products are block b's, 4-7 block b + 1's, each scaled in its own lanes, as acc's
     // lanes are summed at the end. One block at a time, SmolLM2's two tail blocks a 576-wide row cost 2.6 octet
-    // blocks' time each: 20% of the row (Zen 3, one thread).
+    // blocks' time each, 20% of the row; two at a time, 1536x576 took 57.8 -> 54.1 us (Zen 3, one thread).
     constexpr int64_t kBytes = Format<QT>::kBytes;
     for (; first_block + 2 <= blocks; first_block += 2) {
       const int64_t b = first_block;
