@@ -45,6 +45,18 @@ constexpr bool kHasOctetMajor = QT == kQ4_0 || QT == kQ4_1;
 template <int64_t QT>
 constexpr int64_t kOctetScaleBytes = QT == kQ4_1 ? 32 : 16;  // d (and m) of an octet's eight blocks
 
+// Where a Q4_0/Q4_1 block's f16 d, f16 m (Q4_1) and 16 bytes of nibbles lie, as byte offsets: from a GGUF block's
+// start, or (block j of 8) from an octet-major octet's. The one statement of the layout.
+struct Q4Offsets {
+  int64_t d, m, nibbles;
+};
+template <int64_t QT>
+constexpr Q4Offsets kGgufQ4Offsets{0, 2, Format<QT>::kBytes - 16};
+template <int64_t QT>
+constexpr Q4Offsets octet_q4_offsets(int64_t j) {
+  return {2 * j, 16 + 2 * j, kOctetScaleBytes<QT> + 32 * (j % 4) + 16 * (j / 4)};
+}
+
 // A qtype as the ops take it: the GGML type, and whether kOctetMajor marks its rows.
 struct RowFormat {
   int64_t qtype;
@@ -57,16 +69,14 @@ inline RowFormat row_format(int64_t qtype) {
   return format;
 }
 
-// Where a Q4_0/Q4_1 block's f16 d, f16 m (Q4_1) and 16 bytes of nibbles lie: in a GGUF block at p, or in place
-// in an octet-major row's octet.
+// A Q4_0/Q4_1 block's parts where they lie, from the start of its block or octet and their offsets.
 struct Q4Parts {
   const uint8_t* d;
   const uint8_t* m;
   const uint8_t* nibbles;
 };
-template <int64_t QT>
-Q4Parts gguf_q4_parts(const uint8_t* p) {
-  return {p, p + 2, p + Format<QT>::kBytes - 16};
+inline Q4Parts q4_parts(const uint8_t* start, Q4Offsets at) {
+  return {start + at.d, start + at.m, start + at.nibbles};
 }
 
 // Block b of a weight row in GGUF's layout: the row's own bytes, or, in an octet-major row's octets, the block
@@ -87,15 +97,15 @@ class GgufBlocks {
     int64_t b = 0;
     for (; b < octet_blocks_; b += 8) {
 #pragma GCC unroll 8
-      for (int j = 0; j < 8; ++j) f(b + j, octet_parts(row_ + b * kBytes, j));
+      for (int j = 0; j < 8; ++j) f(b + j, q4_parts(row_ + b * kBytes, octet_q4_offsets<QT>(j)));
     }
-    for (; b < blocks; ++b) f(b, gguf_q4_parts<QT>(row_ + b * kBytes));
+    for (; b < blocks; ++b) f(b, q4_parts(row_ + b * kBytes, kGgufQ4Offsets<QT>));
   }
 
   const uint8_t* operator[](int64_t b) {
     if constexpr (kHasOctetMajor<QT>) {
       if (b < octet_blocks_) {
-        const Q4Parts parts = octet_parts(row_ + b / 8 * 8 * kBytes, b % 8);
+        const Q4Parts parts = q4_parts(row_ + b / 8 * 8 * kBytes, octet_q4_offsets<QT>(b % 8));
         std::memcpy(scratch_, parts.d, 2);
         if constexpr (QT == kQ4_1) std::memcpy(scratch_ + 2, parts.m, 2);
         std::memcpy(scratch_ + kBytes - 16, parts.nibbles, 16);
@@ -106,10 +116,6 @@ class GgufBlocks {
   }
 
  private:
-  static Q4Parts octet_parts(const uint8_t* octet, int64_t j) {
-    return {octet + 2 * j, octet + 16 + 2 * j, octet + kOctetScaleBytes<QT> + 32 * (j % 4) + 16 * (j / 4)};
-  }
-
   const uint8_t* row_;
   int64_t octet_blocks_;
   uint8_t scratch_[Format<QT>::kBytes];
@@ -310,7 +316,7 @@ inline void dequantize_q4(const Q4Parts& parts, Out* out) {
 template <int64_t QT, typename Out>
 inline void dequantize_block(const uint8_t* p, Out* out) {
   if constexpr (kHasOctetMajor<QT>) {
-    dequantize_q4<QT>(gguf_q4_parts<QT>(p), out);
+    dequantize_q4<QT>(q4_parts(p, kGgufQ4Offsets<QT>), out);
   } else if constexpr (QT == kQ5_0) {
     const float d = half_to_float(p);  // w = d * (q - 16), bit 4 of q i is bit i of the 32-bit qh
     uint32_t high;

@@ -165,8 +165,9 @@ void dot_octets(const uint8_t* row, int64_t octets, const int8_t* const* xq, con
     const uint8_t* p = row + 8 * o * kBytes;
     __m256 d, m;
     if constexpr (kOctetMajor) {
-      d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-      if constexpr (QT == kQ4_1) m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+      d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + octet_q4_offsets<QT>(0).d)));
+      if constexpr (QT == kQ4_1)
+        m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + octet_q4_offsets<QT>(0).m)));
     } else {
       // Each block's first 4 bytes: d (and Q4_1's m) as f16, split into eight d and eight m. Eight scalar loads and
       // one vector load of them, not vpgatherdd: the gather alone held Q4_1 at 17.6 GB/s a core, 28.9 without it
@@ -185,7 +186,7 @@ void dot_octets(const uint8_t* row, int64_t octets, const int8_t* const* xq, con
       for (int k = 0; k < 4; ++k) {
         __m256i raw;
         if constexpr (kOctetMajor) {
-          raw = load256(p + kOctetScaleBytes<QT> + 32 * k);
+          raw = load256(p + octet_q4_offsets<QT>(k).nibbles);  // block k's nibbles, then block k + 4's
         } else {
           const uint8_t* nibbles = p + k * kBytes + Octet<QT>::kNibbles;
           raw = _mm256_inserti128_si256(
@@ -196,7 +197,7 @@ void dot_octets(const uint8_t* row, int64_t octets, const int8_t* const* xq, con
         w[k + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), bytes(0x0F));
       }
     } else if constexpr (kOctetMajor) {
-      for (int j = 0; j < 8; ++j) w[j] = nibbles32(p + kOctetScaleBytes<QT> + 32 * (j % 4) + 16 * (j / 4));
+      for (int j = 0; j < 8; ++j) w[j] = nibbles32(p + octet_q4_offsets<QT>(j).nibbles);
     } else {
       for (int j = 0; j < 8; ++j) w[j] = Octet<QT>::weights(p + j * kBytes);
     }

@@ -136,7 +136,8 @@ void fused_linear_rows(const X* x, const uint8_t* weight, bool octet_major, int6
   alignas(16) float dots[kMaxMR * kTileRows];
   for (int64_t n0 = first; n0 < last; n0 += kExactPanelRows) {
     const int64_t rows = std::min(kExactPanelRows, last - n0);
-    for (int64_t r = 0; r < rows; ++r) dequantize_row<QT>(weight + (n0 + r) * row_bytes, K, octet_major, panel + r * K);
+    for (int64_t r = 0; r < rows; ++r)
+      dequantize_row<QT>(weight + (n0 + r) * row_bytes, K, octet_major, panel + r * K);
     std::fill(panel + rows * K, panel + kExactPanelRows * K, X(0));
     for (int64_t m = 0; m < M; m += kMaxMR) {
       const int64_t mr = std::min<int64_t>(kMaxMR, M - m);
@@ -201,9 +202,11 @@ at::Tensor ggml_octet_major(const at::Tensor& qweight, int64_t qtype) {
           const int64_t octet = n * row_bytes + 8 * o * kBytes;
           for (int64_t j = 0; j < 8; ++j) {
             const uint8_t* block = from + octet + j * kBytes;
-            std::memcpy(to + octet + 2 * j, block, 2);
-            if constexpr (QT == kQ4_1) std::memcpy(to + octet + 16 + 2 * j, block + 2, 2);
-            std::memcpy(to + octet + kOctetScaleBytes<QT> + 32 * (j % 4) + 16 * (j / 4), block + kBytes - 16, 16);
+            constexpr Q4Offsets kFrom = kGgufQ4Offsets<QT>;
+            const Q4Offsets at = octet_q4_offsets<QT>(j);
+            std::memcpy(to + octet + at.d, block + kFrom.d, 2);
+            if constexpr (QT == kQ4_1) std::memcpy(to + octet + at.m, block + kFrom.m, 2);
+            std::memcpy(to + octet + at.nibbles, block + kFrom.nibbles, 16);
           }
         }
     }
