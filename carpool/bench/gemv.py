@@ -2,6 +2,7 @@
 may be shared: compare the ratio, not the absolute figures), at decode's activation rows or a prompt chunk's.
 
     python -m carpool.bench.gemv [--model qwen2.5-coder-1.5b] [--rows 1 4 8 16 32 64] [--threads 1 2] [--cpu-time]
+    python -m carpool.bench.gemv --model smollm2-135m --layouts [--copies 20] [--rows 1 4 8 32] [--threads 1]
 
 The int8 column runs matmul "int8-dot-all": the integer kernels at every row count (the GEMV up to 5 rows, the
 batched kernel above); "int8-dot" says which of the two the default mode runs at that count in this build
@@ -13,10 +14,16 @@ Q4_K and Q6_K, SmolLM2's Q4_1 and its Q8_0 embedding, which is also its LM head)
 Q4_1, Q5_0, Q8_0) are the largest layer matrix's shape quantized by gguf-py. Each runs in the layout the loader gives
 it on this kernel path (Q4_0/Q4_1 octet-major on OCTET_MAJOR_PATHS). GB/s counts the weight blocks one call streams.
 Then the error of one int8 call against the exact path.
+
+--layouts instead times the Q4_0/Q4_1 matrices in GGUF's layout against octet-major rows (kernels/csrc/ggml_blocks.h),
+side by side in both modes, whatever this path's loader picks: the measurement behind OCTET_MAJOR_PATHS. --copies
+cycles that many copies of each matrix, so that a call reads its weights from memory rather than a warm cache, as
+a decode step's do.
 """
 
 import argparse
 import functools
+import itertools
 import time
 
 import gguf
@@ -25,7 +32,7 @@ import torch
 
 from carpool.kernels import kernel_path
 from carpool.models.catalog import model_path
-from carpool.models.quantization import GGMLWeight, set_matmul_mode
+from carpool.models.quantization import OCTET_MAJOR_TYPES, GGMLWeight, set_matmul_mode
 
 Q = gguf.GGMLQuantizationType
 COMPARED = ("exact", "int8-dot-all")
@@ -84,6 +91,37 @@ def linear(mode: str, x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torc
     return torch.ops.carpool.ggml_linear(x, blocks, qtype)
 
 
+def cycled_linear(mode: str, x: torch.Tensor, copies: list[GGMLWeight]):
+    """A call that runs `linear` on the next of `copies` each time."""
+    turn = itertools.cycle(copies)
+
+    def call():
+        weight = next(turn)
+        return linear(mode, x, weight.data, weight.kernel_qtype)
+    return call
+
+
+def compare_layouts(blocks: dict, args, clock) -> None:
+    """Q4_0/Q4_1 in GGUF's layout against octet-major rows, each mode's two layouts taking turns."""
+    print("| format | shape | threads | rows | mode | GGUF | octet-major | speed-up |\n"
+          "| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for qtype in sorted(set(blocks) & OCTET_MAJOR_TYPES):
+        gguf_rows = [GGMLWeight(qtype, blocks[qtype].clone()) for _ in range(args.copies)]
+        octet_rows = [GGMLWeight(qtype, torch.ops.carpool.ggml_octet_major(w.data, int(qtype)), True)
+                      for w in gguf_rows]
+        out_features, cols = gguf_rows[0].shape
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+            for rows, mode in itertools.product(args.rows, COMPARED):
+                x = torch.randn(rows, cols).to(getattr(torch, args.dtype))
+                times = seconds_per_call({"gguf": cycled_linear(mode, x, gguf_rows),
+                                          "octet": cycled_linear(mode, x, octet_rows)}, clock=clock)
+                cells = " | ".join(f"{blocks[qtype].numel() / t / 1e9:.1f} ({t * 1e3:.3f})" for t in times.values())
+                print(f"| {qtype.name} | {out_features}x{cols} | {threads} | {rows} | {mode} | {cells} | "
+                      f"{times['gguf'] / times['octet']:.2f}x |", flush=True)
+    set_matmul_mode("exact")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen2.5-coder-1.5b")
@@ -91,11 +129,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--cpu-time", action="store_true", help="time thread CPU time (1 thread) not wall time")
+    parser.add_argument("--layouts", action="store_true", help="Q4_0/Q4_1: GGUF's layout against octet-major rows")
+    parser.add_argument("--copies", type=int, default=1, help="with --layouts: copies of each matrix, cycled")
     args = parser.parse_args()
     clock = time.thread_time if args.cpu_time else time.perf_counter
-    blocks = {qtype: GGMLWeight(qtype, data).for_kernels() for qtype, data in weights(args.model).items()}
     print(f"kernel path {kernel_path()}, {args.dtype} activations, {'CPU' if args.cpu_time else 'wall'} time; "
           "GB/s of weight blocks (ms per call)")
+    if args.layouts:
+        return compare_layouts(weights(args.model), args, clock)
+    blocks = {qtype: GGMLWeight(qtype, data).for_kernels() for qtype, data in weights(args.model).items()}
     print("| format | shape | threads | rows | " + " | ".join(COMPARED) + " | speed-up | int8-dot |")
     print("| --- | --- | --- | --- | " + " | ".join("---" for _ in COMPARED) + " | --- | --- |")
     for qtype, weight in sorted(blocks.items()):

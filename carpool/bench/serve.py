@@ -5,7 +5,8 @@ a JSON file and a PNG plot.
 Prompts are the first human turns of chat_prompts.jsonl (shipped in carpool/bench/data), in file order, each
 used once in the whole run: a server with a prefix cache gets no free hits from a prompt it has already seen.
 TTFT runs to the first chunk carrying text (some servers send an empty role chunk at once); ITL is the gap
-between consecutive text chunks; output tokens come from the usage chunk when the server sends one.
+between consecutive text chunks; output tokens come from the usage chunk when the server sends one. Nothing is
+measured until every server answers /health (READY_POLL_S below).
 """
 
 import argparse
@@ -30,6 +31,12 @@ ENDPOINTS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 # and those requests were counted as its errors, their work missing from its tok/s. Such a request never reached
 # the server, so it is sent again, once, on a new connection (its TTFT still counts from the first send).
 STALE_CONNECTION_RETRIES = 1
+
+# Every server under test must answer /health before the first is measured: carpool's warms up every step shape
+# after its port opens (its /health says 503 "warming" meanwhile), and a side-by-side begun at once measured
+# llama.cpp's server beside it at 111-164 ms a token for its first two requests, 36 ms after (Qwen2.5-Coder-1.5B,
+# 2026-12-04, Zen 4): the first server measured was the one slowed. A server without /health (404) is taken as ready.
+READY_POLL_S = 0.5
 
 
 @dataclass
@@ -79,6 +86,8 @@ def add_parser(modes) -> None:
                         help="each server's name in the report, in --url order (default: the model)")
     parser.add_argument("--out", default=None,
                         help="path prefix of the .json and .png (default: bench-results/serve-LABELS)")
+    parser.add_argument("--ready-timeout", type=float, default=600.0,
+                        help="seconds to wait for every server's /health before measuring any")
     parser.set_defaults(func=main)
 
 
@@ -105,6 +114,7 @@ def file_stem(labels: list[str]) -> str:
 def main(args: argparse.Namespace) -> int:
     urls = args.url or ["http://127.0.0.1:8000"]
     labels = checked_labels(urls, args.label)
+    asyncio.run(wait_until_ready(urls, args.ready_timeout))
     reports = [asyncio.run(run(args, url, labels[i] if i < len(labels) else None)) for i, url in enumerate(urls)]
     prefix = Path(args.out or f"bench-results/serve-{file_stem([r['label'] for r in reports])}")
     prefix.parent.mkdir(parents=True, exist_ok=True)
@@ -131,6 +141,25 @@ def comparison(reports: list[dict]) -> str:
             lines.append(f"  {mine['concurrency']:>3} streams: output tokens/s x{ratio('output_tokens_per_s'):.2f}, "
                          f"TTFT p50 x{ratio('ttft_p50_s'):.2f}, ITL p50 x{ratio('itl_p50_s'):.2f}")
     return "\n".join(lines)
+
+
+async def wait_until_ready(urls: list[str], timeout: float) -> None:
+    """Return once every server answers /health with 200 (or has no /health); a TimeoutError names one that never
+    did within `timeout` seconds, with its last answer."""
+    deadline = time.monotonic() + timeout
+    async with httpx.AsyncClient(timeout=httpx.Timeout(10.0)) as client:
+        for url in urls:
+            while True:
+                try:
+                    response = await client.get(f"{url.rstrip('/')}/health")
+                    if response.status_code in (200, 404):
+                        break
+                    last = f"HTTP {response.status_code} {response.text[:200]}"
+                except httpx.HTTPError as error:  # not listening yet
+                    last = repr(error)
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{url} was not ready within {timeout:g} s (/health: {last})")
+                await asyncio.sleep(READY_POLL_S)
 
 
 async def run(args: argparse.Namespace, url: str, label: str | None) -> dict:

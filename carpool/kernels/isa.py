@@ -30,10 +30,12 @@ BF16_PATHS = frozenset({"amx", "avx512"})
 # Paths with a batched int8 kernel and fp32 FMAs as their exact path: prompts run faster on the int8 kernels there.
 INT8_PROMPT_PATHS = frozenset({"avxvnni", "avx2"})
 # Paths whose GEMV runs Q4_0/Q4_1 rows faster octet-major (kernels/csrc/ggml_blocks.h), so the loader rearranges
-# them: avx2, where the GEMV is compute-bound and gathering each octet's scales was ~20 of its 69 instructions
-# (Zen 3, one thread: SmolLM2's Q4_1 matrices 1.13-1.22x at 1-4 rows, the batched kernel's 8-32 rows unchanged).
-# Not measured on the VNNI and AVX-512 builds, whose GEMV gathers the scales the same way.
-OCTET_MAJOR_PATHS = frozenset({"avx2"})
+# them. avx2, where the GEMV is compute-bound and gathering each octet's scales was ~20 of its 69 instructions
+# (Zen 3, one thread: SmolLM2's Q4_1 matrices 1.13-1.22x at 1-4 rows, the batched kernel's 8-32 rows unchanged);
+# avx512, where octet-major rows also run paired (ggml_dot.cpp; Zen 4, one thread, `python -m carpool.bench.gemv
+# --layouts`: 1536x576 at 1-2 rows 1.15-1.49x, 4 rows 1.12-1.16x, 8-32 rows 0.97-1.11x; SmolLM2's step 1.19x).
+# Not measured: avxvnni (the same 256-bit VNNI code as avx512's) and amx (avx512's GEMV).
+OCTET_MAJOR_PATHS = frozenset({"avx2", "avx512"})
 
 ENV_VAR = "CARPOOL_KERNEL_ISA"
 

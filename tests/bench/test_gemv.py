@@ -1,11 +1,15 @@
 """The GEMV bench takes its matrices from the model's own file, whatever block formats that holds."""
 
+import argparse
+
 import gguf
 import numpy as np
 import torch
 
+from carpool.bench import gemv
 from carpool.bench.gemv import weights
 from carpool.models.catalog import model_path
+from carpool.models.quantization import OCTET_MAJOR
 
 Q = gguf.GGMLQuantizationType
 
@@ -25,3 +29,36 @@ def test_smollm2_brings_its_own_q4_1_and_its_tied_lm_head():
     x = torch.randn(1, 576)
     for qtype, data in blocks.items():
         assert torch.ops.carpool.ggml_linear(x, data, int(qtype)).shape == (1, data.shape[0])
+
+
+def test_layouts_time_the_same_product_in_gguf_and_octet_major_rows(monkeypatch, capsys):
+    """--layouts: each Q4 format's two columns are one matmul (the same outputs), the second from octet-major rows,
+    each call on the next of --copies copies of the matrix."""
+    calls_seen, timed = [], []
+    linear = gemv.linear
+
+    def seen_linear(mode, x, blocks, qtype):
+        calls_seen.append((qtype, blocks.data_ptr()))
+        return linear(mode, x, blocks, qtype)
+
+    def record(calls, clock):
+        outputs = {}
+        for name, fn in calls.items():
+            calls_seen.clear()
+            outputs[name] = [fn() for _ in range(3)]  # three calls: the two copies, then the first again
+            qtypes, pointers = zip(*calls_seen)
+            assert len(set(qtypes)) == 1 and bool(qtypes[0] & OCTET_MAJOR) == (name == "octet")
+            assert pointers[0] != pointers[1] and pointers[0] == pointers[2]
+        timed.append(outputs)
+        return dict.fromkeys(calls, 1e-3)
+
+    monkeypatch.setattr(gemv, "linear", seen_linear)
+    monkeypatch.setattr(gemv, "seconds_per_call", record)
+    args = argparse.Namespace(rows=[1, 8], threads=[1], dtype="float32", copies=2)
+    gemv.compare_layouts(gemv.weights("smollm2-135m"), args, clock=None)
+    assert len(timed) == 2 * 2 * len(gemv.COMPARED)  # Q4_0 and Q4_1, two row counts, both modes
+    for outputs in timed:
+        for gguf_y, octet_y in zip(outputs["gguf"], outputs["octet"]):
+            assert torch.equal(gguf_y, octet_y)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| Q4_")]
+    assert len(lines) == len(timed) and all(line.endswith("| 1.00x |") for line in lines)

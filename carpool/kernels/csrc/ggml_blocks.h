@@ -34,11 +34,12 @@ template <> struct Format<kQ5_K> { static constexpr int64_t kWeights = 256, kByt
 template <> struct Format<kQ6_K> { static constexpr int64_t kWeights = 256, kBytes = 210; }; // 128 B low, 64 B high, 16 scales, d
 
 // Octet-major rows: carpool's own arrangement of a Q4_0 or Q4_1 weight row, made once at load
-// (torch.ops.carpool.ggml_octet_major) for the GEMV of the AVX2 build (ggml_dot.cpp), which otherwise gathers each
-// octet's eight f16 scales from 18 or 20 bytes apart and its nibbles from two places per register. Each run of eight
-// blocks (an octet) holds their eight d, then (Q4_1) their eight m, as f16, then the 16 bytes of nibbles of blocks
-// 0, 4, 1, 5, 2, 6, 3, 7; blocks past the row's last whole octet keep GGUF's layout. Same bytes per row. The qtype
-// passed with such rows carries kOctetMajor; every kernel that reads blocks takes them (GgufBlocks below).
+// (torch.ops.carpool.ggml_octet_major) for the GEMV of the AVX2 and AVX-512 builds (ggml_dot.cpp), which otherwise
+// gathers each octet's eight f16 scales from 18 or 20 bytes apart and its nibbles from two places per register.
+// Each run of eight blocks (an octet) holds their eight d, then (Q4_1) their eight m, as f16, then the 16 bytes of
+// nibbles of blocks 0, 4, 1, 5, 2, 6, 3, 7; blocks past the row's last whole octet keep GGUF's layout. Same bytes
+// per row. The qtype passed with such rows carries kOctetMajor; every kernel that reads blocks takes them
+// (GgufBlocks below).
 constexpr int64_t kOctetMajor = 1 << 8;
 template <int64_t QT>
 constexpr bool kHasOctetMajor = QT == kQ4_0 || QT == kQ4_1;

@@ -52,7 +52,7 @@ struct Int8Rows {
   std::vector<float> d;
   std::vector<int16_t> sums;
   std::vector<int32_t> block_sums;
-  std::vector<int8_t> q_octets;  // q's whole 256-value octets reordered for the AVX2 build's Q4_0/Q4_1 (ggml_dot.cpp)
+  std::vector<int8_t> q_octets;  // q's whole 256-value octets in the order of paired Q4_0/Q4_1 octets (ggml_dot.cpp)
 
   const int8_t* q_row(int64_t m) const { return q.data() + m * K; }
   const int8_t* octet_row(int64_t m) const { return q_octets.data() + m * (K / 256 * 256); }
