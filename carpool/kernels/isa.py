@@ -32,9 +32,9 @@ INT8_PROMPT_PATHS = frozenset({"avxvnni", "avx2"})
 # Paths whose GEMV runs Q4_0/Q4_1 rows faster octet-major (kernels/csrc/ggml_blocks.h), so the loader rearranges
 # them. avx2, where the GEMV is compute-bound and gathering each octet's scales was ~20 of its 69 instructions
 # (Zen 3, one thread: SmolLM2's Q4_1 matrices 1.13-1.22x at 1-4 rows, the batched kernel's 8-32 rows unchanged);
-# avx512, where octet-major rows also run paired (ggml_dot.cpp; Zen 4, one thread, `python -m carpool.bench.gemv
-# --layouts`: 1536x576 at 1-2 rows 1.15-1.49x, 4 rows 1.12-1.16x, 8-32 rows 0.97-1.11x; SmolLM2's step 1.19x).
-# Not measured: avxvnni (the same 256-bit VNNI code as avx512's) and amx (avx512's GEMV).
+# avx512, whose GEMV pairs octets as avx2's does (Zen 4, one thread, `python -m carpool.bench.gemv --layouts`: 1536x576
+# at 1 row 1.18-1.20x, 2 rows 1.11-1.15x, 4 rows 1.06-1.08x, 8-32 rows 0.97-1.11x; SmolLM2's step 1.19x against the
+# old 512-bit code on GGUF rows). Not measured: avxvnni (the same 256-bit VNNI code) and amx (avx512's GEMV).
 OCTET_MAJOR_PATHS = frozenset({"avx2", "avx512"})
 
 ENV_VAR = "CARPOOL_KERNEL_ISA"

@@ -32,28 +32,21 @@ namespace {
 
 thread_local MatmulMode current_mode = MatmulMode::kExact;
 
-// The AVX2 build (no VNNI) dots Q4_0 and Q4_1 octets two blocks a register: blocks k and k + 4 side by side, as
-// 16 bytes of nibbles each, load and unpack in 5 ops a pair instead of 4 a block, and the eight blocks' integer sums
-// reduce in 3 hadds instead of 6, 2 permutes and an add. x must come in the same order: quantize_rows keeps a
-// copy so arranged (Int8Rows::q_octets). On Zen 3 (the GEMV compute-bound there: a cache-resident matrix ran no
-// faster than one from DRAM), SmolLM2's Q4_1 matrices at one row and one thread took 1.11-1.23x less time (gate/up
+// Every SIMD build dots Q4_0 and Q4_1 octets two blocks a register: blocks k and k + 4 side by side, as 16 bytes of
+// nibbles each, load and unpack in 5 ops a pair instead of 4 a block, and the eight blocks' integer sums reduce in 3
+// hadds instead of 6, 2 permutes and an add. x must come in the same order: quantize_rows keeps a copy so arranged
+// (Int8Rows::q_octets). Octet-major rows (ggml_blocks.h) hold each pair's nibbles together (one load, three ops) and
+// an octet's scales side by side. On Zen 3 (AVX2, the GEMV compute-bound: a cache-resident matrix ran no faster than
+// one from DRAM), pairing took SmolLM2's Q4_1 matrices at one row and one thread 1.11-1.23x less time (gate/up
 // 1536x576 65.2 -> 56.7 us, down 576x1536 52.9 -> 43.1, q 576x576 27.2 -> 24.3; min of 5 alternations) and its
-// decode step 1.09x (2 threads: 6.69 -> 6.11 ms, the layers' region 4.66 -> 4.16).
-//
-// The VNNI builds (avxvnni, avx512) pair the octets of octet-major rows the same way, each pair's products summed by
-// two vpdpbusd: those rows' scales lie side by side and their nibbles in pair order (ggml_blocks.h), so a pair is one
-// load and three ops. Zen 4 (avx512, one thread, weights from memory), SmolLM2's 1536x576 at one row: Q4_1 1.21-1.32x,
-// Q4_0 1.44-1.49x against GGUF rows, whose scales the 512-bit code below gathers and whose blocks it unpacks one by
-// one (kept for them); the decode step 1.19x.
+// decode step 1.09x (2 threads: 6.69 -> 6.11 ms). On Zen 4 (avx512: each pair's products by two 256-bit vpdpbusd),
+// 1536x576 at one row, one thread, weights from memory: GGUF rows paired 1.35x faster than the 512-bit code below
+// (each block unpacked alone, two a register; Q5_0 and Q8_0 keep it), octet-major rows 1.18-1.20x faster again;
+// SmolLM2's step 1.11-1.19x against the old code.
 #ifdef CARPOOL_SIMD
 constexpr bool kPairedOctets = true;
 #else
 constexpr bool kPairedOctets = false;
-#endif
-#ifdef CARPOOL_VNNI256
-constexpr bool kPairedGgufOctets = false;
-#else
-constexpr bool kPairedGgufOctets = kPairedOctets;
 #endif
 
 #ifdef CARPOOL_SIMD
@@ -134,13 +127,10 @@ template <> struct Octet<kQ8_0> {
 template <int64_t QT>
 concept HasOctet = requires { Octet<QT>::kShift; };
 template <int64_t QT>
-concept NibbleOctet = requires { Octet<QT>::kNibbles; };  // Q4_0, Q4_1
-// Whether rows of QT in this layout run their octets paired (above).
-template <int64_t QT, bool kOctetMajor>
-concept PairedOctet = NibbleOctet<QT> && (kOctetMajor ? kPairedOctets : kPairedGgufOctets);
+concept PairedOctet = kPairedOctets && requires { Octet<QT>::kNibbles; };  // Q4_0, Q4_1
 
-// acc + u1 x s1 + u2 x s2 summed in fours per int32 lane, for nibbles (u <= 15): AVX2 adds the two vpmaddubsw's
-// int16 pairs (at most 2 x 2 x 15 x 127) before widening them once.
+// acc + u1 x s1 + u2 x s2 summed in fours per int32 lane, for nibbles (u <= 15): two vpdpbusd with VNNI; AVX2 adds
+// the two vpmaddubsw's int16 pairs (at most 2 x 2 x 15 x 127) before widening them once.
 inline __m256i dot_nibble_pairs(__m256i u1, __m256i s1, __m256i u2, __m256i s2) {
 #ifdef CARPOOL_VNNI256
   return dpbusd256(dpbusd256(_mm256_setzero_si256(), u1, s1), u2, s2);
@@ -174,7 +164,7 @@ inline __m256i sum8(__m512i a, __m512i b, __m512i c, __m512i d) {
 #endif
 
 // Blocks [0, 8 * octets) of one weight row against MR activation rows, into acc (8 lanes a row). xo: x's rows in
-// the paired order (Int8Rows::octet_row), where PairedOctet. kOctetMajor: the row is octet-major (ggml_blocks.h).
+// the paired order (Int8Rows::octet_row), where PairedOctet<QT>. kOctetMajor: the row is octet-major (ggml_blocks.h).
 template <int64_t QT, int MR, bool kOctetMajor>
 void dot_octets(const uint8_t* row, int64_t octets, const int8_t* const* xq, const int8_t* const* xo,
                 const float* const* xd, const int32_t* const* xbs, __m256* acc) {
@@ -200,7 +190,7 @@ void dot_octets(const uint8_t* row, int64_t octets, const int8_t* const* xq, con
       if constexpr (QT == kQ4_1) m = _mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1));
     }
     __m256i w[8];
-    if constexpr (PairedOctet<QT, kOctetMajor>) {  // w[k]: low nibbles of blocks k | k + 4, w[k + 4]: high ones
+    if constexpr (PairedOctet<QT>) {  // w[k]: low nibbles of blocks k | k + 4, w[k + 4]: high ones
       for (int k = 0; k < 4; ++k) {
         __m256i raw;
         if constexpr (kOctetMajor) {
@@ -220,13 +210,13 @@ void dot_octets(const uint8_t* row, int64_t octets, const int8_t* const* xq, con
     }
 #if defined(CARPOOL_AVX512) && defined(__AVX512VNNI__)
     __m512i pairs[4];
-    if constexpr (!PairedOctet<QT, kOctetMajor>)
+    if constexpr (!PairedOctet<QT>)
       for (int k = 0; k < 4; ++k) pairs[k] = _mm512_inserti64x4(_mm512_castsi256_si512(w[2 * k]), w[2 * k + 1], 1);
 #endif
     for (int i = 0; i < MR; ++i) {
       const int8_t* q = xq[i] + 256 * o;
       __m256i sums;
-      if constexpr (PairedOctet<QT, kOctetMajor>) {
+      if constexpr (PairedOctet<QT>) {
         // Pair k's lanes 0-3 sum block k, 4-7 block k + 4: hadd(hadd(0, 1), hadd(2, 3)) is blocks 0-7 in order.
         const int8_t* paired = xo[i] + 256 * o;
         __m256i dots[4];
@@ -282,7 +272,7 @@ void dot_block_rows(const uint8_t* row, const Int8Rows& x, int64_t m0, float* ou
     dot_octets<QT, MR, kOctetMajor>(row, blocks / 8, xq, xo, xd, xbs, acc);
     first_block = blocks / 8 * 8;
   }
-  if constexpr (kPairedOctets && NibbleOctet<QT>) {
+  if constexpr (PairedOctet<QT>) {
     // The blocks past the last octet two at a time, paired as the octets pair theirs (x's halves swapped into place
     // here): lanes 0-3 of the products are block b's, 4-7 block b + 1's, each scaled in its own lanes, as acc's
     // lanes are summed at the end. One block at a time, SmolLM2's two tail blocks a 576-wide row cost 2.6 octet
