@@ -109,31 +109,35 @@ def test_bench_serve_compares_servers_side_by_side(scripted_url, tmp_path, capsy
     assert "first / second:" in out and "2 streams: output tokens/s x" in out
 
 
-def test_no_server_is_measured_until_every_one_answers_health(scripted_url, tmp_path, monkeypatch):
+def test_no_server_is_measured_until_every_one_answers_health(tmp_path, monkeypatch):
     """A server still warming up (503 from /health) would steal the CPU from the one measured beside it: the bench
-    waits for both before its first request to either, and gives up naming the server that never got ready."""
+    waits for every server before its first request to any (here the first, which has no /health, waits for the
+    second), and gives up naming a server that never gets ready."""
     events, scripted = [], {route.path: route.endpoint for route in scripted_app().routes}
 
-    async def health(request):
-        events.append("health")
-        warming = events.count("health") <= 3
-        return JSONResponse({"status": "warming" if warming else "ok"}, 503 if warming else 200)
+    def app(name: str, warming_polls: int | None) -> Starlette:
+        async def health(request):
+            events.append(f"{name} health")
+            warming = events.count(f"{name} health") <= warming_polls
+            return JSONResponse({"status": "warming" if warming else "ok"}, 503 if warming else 200)
 
-    async def chat(request):
-        events.append("request")
-        return await scripted["/v1/chat/completions"](request)
+        async def chat(request):
+            events.append(f"{name} request")
+            return await scripted["/v1/chat/completions"](request)
 
-    warming_app = Starlette(routes=[Route("/health", health), Route("/v1/models", scripted["/v1/models"]),
-                                    Route("/v1/chat/completions", chat, methods=["POST"])])
+        routes = [Route("/v1/models", scripted["/v1/models"]), Route("/v1/chat/completions", chat, methods=["POST"])]
+        return Starlette(routes=routes + ([Route("/health", health)] if warming_polls is not None else []))
+
     monkeypatch.setattr(serve, "READY_POLL_S", 0.01)
-    with ServedApp(warming_app) as client:
-        warming_url = str(client.base_url).rstrip("/")
-        assert main(["bench", "serve", "--url", scripted_url, "--url", warming_url, "--concurrency", "1",
+    with ServedApp(app("first", None)) as first, ServedApp(app("warming", 3)) as warming:
+        urls = [str(client.base_url).rstrip("/") for client in (first, warming)]
+        assert main(["bench", "serve", "--url", urls[0], "--url", urls[1], "--concurrency", "1",
                      "--num-requests", "2", "--max-tokens", "4", "--out", str(tmp_path / "both")]) == 0
-        assert events[:4] == ["health"] * 4 and events.count("request") == 3  # the warm-up and two measured
+        assert events[:4] == ["warming health"] * 4  # three 503s, then ok, before any request to either server
+        assert events[4:] == ["first request"] * 3 + ["warming request"] * 3  # each: the warm-up and two measured
         never_ready = "http://127.0.0.1:9"  # nothing listens on the discard port
         with pytest.raises(TimeoutError, match="127.0.0.1:9 was not ready"):
-            main(["bench", "serve", "--url", warming_url, "--url", never_ready, "--concurrency", "1",
+            main(["bench", "serve", "--url", urls[0], "--url", never_ready, "--concurrency", "1",
                   "--ready-timeout", "0.2", "--out", str(tmp_path / "never")])
 
 
