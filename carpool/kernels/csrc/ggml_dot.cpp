@@ -100,17 +100,16 @@ inline float hsum(__m256 v) { return carpool::reduce_add(v); }
 // multiply-add. The weights are unpacked as unsigned bytes (q, or q + 128 for Q8_0 with VNNI) and the offset
 // comes off as offset * sum(q_x) per block, exact in int32: the same integer dot as the signed form.
 
-// Octet<QT>: the unsigned weights of block p and the offset subtracted from them (kShift: log2 of it; -1: none).
+// Octet<QT>: the offset subtracted from the unsigned weights (kShift: log2 of it; -1: none), and either where a
+// block's 16 bytes of nibbles start (kNibbles: Q4_0 and Q4_1, whose octets go paired, above) or block p's weights.
 template <int64_t QT> struct Octet {};  // none: the per-block loop
 template <> struct Octet<kQ4_0> {
   static constexpr int kShift = 3;
-  static constexpr int kNibbles = 2;  // where the block's 16 bytes of nibbles start
-  static __m256i weights(const uint8_t* p) { return nibbles32(p + kNibbles); }
+  static constexpr int kNibbles = 2;
 };
 template <> struct Octet<kQ4_1> {
   static constexpr int kShift = -1;
   static constexpr int kNibbles = 4;
-  static __m256i weights(const uint8_t* p) { return nibbles32(p + kNibbles); }
 };
 template <> struct Octet<kQ5_0> {
   static constexpr int kShift = 4;
