@@ -12,11 +12,13 @@ time instead of the wall clock: steadier on a loaded machine, meaningful at 1 th
 Each block format the model's GGUF file holds comes from it (its largest matrix of that format: Qwen2.5-Coder-1.5B's
 Q4_K and Q6_K, SmolLM2's Q4_1 and its Q8_0 embedding, which is also its LM head); the other 32-weight formats (Q4_0,
 Q4_1, Q5_0, Q8_0) are the largest layer matrix's shape quantized by gguf-py. Each runs in the layout the loader gives
-it on this kernel path (Q4_0/Q4_1 octet-major on OCTET_MAJOR_PATHS). GB/s counts the weight blocks one call streams.
+it on this kernel path (Q4_0/Q4_1 octet-major on OCTET_MAJOR_PATHS, Q4_K in row groups on ROW_GROUP_PATHS). GB/s
+counts the weight blocks one call streams.
 Then the error of one int8 call against the exact path.
 
---layouts instead times the Q4_0/Q4_1 matrices in GGUF's layout against octet-major rows (kernels/csrc/ggml_blocks.h),
-side by side in both modes, whatever this path's loader picks: the measurement behind OCTET_MAJOR_PATHS. --copies
+--layouts instead times the matrices carpool rearranges in GGUF's layout against their arrangement (Q4_0/Q4_1
+octet-major, Q4_K in row groups; kernels/csrc/ggml_blocks.h), side by side in both modes, whatever this path's loader
+picks: the measurement behind OCTET_MAJOR_PATHS and ROW_GROUP_PATHS. --copies
 cycles that many copies of each matrix, so that a call reads its weights from memory rather than a warm cache, as
 a decode step's do.
 """
@@ -32,7 +34,7 @@ import torch
 
 from carpool.kernels import kernel_path
 from carpool.models.catalog import model_path
-from carpool.models.quantization import OCTET_MAJOR_TYPES, GGMLWeight, set_matmul_mode
+from carpool.models.quantization import ARRANGEMENTS, GGMLWeight, set_matmul_mode
 
 Q = gguf.GGMLQuantizationType
 COMPARED = ("exact", "int8-dot-all")
@@ -102,23 +104,24 @@ def cycled_linear(mode: str, x: torch.Tensor, copies: list[GGMLWeight]):
 
 
 def compare_layouts(blocks: dict, args, clock) -> None:
-    """Q4_0/Q4_1 in GGUF's layout against octet-major rows, each mode's two layouts taking turns."""
-    print("| format | shape | threads | rows | mode | GGUF | octet-major | speed-up |\n"
+    """Each format carpool rearranges (Q4_0/Q4_1 octet-major, Q4_K in row groups) in GGUF's layout against its
+    arrangement, each mode's two layouts taking turns."""
+    print("| format | shape | threads | rows | mode | GGUF | rearranged | speed-up |\n"
           "| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for qtype in sorted(set(blocks) & OCTET_MAJOR_TYPES):
+    for qtype in sorted(set(blocks) & set(ARRANGEMENTS)):
         gguf_rows = [GGMLWeight(qtype, blocks[qtype].clone()) for _ in range(args.copies)]
-        octet_rows = [GGMLWeight(qtype, torch.ops.carpool.ggml_octet_major(w.data, int(qtype)), True)
-                      for w in gguf_rows]
+        rearranged = [w.arranged(ARRANGEMENTS[qtype]) for w in gguf_rows]
         out_features, cols = gguf_rows[0].shape
+        name = f"{qtype.name} ({ARRANGEMENTS[qtype]})"
         for threads in args.threads:
             torch.set_num_threads(threads)
             for rows, mode in itertools.product(args.rows, COMPARED):
                 x = torch.randn(rows, cols).to(getattr(torch, args.dtype))
                 times = seconds_per_call({"gguf": cycled_linear(mode, x, gguf_rows),
-                                          "octet": cycled_linear(mode, x, octet_rows)}, clock=clock)
+                                          "rearranged": cycled_linear(mode, x, rearranged)}, clock=clock)
                 cells = " | ".join(f"{blocks[qtype].numel() / t / 1e9:.1f} ({t * 1e3:.3f})" for t in times.values())
-                print(f"| {qtype.name} | {out_features}x{cols} | {threads} | {rows} | {mode} | {cells} | "
-                      f"{times['gguf'] / times['octet']:.2f}x |", flush=True)
+                print(f"| {name} | {out_features}x{cols} | {threads} | {rows} | {mode} | {cells} | "
+                      f"{times['gguf'] / times['rearranged']:.2f}x |", flush=True)
     set_matmul_mode("exact")
 
 
@@ -129,7 +132,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--cpu-time", action="store_true", help="time thread CPU time (1 thread) not wall time")
-    parser.add_argument("--layouts", action="store_true", help="Q4_0/Q4_1: GGUF's layout against octet-major rows")
+    parser.add_argument("--layouts", action="store_true", help="GGUF's layout against carpool's arrangements")
     parser.add_argument("--copies", type=int, default=1, help="with --layouts: copies of each matrix, cycled")
     args = parser.parse_args()
     clock = time.thread_time if args.cpu_time else time.perf_counter
@@ -141,7 +144,8 @@ def main() -> None:
     print("| format | shape | threads | rows | " + " | ".join(COMPARED) + " | speed-up | int8-dot |")
     print("| --- | --- | --- | --- | " + " | ".join("---" for _ in COMPARED) + " | --- | --- |")
     for qtype, weight in sorted(blocks.items()):
-        data, cols, name = weight.data, weight.shape[1], qtype.name + (" octet-major" if weight.octet_major else "")
+        data, cols = weight.data, weight.shape[1]
+        name = qtype.name + (f" {weight.layout}" if weight.layout != "gguf" else "")
         for threads in args.threads:
             torch.set_num_threads(threads)
             for rows in args.rows:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from carpool.kernels import kernel_path
-from carpool.kernels.isa import INT8_PROMPT_PATHS, OCTET_MAJOR_PATHS
+from carpool.kernels.isa import INT8_PROMPT_PATHS, OCTET_MAJOR_PATHS, ROW_GROUP_PATHS
 
 # The load-time quantization modes.
 GGML_TYPES = {
@@ -52,32 +52,56 @@ KERNEL_TYPES = frozenset(
 )
 
 
-# Set in a qtype the ops take when the rows are octet-major (kOctetMajor in kernels/csrc/ggml_blocks.h).
-OCTET_MAJOR = 1 << 8
+# carpool's arrangements of a GGUF matrix's bytes (Layout in kernels/csrc/ggml_blocks.h), by the flag a qtype the ops
+# take carries: "octet-major" Q4_0/Q4_1 rows (each eight blocks' scales together), Q4_K "row-groups" (eight rows'
+# blocks word-interleaved). Each is made once at load, where the kernel path's GEMV runs it faster.
+LAYOUT_FLAGS = {"gguf": 0, "octet-major": 1 << 8, "row-groups": 1 << 9}
+OCTET_MAJOR, ROW_GROUPS = LAYOUT_FLAGS["octet-major"], LAYOUT_FLAGS["row-groups"]
 OCTET_MAJOR_TYPES = frozenset({gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1})
 OCTET_WEIGHTS = 256  # eight blocks of 32: rows narrower than this have no octet to rearrange
+ROW_GROUP_TYPES = frozenset({gguf.GGMLQuantizationType.Q4_K})
+GROUP_ROWS = 8  # a matrix whose rows are not whole groups stays in GGUF's layout
+# The arrangement each format has besides GGUF's.
+ARRANGEMENTS = {**dict.fromkeys(OCTET_MAJOR_TYPES, "octet-major"), **dict.fromkeys(ROW_GROUP_TYPES, "row-groups")}
 
 
 @dataclass
 class GGMLWeight:
     """A [rows, cols] weight as GGML blocks along each row: uint8 data of shape [rows, bytes per row], in GGUF's
-    layout or, for Q4_0/Q4_1, octet-major (each eight blocks' scales together, the same bytes rearranged)."""
+    layout or one of carpool's arrangements of the same bytes (LAYOUT_FLAGS)."""
 
     qtype: gguf.GGMLQuantizationType
     data: torch.Tensor
-    octet_major: bool = False
+    layout: str = "gguf"
 
     @property
     def kernel_qtype(self) -> int:
         """The qtype torch.ops.carpool's block ops take for these rows."""
-        return int(self.qtype) | (OCTET_MAJOR if self.octet_major else 0)
+        return int(self.qtype) | LAYOUT_FLAGS[self.layout]
 
-    def for_kernels(self) -> "GGMLWeight":
-        """These weights as this CPU's kernel path runs them fastest: octet-major on OCTET_MAJOR_PATHS."""
-        if (self.octet_major or self.qtype not in OCTET_MAJOR_TYPES or self.shape[1] < OCTET_WEIGHTS
-                or kernel_path() not in OCTET_MAJOR_PATHS):
+    def for_kernels(self, lookup: bool = False) -> "GGMLWeight":
+        """These weights as this CPU's kernel path runs them fastest: Q4_0/Q4_1 octet-major on OCTET_MAJOR_PATHS,
+        Q4_K in row groups on ROW_GROUP_PATHS unless the rows are looked up one by one (`lookup`: an embedding)."""
+        if self.layout != "gguf":
             return self
-        return GGMLWeight(self.qtype, torch.ops.carpool.ggml_octet_major(self.data, int(self.qtype)), True)
+        path = kernel_path()
+        if self.qtype in OCTET_MAJOR_TYPES and self.shape[1] >= OCTET_WEIGHTS and path in OCTET_MAJOR_PATHS:
+            return self.arranged("octet-major")
+        if (self.qtype in ROW_GROUP_TYPES and self.shape[0] % GROUP_ROWS == 0 and not lookup
+                and path in ROW_GROUP_PATHS):
+            return self.arranged("row-groups")
+        return self
+
+    def arranged(self, layout: str) -> "GGMLWeight":
+        """These weights (in GGUF's layout) with their bytes in `layout`, one of ARRANGEMENTS[qtype]'s."""
+        make = {"octet-major": torch.ops.carpool.ggml_octet_major, "row-groups": torch.ops.carpool.ggml_row_groups}
+        return GGMLWeight(self.qtype, make[layout](self.data, int(self.qtype)), layout)
+
+    def in_gguf_layout(self) -> "GGMLWeight":
+        """These weights with their rows as GGUF holds them."""
+        if self.layout == "gguf":
+            return self
+        return GGMLWeight(self.qtype, torch.ops.carpool.ggml_gguf_rows(self.data, self.kernel_qtype))
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -139,7 +163,7 @@ def quantizable(shape, qtype: gguf.GGMLQuantizationType) -> bool:
 def concat_rows(weights: list) -> "torch.Tensor | GGMLWeight":
     """Stack weights along their output rows (fused q/k/v, gate/up); blocks stay blocks when all share a type."""
     if all(isinstance(w, GGMLWeight) for w in weights) and len({w.kernel_qtype for w in weights}) == 1:
-        return GGMLWeight(weights[0].qtype, torch.cat([w.data for w in weights]), weights[0].octet_major)
+        return GGMLWeight(weights[0].qtype, torch.cat([w.data for w in weights]), weights[0].layout)
     return torch.cat([w.dequantize() if isinstance(w, GGMLWeight) else w for w in weights])
 
 
@@ -148,7 +172,7 @@ class GGMLLinear(nn.Module):
 
     def __init__(self, weight: GGMLWeight):
         super().__init__()
-        self.ggml_type, self.octet_major = weight.qtype, weight.octet_major
+        self.ggml_type, self.layout = weight.qtype, weight.layout
         self.qtype = weight.kernel_qtype
         self.out_features, self.in_features = weight.shape
         self.register_buffer("qweight", weight.data, persistent=False)
@@ -157,11 +181,12 @@ class GGMLLinear(nn.Module):
         return torch.ops.carpool.ggml_linear(x, self.qweight, self.qtype)
 
     def rows(self, ids: torch.Tensor) -> "GGMLLinear":
-        """A linear computing only the outputs `ids`, in their order: a copy of those weight rows."""
-        return GGMLLinear(GGMLWeight(self.ggml_type, self.qweight.index_select(0, ids), self.octet_major))
+        """A linear computing only the outputs `ids`, in their order: a copy of those weight rows, laid out anew."""
+        rows = GGMLWeight(self.ggml_type, self.qweight, self.layout).in_gguf_layout().data.index_select(0, ids)
+        return GGMLLinear(GGMLWeight(self.ggml_type, rows).for_kernels())
 
     def extra_repr(self) -> str:
-        layout = ", octet-major" if self.octet_major else ""
+        layout = f", {self.layout}" if self.layout != "gguf" else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, qtype={self.ggml_type.name}{layout}"
 
 
@@ -207,15 +232,18 @@ def install_ggml_modules(model: nn.Module, state: dict, dtype: torch.dtype) -> d
     """Swap the Linear/Embedding modules whose weights are GGMLWeights (in the layout this CPU's kernels run
     fastest) for block-format modules; returns the dense rest of the state dict, for load_state_dict."""
     dense, laid_out = {}, {}  # a tied embedding and LM head: one GGMLWeight, rearranged once and shared
+    modules = {name: model.get_submodule(name.removesuffix(".weight"))
+               for name, value in state.items() if isinstance(value, GGMLWeight)}
+    looked_up = {id(state[name]) for name, module in modules.items() if isinstance(module, nn.Embedding)}
     for name, value in state.items():
         if not isinstance(value, GGMLWeight):
             dense[name] = value
             continue
         if id(value) not in laid_out:
-            laid_out[id(value)] = value.for_kernels()
+            laid_out[id(value)] = value.for_kernels(lookup=id(value) in looked_up)
         value = laid_out[id(value)]
         module_name = name.removesuffix(".weight")
-        module = model.get_submodule(module_name)
+        module = modules[name]
         if isinstance(module, nn.Embedding):
             replacement = GGMLEmbedding(value, dtype)
         elif isinstance(module, nn.Linear) and module.bias is None:

@@ -37,7 +37,8 @@ def test_auto_keeps_the_gguf_files_own_blocks(llm):
     layers = llm.engine.model_config.num_layers
     assert sum(t == "Q4_1" for t in types.values()) == 4 * layers  # qkv, o, gate_up, down
     q4_1 = [m for m in llm.engine.model.modules() if isinstance(m, GGMLLinear) and m.ggml_type.name == "Q4_1"]
-    assert {m.octet_major for m in q4_1} == {kernel_path() in OCTET_MAJOR_PATHS}  # rearranged where that gains
+    # rearranged where that gains
+    assert {m.layout for m in q4_1} == {"octet-major" if kernel_path() in OCTET_MAJOR_PATHS else "gguf"}
     assert types["embed_tokens"] == types["lm_head"] == "Q8_0"
     assert not any(isinstance(m, torch.nn.Linear) for m in llm.engine.model.modules())
 
@@ -117,10 +118,44 @@ def test_q4_rows_are_laid_out_for_the_path_once_for_a_tied_head(monkeypatch, gai
                                  "small": torch.nn.Linear(64, 8, bias=False)})
     install_ggml_modules(model, {"head.weight": tied, "embed.weight": tied, "small.weight": narrow}, torch.float32)
     head, embed, small = model["head"], model["embed"], model["small"]
-    assert head.octet_major == gains and head.qweight is embed.qweight and not small.octet_major
+    assert head.layout == ("octet-major" if gains else "gguf") and head.qweight is embed.qweight
+    assert small.layout == "gguf"
     assert torch.equal(head.qweight, tied.data) != gains
     x, ids = torch.randn(3, 512), torch.tensor([7, 0, 23])
     assert torch.equal(head(x), torch.ops.carpool.ggml_linear(x, tied.data, int(q4_1)))
     assert torch.equal(embed(ids), tied.dequantize()[ids])
     # The speculative draft's head keeps a subset of the rows, in the same layout.
     assert torch.equal(head.rows(ids)(x), head(x)[:, ids])
+
+
+def random_q4_k(rows: int, cols: int, seed: int = 0) -> GGMLWeight:
+    """Q4_K blocks of random bits, their f16 d and dmin small and finite."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (rows, cols // 256, 144), dtype=np.uint8)
+    blocks[..., :4] = rng.uniform(0.01, 0.02, (rows, cols // 256, 2)).astype(np.float16).view(np.uint8)
+    return GGMLWeight(gguf.GGMLQuantizationType.Q4_K, torch.from_numpy(blocks.reshape(rows, -1)))
+
+
+@pytest.mark.parametrize("gains", (True, False), ids=("row-group path", "other paths"))
+def test_q4_k_matrices_go_in_row_groups_on_the_path_but_not_an_embeddings(monkeypatch, gains):
+    """On ROW_GROUP_PATHS the loader puts Q4_K matrices of whole groups of eight rows in row groups; an embedding
+    (and the LM head tied to it) keeps GGUF's rows, which it looks up one by one. Outputs stay the GGUF rows' own."""
+    monkeypatch.setattr(quantization, "ROW_GROUP_PATHS", {kernel_path()} if gains else set())
+    proj, odd, tied = random_q4_k(24, 512), random_q4_k(12, 256, seed=1), random_q4_k(16, 256, seed=2)
+    model = torch.nn.ModuleDict({"proj": torch.nn.Linear(512, 24, bias=False),
+                                 "odd": torch.nn.Linear(256, 12, bias=False),
+                                 "head": torch.nn.Linear(256, 16, bias=False), "embed": torch.nn.Embedding(16, 256)})
+    state = {"proj.weight": proj, "odd.weight": odd, "head.weight": tied, "embed.weight": tied}
+    install_ggml_modules(model, state, torch.float32)
+    assert model["proj"].layout == ("row-groups" if gains else "gguf")
+    assert model["odd"].layout == "gguf"  # 12 rows: not whole groups
+    assert model["head"].layout == "gguf" and model["head"].qweight is model["embed"].qweight
+    x = torch.randn(3, 512)
+    assert torch.equal(model["proj"](x), torch.ops.carpool.ggml_linear(x, proj.data, int(proj.qtype)))
+    assert torch.equal(model["embed"](torch.tensor([3, 15])), tied.dequantize()[[3, 15]])
+    # A subset of the rows (a draft model's head) is laid out anew: four rows stay GGUF's, eight go in a group.
+    four, eight = torch.tensor([7, 0, 23, 8]), torch.arange(16, 0, -2)
+    assert model["proj"].rows(four).layout == "gguf"
+    assert model["proj"].rows(eight).layout == model["proj"].layout
+    for ids in (four, eight):
+        assert torch.equal(model["proj"].rows(ids)(x), model["proj"](x)[:, ids])

@@ -102,7 +102,7 @@ void tile_block(const c10::BFloat16* panel, const uint32_t* xv, int64_t K, float
 }
 
 template <int64_t QT>
-void amx_gemm(const c10::BFloat16* x, const uint8_t* weight, bool octet_major, int64_t M, int64_t N, int64_t K,
+void amx_gemm(const c10::BFloat16* x, const uint8_t* weight, Layout layout, int64_t M, int64_t N, int64_t K,
               c10::BFloat16* y) {
   const int64_t vectors = (M + kRows - 1) / kRows, row_bytes = K / Format<QT>::kWeights * Format<QT>::kBytes;
   const std::vector<uint32_t> paired = pair_rows(x, M, K, vectors);
@@ -111,11 +111,12 @@ void amx_gemm(const c10::BFloat16* x, const uint8_t* weight, bool octet_major, i
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     configure_tiles();
     std::vector<c10::BFloat16> panel(kPanelColumns * K);
+    RowReader rows(weight, row_bytes, layout);
     alignas(64) float out[kPanelColumns * 2 * kRows];
     for (int64_t p = next_panel.fetch_add(1); p < panels; p = next_panel.fetch_add(1)) {
       const int64_t n0 = p * kPanelColumns, columns = std::min<int64_t>(kPanelColumns, N - n0);
       for (int64_t n = 0; n < columns; ++n)
-        dequantize_row<QT>(weight + (n0 + n) * row_bytes, K, octet_major, panel.data() + n * K);
+        dequantize_row<QT>(rows(n0 + n), K, layout, panel.data() + n * K);
       std::fill(panel.begin() + columns * K, panel.end(), c10::BFloat16(0.0f));
       for (int64_t v = 0; v < vectors; v += 2) {
         const uint32_t* xv = paired.data() + v * (K / 2) * kRows;
@@ -137,7 +138,7 @@ void amx_exact_linear(const c10::BFloat16* x, const uint8_t* weight, int64_t qty
                       int64_t K, c10::BFloat16* y) {
   require_tile_permission();
   const RowFormat format = row_format(qtype);
-  dispatch_qtype(format.qtype, [&]<int64_t QT>() { amx_gemm<QT>(x, weight, format.octet_major, M, N, K, y); });
+  dispatch_qtype(format.qtype, [&]<int64_t QT>() { amx_gemm<QT>(x, weight, format.layout, M, N, K, y); });
 }
 
 }  // namespace carpool::ggml

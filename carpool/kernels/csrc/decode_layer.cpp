@@ -328,7 +328,7 @@ class DecodeStack : public torch::CustomClassHolder {
         for (const int64_t qtype : projection->qtypes) {
           if (qtype < 0) return false;  // a dense matrix: at::linear
           const bool part_int8 = carpool::ggml::int8_dot_applies(qtype, M);
-          if (part_int8 && M > carpool::ggml::kInt8GemvMaxRows) return false;  // the batched int8 kernel
+          if (part_int8 && M > carpool::ggml::int8_gemv_max_rows(qtype)) return false;  // the batched int8 kernel
           if (!part_int8 && dtype == at::kBFloat16 && carpool::ggml::amx_exact_applies(M)) return false;  // tiles
           if (!part_int8 && dtype == at::kFloat && M > carpool::kernels::kFp32FusedMaxRows) return false;  // MKL
           int8.push_back(part_int8);

@@ -15,6 +15,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "vec.h"
 
@@ -33,18 +34,34 @@ template <> struct Format<kQ4_K> { static constexpr int64_t kWeights = 256, kByt
 template <> struct Format<kQ5_K> { static constexpr int64_t kWeights = 256, kBytes = 176; }; // Q4_K + 32 B high bits
 template <> struct Format<kQ6_K> { static constexpr int64_t kWeights = 256, kBytes = 210; }; // 128 B low, 64 B high, 16 scales, d
 
-// Octet-major rows: carpool's own arrangement of a Q4_0 or Q4_1 weight row, made once at load
-// (torch.ops.carpool.ggml_octet_major) for the GEMV of the AVX2 and AVX-512 builds (ggml_dot.cpp), which otherwise
-// gathers each octet's eight f16 scales from 18 or 20 bytes apart and its nibbles from two places per register.
-// Each run of eight blocks (an octet) holds their eight d, then (Q4_1) their eight m, as f16, then the 16 bytes of
-// nibbles of blocks 0, 4, 1, 5, 2, 6, 3, 7; blocks past the row's last whole octet keep GGUF's layout. Same bytes
-// per row. The qtype passed with such rows carries kOctetMajor; every kernel that reads blocks takes them
-// (GgufBlocks below).
+// A weight matrix's rows as GGUF holds them, or in one of carpool's two arrangements of the same bytes, made once at
+// load for the GEMV (ggml_dot.cpp) of the SIMD builds. The qtype passed with rearranged rows carries the layout's
+// flag; every kernel that reads blocks takes them (GgufBlocks below).
+enum class Layout { kGguf, kOctetMajor, kRowGroups };
+//
+// Octet-major rows (torch.ops.carpool.ggml_octet_major; Q4_0 and Q4_1): the GEMV otherwise gathers each octet's
+// eight f16 scales from 18 or 20 bytes apart and its nibbles from two places per register. Each run of eight blocks
+// (an octet) holds their eight d, then (Q4_1) their eight m, as f16, then the 16 bytes of nibbles of blocks 0, 4,
+// 1, 5, 2, 6, 3, 7; blocks past the row's last whole octet keep GGUF's layout. Same bytes per row.
 constexpr int64_t kOctetMajor = 1 << 8;
 template <int64_t QT>
 constexpr bool kHasOctetMajor = QT == kQ4_0 || QT == kQ4_1;
 template <int64_t QT>
 constexpr int64_t kOctetScaleBytes = QT == kQ4_1 ? 32 : 16;  // d (and m) of an octet's eight blocks
+//
+// Row groups (torch.ops.carpool.ggml_row_groups; Q4_K, matrices of a multiple of 8 rows): rows 8g to 8g + 7 share
+// bytes [8g, 8g + 8) x row bytes, block column by block column (1152 bytes each): the eight rows' f16 d, their f16
+// dmin, then the 35 four-byte words that follow d and dmin in a GGUF block (12 bytes of scales, 128 of nibbles),
+// word t of row r at 32 + 32 t + 4 r. One 32-byte load is then a word of all eight rows, so the GEMV unpacks the
+// scales of eight blocks at once and dots each four activation values (broadcast) with eight rows, summing a row in
+// one lane instead of reducing a vector per row (llama.cpp repacks Q4_K alike for its AVX2 GEMV, q4_K_8x8).
+constexpr int64_t kRowGroups = 1 << 9, kGroupRows = 8;
+template <int64_t QT>
+constexpr bool kHasRowGroups = QT == kQ4_K;
+constexpr int64_t kGroupWords = 35;  // the four-byte words after a Q4_K block's d and dmin
+constexpr int64_t group_d_offset(int64_t r) { return 2 * r; }
+constexpr int64_t group_dmin_offset(int64_t r) { return 16 + 2 * r; }
+constexpr int64_t group_word_offset(int64_t t, int64_t r) { return 32 + 32 * t + 4 * r; }
 
 // Where a Q4_0/Q4_1 block's f16 d, f16 m (Q4_1) and 16 bytes of nibbles lie, as byte offsets: from a GGUF block's
 // start, or (block j of 8) from an octet-major octet's. The one statement of the layout.
@@ -58,16 +75,19 @@ constexpr Q4Offsets octet_q4_offsets(int64_t j) {
   return {2 * j, 16 + 2 * j, kOctetScaleBytes<QT> + 32 * (j % 4) + 16 * (j / 4)};
 }
 
-// A qtype as the ops take it: the GGML type, and whether kOctetMajor marks its rows.
+// A qtype as the ops take it: the GGML type, and the layout its flag names.
 struct RowFormat {
   int64_t qtype;
-  bool octet_major;
+  Layout layout;
 };
 inline RowFormat row_format(int64_t qtype) {
-  const RowFormat format{qtype & ~kOctetMajor, (qtype & kOctetMajor) != 0};
-  TORCH_CHECK(!format.octet_major || format.qtype == kQ4_0 || format.qtype == kQ4_1,
+  const int64_t type = qtype & ~(kOctetMajor | kRowGroups);
+  const bool octet_major = (qtype & kOctetMajor) != 0, row_groups = (qtype & kRowGroups) != 0;
+  TORCH_CHECK(!octet_major || type == kQ4_0 || type == kQ4_1,
               "qtype: only Q4_0 (2) and Q4_1 (3) rows are octet-major, got ", qtype);
-  return format;
+  TORCH_CHECK(!row_groups || (type == kQ4_K && !octet_major), "qtype: only Q4_K (12) rows come in row groups, got ",
+              qtype);
+  return {type, octet_major ? Layout::kOctetMajor : row_groups ? Layout::kRowGroups : Layout::kGguf};
 }
 
 // A Q4_0/Q4_1 block's parts where they lie, from the start of its block or octet and their offsets.
@@ -89,8 +109,9 @@ class GgufBlocks {
   static constexpr int64_t kBytes = Format<QT>::kBytes;
 
  public:
-  GgufBlocks(const uint8_t* row, int64_t K, bool octet_major)
-      : row_(row), octet_blocks_(kHasOctetMajor<QT> && octet_major ? K / Format<QT>::kWeights / 8 * 8 : 0) {}
+  GgufBlocks(const uint8_t* row, int64_t K, Layout layout)
+      : row_(row),
+        octet_blocks_(kHasOctetMajor<QT> && layout == Layout::kOctetMajor ? K / Format<QT>::kWeights / 8 * 8 : 0) {}
 
   // f(b, parts of block b) for the row's `blocks` blocks in order; an octet's eight at constant offsets.
   template <typename F>
@@ -120,6 +141,90 @@ class GgufBlocks {
   const uint8_t* row_;
   int64_t octet_blocks_;
   uint8_t scratch_[Format<QT>::kBytes];
+};
+
+// One block column of a row group (kGroupRows blocks) -> the eight rows' GGUF blocks, row r's at out + r * row_bytes,
+// by transposes of 32-bit lanes: each row's d and dmin as one word, then its 35 words (copying the words one by one
+// took the batched int8 kernel's 32-row calls 1.4x as long).
+inline void ungroup_column(const uint8_t* column, uint8_t* out, int64_t row_bytes) {
+#ifdef CARPOOL_SIMD
+  const auto load = [&](int64_t t) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(column + group_word_offset(t, 0)));
+  };
+  // Rows 0-3 in the low 128 bits of every vector here, rows 4-7 in the high ones.
+  const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(column + group_d_offset(0)));
+  const __m128i dmin = _mm_loadu_si128(reinterpret_cast<const __m128i*>(column + group_dmin_offset(0)));
+  const __m256i head = _mm256_set_m128i(_mm_unpackhi_epi16(d, dmin), _mm_unpacklo_epi16(d, dmin));
+  {  // each row's first 16 bytes: d and dmin, words 0-2 (the scales)
+    const __m256i w0 = load(0), w1 = load(1), w2 = load(2);
+    const __m256i a = _mm256_unpacklo_epi32(head, w0), b = _mm256_unpackhi_epi32(head, w0);
+    const __m256i c = _mm256_unpacklo_epi32(w1, w2), e = _mm256_unpackhi_epi32(w1, w2);
+    const __m256i rows[4] = {_mm256_unpacklo_epi64(a, c), _mm256_unpackhi_epi64(a, c), _mm256_unpacklo_epi64(b, e),
+                             _mm256_unpackhi_epi64(b, e)};  // rows r (low half) and r + 4 (high)
+    for (int r = 0; r < 4; ++r) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + r * row_bytes), _mm256_castsi256_si128(rows[r]));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + (r + 4) * row_bytes), _mm256_extracti128_si256(rows[r], 1));
+    }
+  }
+  for (int64_t t = 3; t < kGroupWords; t += 8) {  // words t to t + 7 of each row (4 x 8 = the 32 words of nibbles)
+    __m256i pairs[8], quads[8];
+    for (int k = 0; k < 8; k += 2) {
+      const __m256i first = load(t + k), second = load(t + k + 1);
+      pairs[k] = _mm256_unpacklo_epi32(first, second);
+      pairs[k + 1] = _mm256_unpackhi_epi32(first, second);
+    }
+    for (int k = 0; k < 8; k += 4)
+      for (int h = 0; h < 2; ++h) {
+        quads[k + h] = _mm256_unpacklo_epi64(pairs[k + h], pairs[k + h + 2]);
+        quads[k + h + 2] = _mm256_unpackhi_epi64(pairs[k + h], pairs[k + h + 2]);
+      }
+    // quads[kQuadOfRow[r]]: words t to t + 3 of rows r (low half) and r + 4 (high); 4 quads on, words t + 4 to t + 7
+    constexpr int kQuadOfRow[4] = {0, 2, 1, 3};
+    for (int r = 0; r < 4; ++r) {
+      const int quad = kQuadOfRow[r];
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * row_bytes + 4 + 4 * t),
+                          _mm256_permute2x128_si256(quads[quad], quads[quad + 4], 0x20));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (r + 4) * row_bytes + 4 + 4 * t),
+                          _mm256_permute2x128_si256(quads[quad], quads[quad + 4], 0x31));
+    }
+  }
+#else
+  for (int64_t r = 0; r < kGroupRows; ++r) {
+    uint8_t* block = out + r * row_bytes;
+    std::memcpy(block, column + group_d_offset(r), 2);
+    std::memcpy(block + 2, column + group_dmin_offset(r), 2);
+    for (int64_t t = 0; t < kGroupWords; ++t) std::memcpy(block + 4 + 4 * t, column + group_word_offset(t, r), 4);
+  }
+#endif
+}
+
+// Weight rows as GGUF holds them (octet-major rows stay octet-major), asked for in increasing order by one thread:
+// a row group is put back in GGUF's layout once, whole, for its eight rows (scratch of eight rows).
+class RowReader {
+ public:
+  RowReader(const uint8_t* weight, int64_t row_bytes, Layout layout)
+      : weight_(weight), row_bytes_(row_bytes), grouped_(layout == Layout::kRowGroups) {}
+
+  const uint8_t* operator()(int64_t n) {
+    if (!grouped_) return weight_ + n * row_bytes_;
+    const int64_t group = n / kGroupRows;
+    if (group != held_) {
+      const uint8_t* from = weight_ + group * kGroupRows * row_bytes_;
+      constexpr int64_t kColumnBytes = kGroupRows * Format<kQ4_K>::kBytes;
+      scratch_.resize(kGroupRows * row_bytes_);
+      for (int64_t b = 0; b < row_bytes_ / Format<kQ4_K>::kBytes; ++b)
+        ungroup_column(from + b * kColumnBytes, scratch_.data() + b * Format<kQ4_K>::kBytes, row_bytes_);
+      held_ = group;
+    }
+    return scratch_.data() + n % kGroupRows * row_bytes_;
+  }
+
+ private:
+  const uint8_t* weight_;
+  int64_t row_bytes_;
+  bool grouped_;
+  int64_t held_ = -1;
+  std::vector<uint8_t> scratch_;
 };
 
 // Calls fn.template operator()<QT>() for the runtime qtype.
@@ -374,16 +479,15 @@ inline void dequantize_block(const uint8_t* p, Out* out) {
   }
 }
 
-// A weight row of K values (K / kWeights blocks, octet-major or not) -> K values at out.
+// A weight row of K values (from RowReader: GGUF's layout or octet-major) -> K values at out.
 template <int64_t QT, typename Out>
-void dequantize_row(const uint8_t* row, int64_t K, bool octet_major, Out* out) {
+void dequantize_row(const uint8_t* row, int64_t K, Layout layout, Out* out) {
+  GgufBlocks<QT> blocks(row, K, layout);
   if constexpr (kHasOctetMajor<QT>)
-    GgufBlocks<QT>(row, K, octet_major).for_each_q4(K / 32, [&](int64_t b, const Q4Parts& parts) {
-      dequantize_q4<QT>(parts, out + 32 * b);
-    });
+    blocks.for_each_q4(K / 32, [&](int64_t b, const Q4Parts& parts) { dequantize_q4<QT>(parts, out + 32 * b); });
   else
     for (int64_t b = 0; b < K / Format<QT>::kWeights; ++b)
-      dequantize_block<QT>(row + b * Format<QT>::kBytes, out + b * Format<QT>::kWeights);
+      dequantize_block<QT>(blocks[b], out + b * Format<QT>::kWeights);
 }
 
 }  // namespace carpool::ggml

@@ -32,6 +32,17 @@ namespace {
 
 thread_local MatmulMode current_mode = MatmulMode::kExact;
 
+// Activation rows one pass of the GEMV dots with an unpacked weight block.
+constexpr int64_t kGemvPassRows = 4;
+
+// How far ahead of the row it dots the GEMV asks for weights (a prefetch per cache line, past `last` too: a
+// prefetch never faults). The hardware prefetchers alone left the 1.5B's Q4_K matmuls at 8.3 GB/s from DRAM on an
+// Intel VM (family 6 model 167), 24 GB/s from its L3 (likely why: the weights are 4 KiB pages of a file mapping,
+// and those prefetchers stop at a page's end); 2-64 KiB ahead all gave 13-14 GB/s, 16 KiB the most: every matmul of
+// a decode step, 1 row 118 -> 75 ms, 4 rows 157 -> 101 ms (scratch loop of ggml_linear over the model's weights, 2
+// threads). Not measured on AMD.
+constexpr int64_t kGemvPrefetchBytes = 16 << 10;
+
 // Every SIMD build dots Q4_0 and Q4_1 octets two blocks a register: blocks k and k + 4 side by side, as 16 bytes of
 // nibbles each, load and unpack in 5 ops a pair instead of 4 a block, and the eight blocks' integer sums reduce in 3
 // hadds instead of 6, 2 permutes and an add. x must come in the same order: quantize_rows keeps a copy so arranged
@@ -245,8 +256,10 @@ void dot_octets(const uint8_t* row, int64_t octets, const int8_t* const* xq, con
   }
 }
 
-template <int64_t QT, int MR, bool kOctetMajor>
+template <int64_t QT, int MR, Layout kLayout>
 void dot_block_rows(const uint8_t* row, const Int8Rows& x, int64_t m0, float* out) {
+  static_assert(kLayout != Layout::kRowGroups, "row groups run int8_dot_row_groups");
+  constexpr bool kOctetMajor = kLayout == Layout::kOctetMajor;
   const int64_t blocks = x.K / Format<QT>::kWeights;
   const int8_t* xq[MR];
   const float* xd[MR];
@@ -463,6 +476,141 @@ void dot_block_rows(const uint8_t* row, const Int8Rows& x, int64_t m0, float* ou
   for (int i = 0; i < MR; ++i) out[i] = hsum(acc[i]) + extra[i];
 }
 
+// ---- Q4_K row groups (ggml_blocks.h): eight weight rows at once, lane r of every vector row r ----
+// Each 32-byte load of nibbles is word t of the eight rows' blocks: positions 4 (t % 8) to + 3 of sub-blocks 2c and
+// 2c + 1 (c = t / 8), dotted with those four activation values broadcast, so one vpdpbusd sums four products of
+// every row, the rows never leave their lanes (no per-row reduction) and the eight blocks' scales and minimums unpack
+// together (k_scales_mins_packed's 32-bit operations, on eight lanes). Per block the integer sums are whole, so each
+// row costs two float multiply-adds a block, as the portable build computes them. Qwen2.5-Coder-1.5B's 8960x1536,
+// weights from memory, Zen 4: one row 1.46-1.50x the GGUF rows' GEMV on one thread (two: 1.24-1.66x, 27-38 GB/s,
+// the memory's wall), four rows 1.73-1.91x; the 1.5B's decode step 42.7 -> 36.9 ms (docs/benchmarks.md).
+
+// x's sums per sub-block of one activation row, as the int16 pairs (j, j + 2) that the minimums multiply: four
+// int32 words per 256-value block ([0, 2], [1, 3], [4, 6], [5, 7]); sums of 32 int8 values fit int16.
+std::vector<int32_t> subblock_sum_pairs(const Int8Rows& x, int64_t m) {
+  const int64_t blocks = x.K / 256;
+  std::vector<int32_t> pairs(4 * blocks);
+  const int16_t* sums = x.sums_row(m);
+  for (int64_t b = 0; b < blocks; ++b) {
+    int32_t sub[8];
+    for (int j = 0; j < 8; ++j) sub[j] = sums[16 * b + 2 * j] + sums[16 * b + 2 * j + 1];
+    for (int w = 0; w < 4; ++w) {
+      const int j = 4 * (w / 2) + w % 2;
+      pairs[4 * b + w] = static_cast<int32_t>(static_cast<uint16_t>(sub[j]) | static_cast<uint32_t>(sub[j + 2]) << 16);
+    }
+  }
+  return pairs;
+}
+
+inline __m256i broadcast4(const int8_t* p) {
+  int32_t word;
+  std::memcpy(&word, p, 4);
+  return _mm256_set1_epi32(word);
+}
+
+// Every block of one row group against MR activation rows (x rows m0...), into acc (lane r: row r of the group).
+template <int MR>
+void dot_row_group(const uint8_t* group, const Int8Rows& x, int64_t m0, const std::vector<int32_t>* sum_pairs,
+                   __m256* acc) {
+  constexpr int64_t kColumnBytes = kGroupRows * Format<kQ4_K>::kBytes;
+  const __m256i low6 = _mm256_set1_epi32(0x3F3F3F3F), low4 = _mm256_set1_epi32(0x0F0F0F0F),
+                low2 = _mm256_set1_epi32(0x03030303), byte0 = _mm256_set1_epi32(0xFF),
+                bytes02 = _mm256_set1_epi32(0x00FF00FF);
+  for (int64_t b = 0; b < x.K / 256; ++b) {
+    const uint8_t* column = group + b * kColumnBytes;
+    carpool::simd::prefetch(column + kGemvPrefetchBytes, kColumnBytes);
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(column + group_d_offset(0))));
+    const __m256 dmin =
+        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(column + group_dmin_offset(0))));
+    const __m256i u0 = load256(column + group_word_offset(0, 0)), u1 = load256(column + group_word_offset(1, 0)),
+                  u2 = load256(column + group_word_offset(2, 0));
+    const __m256i from_u2_low = _mm256_and_si256(u2, low4);
+    const __m256i from_u2_high = _mm256_and_si256(_mm256_srli_epi32(u2, 4), low4);
+    const __m256i scales[2] = {
+        _mm256_and_si256(u0, low6),
+        _mm256_or_si256(from_u2_low, _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u0, 6), low2), 4))};
+    const __m256i mins[2] = {
+        _mm256_and_si256(u1, low6),
+        _mm256_or_si256(from_u2_high, _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u1, 6), low2), 4))};
+    __m256i isum[MR];
+    for (int i = 0; i < MR; ++i) isum[i] = _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) {  // sub-blocks 2c and 2c + 1: bytes 2c % 4 and 2c % 4 + 1 of scales[c / 2]
+      const __m256i s_lo = _mm256_and_si256(_mm256_srli_epi32(scales[c / 2], 16 * (c % 2)), byte0);
+      const __m256i s_hi = _mm256_and_si256(_mm256_srli_epi32(scales[c / 2], 16 * (c % 2) + 8), byte0);
+      __m256i dots[MR][2];
+      for (int i = 0; i < MR; ++i) dots[i][0] = dots[i][1] = _mm256_setzero_si256();
+      for (int k = 0; k < 8; ++k) {
+        const __m256i raw = load256(column + group_word_offset(3 + 8 * c + k, 0));
+        const __m256i lo = _mm256_and_si256(raw, bytes(0x0F));
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), bytes(0x0F));
+        for (int i = 0; i < MR; ++i) {
+          const int8_t* values = x.q_row(m0 + i) + 256 * b + 64 * c + 4 * k;
+#ifdef CARPOOL_VNNI256
+          dots[i][0] = dpbusd256(dots[i][0], lo, broadcast4(values));
+          dots[i][1] = dpbusd256(dots[i][1], hi, broadcast4(values + 32));
+#else  // int16 pair sums, added over the sub-block: at most 8 x 2 x 15 x 127 = 30480, no saturation
+          dots[i][0] = _mm256_add_epi16(dots[i][0], _mm256_maddubs_epi16(lo, broadcast4(values)));
+          dots[i][1] = _mm256_add_epi16(dots[i][1], _mm256_maddubs_epi16(hi, broadcast4(values + 32)));
+#endif
+        }
+      }
+#ifdef CARPOOL_VNNI256
+      for (int i = 0; i < MR; ++i)
+        isum[i] = _mm256_add_epi32(isum[i], _mm256_add_epi32(_mm256_mullo_epi32(dots[i][0], s_lo),
+                                                             _mm256_mullo_epi32(dots[i][1], s_hi)));
+#else  // the scale in both int16 halves of each row's lane: vpmaddwd sums the pair and scales it at once
+      const __m256i s_lo16 = _mm256_or_si256(s_lo, _mm256_slli_epi32(s_lo, 16));
+      const __m256i s_hi16 = _mm256_or_si256(s_hi, _mm256_slli_epi32(s_hi, 16));
+      for (int i = 0; i < MR; ++i)
+        isum[i] = _mm256_add_epi32(isum[i], _mm256_add_epi32(_mm256_madd_epi16(dots[i][0], s_lo16),
+                                                             _mm256_madd_epi16(dots[i][1], s_hi16)));
+#endif
+    }
+    // minimums j and j + 2 as int16 pairs of each row's lane, against x's pairs of sub-block sums
+    const __m256i min_pairs[4] = {
+        _mm256_and_si256(mins[0], bytes02), _mm256_and_si256(_mm256_srli_epi32(mins[0], 8), bytes02),
+        _mm256_and_si256(mins[1], bytes02), _mm256_and_si256(_mm256_srli_epi32(mins[1], 8), bytes02)};
+    for (int i = 0; i < MR; ++i) {
+      const int32_t* pairs = sum_pairs[i].data() + 4 * b;
+      __m256i min_sum = _mm256_madd_epi16(min_pairs[0], _mm256_set1_epi32(pairs[0]));
+      for (int w = 1; w < 4; ++w)
+        min_sum = _mm256_add_epi32(min_sum, _mm256_madd_epi16(min_pairs[w], _mm256_set1_epi32(pairs[w])));
+      const __m256 x_scale = _mm256_set1_ps(x.d_row(m0 + i)[b]);
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_mul_ps(d, x_scale), acc[i]);
+      acc[i] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(min_sum), _mm256_mul_ps(dmin, x_scale), acc[i]);
+    }
+  }
+}
+
+// Weight rows [first, last) of Q4_K row groups against every activation row. A range that splits a group (callers
+// split a projection's rows in whole groups where they can) computes the whole group and stores its own rows.
+template <typename Y>
+void int8_dot_row_groups(const Int8Rows& x, const uint8_t* weight, int64_t first, int64_t last, Y* y, int64_t ldy) {
+  const int64_t group_bytes = kGroupRows * x.K / 256 * Format<kQ4_K>::kBytes, M = x.M;
+  std::vector<std::vector<int32_t>> sum_pairs(M);
+  for (int64_t m = 0; m < M; ++m) sum_pairs[m] = subblock_sum_pairs(x, m);
+  for (int64_t g = first / kGroupRows; g * kGroupRows < last; ++g) {
+    const uint8_t* group = weight + g * group_bytes;
+    for (int64_t m = 0; m < M; m += kGemvPassRows) {  // a second pass finds the group's weights in cache
+      const int64_t mr = std::min(kGemvPassRows, M - m);
+      __m256 acc[kGemvPassRows];
+      for (auto& a : acc) a = _mm256_setzero_ps();
+      switch (mr) {
+        case 1: dot_row_group<1>(group, x, m, sum_pairs.data() + m, acc); break;
+        case 2: dot_row_group<2>(group, x, m, sum_pairs.data() + m, acc); break;
+        case 3: dot_row_group<3>(group, x, m, sum_pairs.data() + m, acc); break;
+        default: dot_row_group<4>(group, x, m, sum_pairs.data() + m, acc); break;
+      }
+      alignas(32) float out[kGroupRows];
+      for (int64_t i = 0; i < mr; ++i) {
+        _mm256_store_ps(out, acc[i]);
+        for (int64_t n = std::max(first, g * kGroupRows); n < std::min(last, g * kGroupRows + kGroupRows); ++n)
+          y[(m + i) * ldy + n] = Y(out[n % kGroupRows]);
+      }
+    }
+  }
+}
+
 #else  // portable: the same integer sums in plain loops
 
 // One block's weights as integers (before the offsets of Q4_0/Q5_0/Q6_K) and its per-sub-block integer scales.
@@ -530,9 +678,9 @@ void dot_block_rows_scalar(const uint8_t* p, const Int8Rows& x, int64_t m, int64
   }
 }
 
-template <int64_t QT, int MR, bool kOctetMajor>
+template <int64_t QT, int MR, Layout kLayout>
 void dot_block_rows(const uint8_t* row, const Int8Rows& x, int64_t m0, float* out) {
-  GgufBlocks<QT> blocks(row, x.K, kOctetMajor);
+  GgufBlocks<QT> blocks(row, x.K, kLayout);
   for (int i = 0; i < MR; ++i) {
     float acc = 0.0f;
     for (int64_t b = 0; b < x.K / Format<QT>::kWeights; ++b) dot_block_rows_scalar<QT>(blocks[b], x, m0 + i, b, acc);
@@ -542,34 +690,24 @@ void dot_block_rows(const uint8_t* row, const Int8Rows& x, int64_t m0, float* ou
 
 #endif
 
-// Activation rows one pass of the GEMV dots with an unpacked weight block.
-constexpr int64_t kGemvPassRows = 4;
-
-// How far ahead of the row it dots the GEMV asks for weights (a prefetch per cache line, past `last` too: a
-// prefetch never faults). The hardware prefetchers alone left the 1.5B's Q4_K matmuls at 8.3 GB/s from DRAM on an
-// Intel VM (family 6 model 167), 24 GB/s from its L3 (likely why: the weights are 4 KiB pages of a file mapping,
-// and those prefetchers stop at a page's end); 2-64 KiB ahead all gave 13-14 GB/s, 16 KiB the most: every matmul of
-// a decode step, 1 row 118 -> 75 ms, 4 rows 157 -> 101 ms (scratch loop of ggml_linear over the model's weights, 2
-// threads). Not measured on AMD.
-constexpr int64_t kGemvPrefetchBytes = 16 << 10;
-
 // Weight rows [first, last) against every activation row, up to kGemvPassRows at a time per unpacked block.
-template <int64_t QT, bool kOctetMajor, typename Y>
+template <int64_t QT, Layout kLayout, typename Y>
 void int8_dot_rows(const Int8Rows& x, const uint8_t* weight, int64_t first, int64_t last, Y* y, int64_t ldy) {
   const int64_t row_bytes = x.K / Format<QT>::kWeights * Format<QT>::kBytes, M = x.M;
+  RowReader rows(weight, row_bytes, kLayout);  // row groups: the portable build's
   float out[kGemvPassRows];
   for (int64_t n = first; n < last; ++n) {
-    const uint8_t* row = weight + n * row_bytes;
+    const uint8_t* row = rows(n);
 #ifdef CARPOOL_SIMD
     carpool::simd::prefetch(row + kGemvPrefetchBytes, row_bytes);
 #endif
     for (int64_t m = 0; m < M; m += kGemvPassRows) {
       const int64_t mr = std::min(kGemvPassRows, M - m);
       switch (mr) {
-        case 1: dot_block_rows<QT, 1, kOctetMajor>(row, x, m, out); break;
-        case 2: dot_block_rows<QT, 2, kOctetMajor>(row, x, m, out); break;
-        case 3: dot_block_rows<QT, 3, kOctetMajor>(row, x, m, out); break;
-        default: dot_block_rows<QT, 4, kOctetMajor>(row, x, m, out); break;
+        case 1: dot_block_rows<QT, 1, kLayout>(row, x, m, out); break;
+        case 2: dot_block_rows<QT, 2, kLayout>(row, x, m, out); break;
+        case 3: dot_block_rows<QT, 3, kLayout>(row, x, m, out); break;
+        default: dot_block_rows<QT, 4, kLayout>(row, x, m, out); break;
       }
       for (int64_t i = 0; i < mr; ++i) y[(m + i) * ldy + n] = Y(out[i]);
     }
@@ -639,6 +777,10 @@ int64_t int8_dot_max_rows(int64_t qtype) { return max_rows(qtype).load(std::memo
 
 bool int8_dot_applies(int64_t qtype, int64_t M) {
   return current_mode == MatmulMode::kInt8DotAll || (current_mode == MatmulMode::kInt8Dot && M <= int8_dot_max_rows(qtype));
+}
+
+int64_t int8_gemv_max_rows(int64_t qtype) {
+  return row_format(qtype).layout == Layout::kRowGroups ? kRowGroupGemvMaxRows : kInt8GemvMaxRows;
 }
 
 int64_t block_weights(int64_t qtype) {
@@ -714,8 +856,18 @@ void int8_gemv_rows(const Int8Rows& x, const uint8_t* weight, int64_t qtype, int
   const RowFormat format = row_format(qtype);
   dispatch_qtype(format.qtype, [&]<int64_t QT>() {
     if constexpr (kHasOctetMajor<QT>)
-      if (format.octet_major) return int8_dot_rows<QT, true>(x, weight, first, last, y, ldy);
-    int8_dot_rows<QT, false>(x, weight, first, last, y, ldy);
+      if (format.layout == Layout::kOctetMajor)
+        return int8_dot_rows<QT, Layout::kOctetMajor>(x, weight, first, last, y, ldy);
+    if constexpr (kHasRowGroups<QT>) {
+      if (format.layout == Layout::kRowGroups) {
+#ifdef CARPOOL_SIMD
+        return int8_dot_row_groups(x, weight, first, last, y, ldy);
+#else
+        return int8_dot_rows<QT, Layout::kRowGroups>(x, weight, first, last, y, ldy);
+#endif
+      }
+    }
+    int8_dot_rows<QT, Layout::kGguf>(x, weight, first, last, y, ldy);
   });
 }
 template void int8_gemv_rows<float>(const Int8Rows&, const uint8_t*, int64_t, int64_t, int64_t, float*, int64_t);
@@ -726,15 +878,17 @@ at::Tensor int8_dot_linear(const at::Tensor& x, const uint8_t* weight, int64_t q
   const int64_t M = x.size(0), K = x.size(1);
   const at::Tensor wide = x.to(at::kFloat).contiguous();
   at::Tensor y = at::empty({M, N}, x.options());
-  if (M > kInt8GemvMaxRows && int8_gemm_linear(wide, weight, qtype, N, y)) return y;
+  if (M > int8_gemv_max_rows(qtype) && int8_gemm_linear(wide, weight, qtype, N, y)) return y;
   Int8Rows q;
   quantize_rows(wide.data_ptr<float>(), M, K, block_weights(qtype), q);
-  // Rows split evenly over the threads: at one activation row every core streams its share of the weights.
-  at::parallel_for(0, N, 8, [&](int64_t first, int64_t last) {
+  // Rows split evenly over the threads (whole row groups): at one activation row every core streams its share of
+  // the weights.
+  const int64_t unit = row_format(qtype).layout == Layout::kRowGroups ? kGroupRows : 1;
+  at::parallel_for(0, N / unit, 8 / unit, [&](int64_t first, int64_t last) {
     if (x.scalar_type() == at::kFloat)
-      int8_gemv_rows(q, weight, qtype, first, last, y.data_ptr<float>(), N);
+      int8_gemv_rows(q, weight, qtype, first * unit, last * unit, y.data_ptr<float>(), N);
     else
-      int8_gemv_rows(q, weight, qtype, first, last, y.data_ptr<c10::BFloat16>(), N);
+      int8_gemv_rows(q, weight, qtype, first * unit, last * unit, y.data_ptr<c10::BFloat16>(), N);
   });
   return y;
 }

@@ -389,7 +389,7 @@ struct Panel {
         negdm(L::kMinGroups ? width * K / 32 : 0) {}
 
   template <bool kSums>
-  void unpack(const uint8_t* weight, bool octet_major, int64_t row_bytes, int64_t n0, int64_t columns) {
+  void unpack(RowReader& rows, Layout layout, int64_t n0, int64_t columns) {
     const int64_t blocks = K / kW;
     for (int64_t n = 0; n < width; ++n) {
       if (n >= columns) {  // past the last column: zeros, whose outputs are dropped
@@ -405,11 +405,11 @@ struct Panel {
                                                        sc.data() + (n * K + b * kW) / L::kSub, d[n * blocks + b],
                                                        L::kMinGroups ? negdm.data() + (n * K + b * kW) / 32 : nullptr);
       };
-      const uint8_t* row = weight + (n0 + n) * row_bytes;
+      GgufBlocks<QT> row(rows(n0 + n), K, layout);
       if constexpr (kHasOctetMajor<QT>)
-        GgufBlocks<QT>(row, K, octet_major).for_each_q4(blocks, unpack_one);
+        row.for_each_q4(blocks, unpack_one);
       else
-        for (int64_t b = 0; b < blocks; ++b) unpack_one(b, row + b * Format<QT>::kBytes);
+        for (int64_t b = 0; b < blocks; ++b) unpack_one(b, row[b]);
     }
   }
 };
@@ -597,7 +597,7 @@ constexpr int kTileColumns = 3, kTileVectors = 2, kOneVectorColumns = 3;
 constexpr int64_t kRowBlockBytes = 128 << 10, kPanelTiles = 8;
 
 template <int64_t QT, typename V, int NR, int RV, typename Y>
-void int8_gemm_tiles(const InterleavedRows& q, const uint8_t* weight, bool octet_major, int64_t M, int64_t N,
+void int8_gemm_tiles(const InterleavedRows& q, const uint8_t* weight, Layout layout, int64_t M, int64_t N,
                      int64_t K, Y* y) {
   const int64_t row_bytes = K / Format<QT>::kWeights * Format<QT>::kBytes, vectors = q.rows / V::kLanes;
   // Vectors with every lane a row (quantize_interleaved never groups a call of one vector, whose tile has RV 1).
@@ -615,6 +615,7 @@ void int8_gemm_tiles(const InterleavedRows& q, const uint8_t* weight, bool octet
   std::atomic<int64_t> next_panel{0};
   auto run_panels = [&] {
     Panel<QT> panel(K, width);
+    RowReader rows(weight, row_bytes, layout);
     alignas(64) float out[NR * RV * V::kLanes];
     int64_t p = next_panel.fetch_add(chunk), end = std::min(p + chunk, panels);
     while (p < end) {
@@ -625,13 +626,17 @@ void int8_gemm_tiles(const InterleavedRows& q, const uint8_t* weight, bool octet
         end = std::min(following + chunk, panels);
       }
       const int64_t n0 = p * width, columns = std::min<int64_t>(width, N - n0);
-      panel.template unpack<kXBias<QT, V> != 0>(weight, octet_major, row_bytes, n0, columns);
+      panel.template unpack<kXBias<QT, V> != 0>(rows, layout, n0, columns);
       // The next panel's blocks (contiguous rows) on their way from memory while this one's first tile computes:
       // unpacking is where the weights first arrive, and it waited on them (40% of a 32-row Q4_K call, measured).
       // Spread over the tile's blocks: issued all at once they stalled on the core's outstanding misses (the loop of
       // them was 2.6% of a 32-sequence step of the 1.5B on Zen 4; spread, the step ran 1.13-1.17x as fast).
-      const uint8_t* ahead = following < end ? weight + following * width * row_bytes : nullptr;
-      int64_t ahead_bytes = ahead ? std::min<int64_t>(width, N - following * width) * row_bytes : 0;
+      // A row group is read whole with its first row (RowReader): the next panel reads the groups that start in it.
+      const int64_t unit = layout == Layout::kRowGroups ? kGroupRows : 1;
+      const int64_t ahead_row = (following * width + unit - 1) / unit * unit;
+      const int64_t ahead_end = std::min(N, (following * width + width + unit - 1) / unit * unit);
+      const uint8_t* ahead = following < end ? weight + ahead_row * row_bytes : nullptr;
+      int64_t ahead_bytes = ahead ? std::max<int64_t>(0, ahead_end - ahead_row) * row_bytes : 0;
       for (int64_t v0 = 0; v0 < vectors; v0 += block_vectors) {
         const int64_t v1 = std::min(vectors, v0 + block_vectors), full_end = std::min(v1, full_vectors);
         for (int64_t c0 = 0; c0 < columns; c0 += NR) {
@@ -667,13 +672,13 @@ void int8_gemm_tiles(const InterleavedRows& q, const uint8_t* weight, bool octet
 }
 
 template <int64_t QT, typename V, typename Y>
-void int8_gemm(const float* x, const uint8_t* weight, bool octet_major, int64_t M, int64_t N, int64_t K, Y* y) {
+void int8_gemm(const float* x, const uint8_t* weight, Layout layout, int64_t M, int64_t N, int64_t K, Y* y) {
   const InterleavedRows q =
       quantize_interleaved(x, M, K, Format<QT>::kWeights, V::kLanes, kXBias<QT, V>, GemmLayout<QT>::kMinGroups > 0);
   if (q.rows == V::kLanes)
-    int8_gemm_tiles<QT, V, kOneVectorColumns, 1>(q, weight, octet_major, M, N, K, y);
+    int8_gemm_tiles<QT, V, kOneVectorColumns, 1>(q, weight, layout, M, N, K, y);
   else
-    int8_gemm_tiles<QT, V, kTileColumns, kTileVectors>(q, weight, octet_major, M, N, K, y);
+    int8_gemm_tiles<QT, V, kTileColumns, kTileVectors>(q, weight, layout, M, N, K, y);
 }
 
 }  // namespace
@@ -685,9 +690,9 @@ bool int8_gemm_linear(const at::Tensor& x, const uint8_t* weight, int64_t qtype,
   auto run = [&]<int64_t QT, typename V>() {
     const float* xs = x.data_ptr<float>();
     if (y.scalar_type() == at::kFloat)
-      int8_gemm<QT, V>(xs, weight, format.octet_major, M, N, K, y.data_ptr<float>());
+      int8_gemm<QT, V>(xs, weight, format.layout, M, N, K, y.data_ptr<float>());
     else
-      int8_gemm<QT, V>(xs, weight, format.octet_major, M, N, K, y.data_ptr<c10::BFloat16>());
+      int8_gemm<QT, V>(xs, weight, format.layout, M, N, K, y.data_ptr<c10::BFloat16>());
     ran = true;
   };
   auto lanes = [&]<int64_t QT>() {

@@ -130,14 +130,14 @@ inline void dot_rows(const X* x, const X* w, int64_t rows_left, int64_t K, float
 // activations' kernel type), then every activation row block against every tile of the panel. `panel` is scratch
 // of kExactPanelRows * K values. A row's result does not depend on which panel or range it falls in.
 template <int64_t QT, typename X, typename Y>
-void fused_linear_rows(const X* x, const uint8_t* weight, bool octet_major, int64_t M, int64_t K, int64_t first,
+void fused_linear_rows(const X* x, const uint8_t* weight, Layout layout, int64_t M, int64_t K, int64_t first,
                        int64_t last, Y* y, int64_t ldy, X* panel) {
-  const int64_t row_bytes = K / Format<QT>::kWeights * Format<QT>::kBytes;
+  RowReader reader(weight, K / Format<QT>::kWeights * Format<QT>::kBytes, layout);
   alignas(16) float dots[kMaxMR * kTileRows];
   for (int64_t n0 = first; n0 < last; n0 += kExactPanelRows) {
     const int64_t rows = std::min(kExactPanelRows, last - n0);
     for (int64_t r = 0; r < rows; ++r)
-      dequantize_row<QT>(weight + (n0 + r) * row_bytes, K, octet_major, panel + r * K);
+      dequantize_row<QT>(reader(n0 + r), K, layout, panel + r * K);
     std::fill(panel + rows * K, panel + kExactPanelRows * K, X(0));
     for (int64_t m = 0; m < M; m += kMaxMR) {
       const int64_t mr = std::min<int64_t>(kMaxMR, M - m);
@@ -153,20 +153,20 @@ void fused_linear_rows(const X* x, const uint8_t* weight, bool octet_major, int6
 
 // y[M, N] = x[M, K] W^T, panels split over the threads.
 template <int64_t QT, typename X, typename Y>
-void fused_linear(const X* x, const uint8_t* weight, bool octet_major, int64_t M, int64_t N, int64_t K, Y* y) {
+void fused_linear(const X* x, const uint8_t* weight, Layout layout, int64_t M, int64_t N, int64_t K, Y* y) {
   const int64_t panels = (N + kExactPanelRows - 1) / kExactPanelRows;
   at::parallel_for(0, panels, 2, [&](int64_t first, int64_t last) {
     std::vector<X> panel(kExactPanelRows * K);
-    fused_linear_rows<QT>(x, weight, octet_major, M, K, first * kExactPanelRows, std::min(N, last * kExactPanelRows),
+    fused_linear_rows<QT>(x, weight, layout, M, K, first * kExactPanelRows, std::min(N, last * kExactPanelRows),
                           y, N, panel.data());
   });
 }
 
 template <int64_t QT, typename T>
-void dequantize_rows(const uint8_t* weight, bool octet_major, int64_t N, int64_t K, T* out) {
-  const int64_t row_bytes = K / Format<QT>::kWeights * Format<QT>::kBytes;
+void dequantize_rows(const uint8_t* weight, Layout layout, int64_t N, int64_t K, T* out) {
   at::parallel_for(0, N, 16, [&](int64_t first, int64_t last) {
-    for (int64_t n = first; n < last; ++n) dequantize_row<QT>(weight + n * row_bytes, K, octet_major, out + n * K);
+    RowReader rows(weight, K / Format<QT>::kWeights * Format<QT>::kBytes, layout);
+    for (int64_t n = first; n < last; ++n) dequantize_row<QT>(rows(n), K, layout, out + n * K);
   });
 }
 
@@ -178,9 +178,9 @@ at::Tensor ggml_dequantize(const at::Tensor& qweight, int64_t qtype, at::ScalarT
   dispatch_qtype(format.qtype, [&]<int64_t QT>() {
     const uint8_t* blocks = qweight.data_ptr<uint8_t>();
     if (dtype == at::kFloat)
-      dequantize_rows<QT>(blocks, format.octet_major, N, K, out.data_ptr<float>());
+      dequantize_rows<QT>(blocks, format.layout, N, K, out.data_ptr<float>());
     else
-      dequantize_rows<QT>(blocks, format.octet_major, N, K, out.data_ptr<c10::BFloat16>());
+      dequantize_rows<QT>(blocks, format.layout, N, K, out.data_ptr<c10::BFloat16>());
   });
   return out;
 }
@@ -214,6 +214,50 @@ at::Tensor ggml_octet_major(const at::Tensor& qweight, int64_t qtype) {
   return out;
 }
 
+// Q4_K rows (a multiple of 8 of them) -> the same rows in groups of eight (ggml_blocks.h), whose qtype is then
+// qtype | kRowGroups.
+at::Tensor ggml_row_groups(const at::Tensor& qweight, int64_t qtype) {
+  const int64_t K = checked_in_features(qweight, qtype), N = qweight.size(0);
+  TORCH_CHECK(qtype == kQ4_K, "qtype: only Q4_K (12) rows go in row groups, got ", qtype);
+  TORCH_CHECK(N % kGroupRows == 0, "qweight: ", N, " rows do not split into groups of ", kGroupRows);
+  constexpr int64_t kBytes = Format<kQ4_K>::kBytes;
+  const int64_t blocks = K / Format<kQ4_K>::kWeights, row_bytes = qweight.size(1);
+  at::Tensor out = at::empty_like(qweight);
+  const uint8_t* from = qweight.data_ptr<uint8_t>();
+  uint8_t* to = out.data_ptr<uint8_t>();
+  at::parallel_for(0, N / kGroupRows, 1, [&](int64_t first, int64_t last) {
+    for (int64_t g = first; g < last; ++g)
+      for (int64_t b = 0; b < blocks; ++b) {
+        uint8_t* column = to + g * kGroupRows * row_bytes + b * kGroupRows * kBytes;
+        for (int64_t r = 0; r < kGroupRows; ++r) {
+          const uint8_t* block = from + (g * kGroupRows + r) * row_bytes + b * kBytes;
+          std::memcpy(column + group_d_offset(r), block, 2);
+          std::memcpy(column + group_dmin_offset(r), block + 2, 2);
+          for (int64_t t = 0; t < kGroupWords; ++t) std::memcpy(column + group_word_offset(t, r), block + 4 + 4 * t, 4);
+        }
+      }
+  });
+  return out;
+}
+
+// Rows in any layout (qtype with its layout's flag) -> the same rows as GGUF holds them.
+at::Tensor ggml_gguf_rows(const at::Tensor& qweight, int64_t qtype) {
+  const int64_t K = checked_in_features(qweight, qtype), N = qweight.size(0);
+  const RowFormat format = row_format(qtype);
+  at::Tensor out = at::empty_like(qweight);
+  dispatch_qtype(format.qtype, [&]<int64_t QT>() {
+    constexpr int64_t kBytes = Format<QT>::kBytes;
+    const int64_t blocks = K / Format<QT>::kWeights;
+    uint8_t* to = out.data_ptr<uint8_t>();
+    RowReader rows(qweight.data_ptr<uint8_t>(), qweight.size(1), format.layout);
+    for (int64_t n = 0; n < N; ++n) {
+      GgufBlocks<QT> row(rows(n), K, format.layout);
+      for (int64_t b = 0; b < blocks; ++b) std::memcpy(to + (n * blocks + b) * kBytes, row[b], kBytes);
+    }
+  });
+  return out;
+}
+
 at::Tensor ggml_linear(const at::Tensor& input, const at::Tensor& qweight, int64_t qtype) {
   const int64_t K = checked_in_features(qweight, qtype), N = qweight.size(0);
   TORCH_CHECK(input.device().is_cpu(), "input: GGML kernels run on the CPU, got ", input.device());
@@ -235,14 +279,14 @@ at::Tensor ggml_linear(const at::Tensor& input, const at::Tensor& qweight, int64
   }
   const RowFormat format = row_format(qtype);
   dispatch_qtype(format.qtype, [&]<int64_t QT>() {
-    const bool octet_major = format.octet_major;
+    const Layout layout = format.layout;
     if (dtype == at::kFloat) {
-      fused_linear<QT>(x.data_ptr<float>(), blocks, octet_major, M, N, K, y.data_ptr<float>());
+      fused_linear<QT>(x.data_ptr<float>(), blocks, layout, M, N, K, y.data_ptr<float>());
     } else if constexpr (kExactBf16Dot) {
-      fused_linear<QT>(x.data_ptr<c10::BFloat16>(), blocks, octet_major, M, N, K, y.data_ptr<c10::BFloat16>());
+      fused_linear<QT>(x.data_ptr<c10::BFloat16>(), blocks, layout, M, N, K, y.data_ptr<c10::BFloat16>());
     } else {
       const at::Tensor wide = x.to(at::kFloat);  // exact: the fp32 kernel on bf16 inputs and fp32 weights
-      fused_linear<QT>(wide.data_ptr<float>(), blocks, octet_major, M, N, K, y.data_ptr<c10::BFloat16>());
+      fused_linear<QT>(wide.data_ptr<float>(), blocks, layout, M, N, K, y.data_ptr<c10::BFloat16>());
     }
   });
   return y.view(out_shape);
@@ -265,6 +309,8 @@ int64_t checked_in_features(const at::Tensor& qweight, int64_t qtype) {
   });
   TORCH_CHECK(qweight.size(1) % bytes == 0, "qweight: ", qweight.size(1), " bytes per row is not whole blocks of ",
               bytes);
+  TORCH_CHECK(row_format(qtype).layout != Layout::kRowGroups || qweight.size(0) % kGroupRows == 0, "qweight: ",
+              qweight.size(0), " rows in row groups is not whole groups of ", kGroupRows);
   return qweight.size(1) / bytes * weights;
 }
 
@@ -274,7 +320,7 @@ void exact_gemv_rows(const X* x, int64_t M, const uint8_t* weight, int64_t qtype
   if constexpr (std::is_same_v<X, float> || kExactBf16Dot) {
     const carpool::ggml::RowFormat format = carpool::ggml::row_format(qtype);
     carpool::ggml::dispatch_qtype(format.qtype, [&]<int64_t QT>() {
-      fused_linear_rows<QT>(x, weight, format.octet_major, M, K, first, last, y, ldy, panel);
+      fused_linear_rows<QT>(x, weight, format.layout, M, K, first, last, y, ldy, panel);
     });
   } else {
     TORCH_CHECK(false, "exact_gemv_rows: bf16 activations need the AVX-512 build (widen them to float elsewhere)");
@@ -293,10 +339,14 @@ TORCH_LIBRARY_FRAGMENT(carpool, m) {
   m.def("ggml_dequantize(Tensor qweight, int qtype, ScalarType dtype) -> Tensor");
   m.def("ggml_linear(Tensor input, Tensor qweight, int qtype) -> Tensor");
   m.def("ggml_octet_major(Tensor qweight, int qtype) -> Tensor");
+  m.def("ggml_row_groups(Tensor qweight, int qtype) -> Tensor");
+  m.def("ggml_gguf_rows(Tensor qweight, int qtype) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(carpool, CPU, m) {
   m.impl("ggml_dequantize", &ggml_dequantize);
   m.impl("ggml_linear", &ggml_linear);
   m.impl("ggml_octet_major", &ggml_octet_major);
+  m.impl("ggml_row_groups", &ggml_row_groups);
+  m.impl("ggml_gguf_rows", &ggml_gguf_rows);
 }
