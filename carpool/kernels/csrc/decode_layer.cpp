@@ -9,7 +9,7 @@
 // Python, no autograd bookkeeping), so the outputs are bit-identical to the Python path, which stays the
 // reference (prefill, mixed batches, other devices).
 //
-// When every projection runs a GEMV kernel (GGML blocks; int8-dot up to kInt8GemvMaxRows rows, or the exact path), the
+// When every projection runs a GEMV kernel (GGML blocks; int8-dot up to int8_gemv_max_rows, or the exact path), the
 // whole step runs in one OpenMP parallel region instead: each op called on its own forks and joins the threads
 // (SmolLM2: 5 parallel ops a layer, 150 a step, each a few microseconds of fork, join and imbalance around 10-70 us
 // of work). In the region the threads split each projection's weight rows and the attention's (run of a sequence's
