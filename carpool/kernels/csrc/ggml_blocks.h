@@ -243,17 +243,26 @@ void dispatch_qtype(int64_t qtype, Fn&& fn) {
               " (supported: Q4_0=2, Q4_1=3, Q5_0=6, Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14)");
 }
 
-// Q4_K / Q5_K sub-block scales and minimums, 6 bits each in 12 bytes, as 8 scale bytes and 8 minimum bytes in
-// two words, for the GEMV (ggml_dot.cpp) and the batched kernel (ggml_gemm.cpp) alike
-// (llama.cpp's get_scale_min_k4 for every j at once, in 32-bit operations: no byte stores to reload).
-inline void k_scales_mins_packed(const uint8_t* packed, uint64_t& scales, uint64_t& mins) {
-  uint32_t u[3];
-  std::memcpy(u, packed, 12);
+// Q4_K / Q5_K sub-block scales and minimums, 6 bits each in the 12 bytes' three 32-bit words u, as bytes: scales[0]
+// holds sub-blocks 0-3's scales, scales[1] 4-7's, mins alike (llama.cpp's get_scale_min_k4 for every j at once, in
+// 32-bit operations). W is uint32_t, or a GCC vector of them: the words of eight blocks at once (Q4_K row groups).
+template <typename W>
+inline void k_scale_min_words(W u0, W u1, W u2, W (&scales)[2], W (&mins)[2]) {
   constexpr uint32_t kLow6 = 0x3F3F3F3F, kLow4 = 0x0F0F0F0F, kLow2 = 0x03030303;
-  const uint32_t scales_lo = u[0] & kLow6, scales_hi = (u[2] & kLow4) | (((u[0] >> 6) & kLow2) << 4);
-  const uint32_t mins_lo = u[1] & kLow6, mins_hi = ((u[2] >> 4) & kLow4) | (((u[1] >> 6) & kLow2) << 4);
-  scales = scales_lo | static_cast<uint64_t>(scales_hi) << 32;
-  mins = mins_lo | static_cast<uint64_t>(mins_hi) << 32;
+  scales[0] = u0 & kLow6;
+  scales[1] = (u2 & kLow4) | (((u0 >> 6) & kLow2) << 4);
+  mins[0] = u1 & kLow6;
+  mins[1] = ((u2 >> 4) & kLow4) | (((u1 >> 6) & kLow2) << 4);
+}
+
+// The same for one block's 12 bytes, as 8 scale bytes and 8 minimum bytes in two words, for the GEMV
+// (ggml_dot.cpp) and the batched kernel (ggml_gemm.cpp) alike (no byte stores to reload).
+inline void k_scales_mins_packed(const uint8_t* packed, uint64_t& scales, uint64_t& mins) {
+  uint32_t u[3], s[2], m[2];
+  std::memcpy(u, packed, 12);
+  k_scale_min_words(u[0], u[1], u[2], s, m);
+  scales = s[0] | static_cast<uint64_t>(s[1]) << 32;
+  mins = m[0] | static_cast<uint64_t>(m[1]) << 32;
 }
 
 inline float half_to_float(const uint8_t* p) {

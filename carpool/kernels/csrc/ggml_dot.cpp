@@ -513,25 +513,20 @@ template <int MR>
 void dot_row_group(const uint8_t* group, const Int8Rows& x, int64_t m0, const std::vector<int32_t>* sum_pairs,
                    __m256* acc) {
   constexpr int64_t kColumnBytes = kGroupRows * Format<kQ4_K>::kBytes;
-  const __m256i low6 = _mm256_set1_epi32(0x3F3F3F3F), low4 = _mm256_set1_epi32(0x0F0F0F0F),
-                low2 = _mm256_set1_epi32(0x03030303), byte0 = _mm256_set1_epi32(0xFF),
-                bytes02 = _mm256_set1_epi32(0x00FF00FF);
+  using Words = uint32_t __attribute__((vector_size(32)));  // eight rows' 32-bit words, for k_scale_min_words
+  const __m256i byte0 = _mm256_set1_epi32(0xFF), bytes02 = _mm256_set1_epi32(0x00FF00FF);
   for (int64_t b = 0; b < x.K / 256; ++b) {
     const uint8_t* column = group + b * kColumnBytes;
     carpool::simd::prefetch(column + kGemvPrefetchBytes, kColumnBytes);
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(column + group_d_offset(0))));
     const __m256 dmin =
         _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(column + group_dmin_offset(0))));
-    const __m256i u0 = load256(column + group_word_offset(0, 0)), u1 = load256(column + group_word_offset(1, 0)),
-                  u2 = load256(column + group_word_offset(2, 0));
-    const __m256i from_u2_low = _mm256_and_si256(u2, low4);
-    const __m256i from_u2_high = _mm256_and_si256(_mm256_srli_epi32(u2, 4), low4);
-    const __m256i scales[2] = {
-        _mm256_and_si256(u0, low6),
-        _mm256_or_si256(from_u2_low, _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u0, 6), low2), 4))};
-    const __m256i mins[2] = {
-        _mm256_and_si256(u1, low6),
-        _mm256_or_si256(from_u2_high, _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u1, 6), low2), 4))};
+    Words scale_words[2], min_words[2];
+    k_scale_min_words(reinterpret_cast<Words>(load256(column + group_word_offset(0, 0))),
+                      reinterpret_cast<Words>(load256(column + group_word_offset(1, 0))),
+                      reinterpret_cast<Words>(load256(column + group_word_offset(2, 0))), scale_words, min_words);
+    const __m256i scales[2] = {reinterpret_cast<__m256i>(scale_words[0]), reinterpret_cast<__m256i>(scale_words[1])};
+    const __m256i mins[2] = {reinterpret_cast<__m256i>(min_words[0]), reinterpret_cast<__m256i>(min_words[1])};
     __m256i isum[MR];
     for (int i = 0; i < MR; ++i) isum[i] = _mm256_setzero_si256();
     for (int c = 0; c < 4; ++c) {  // sub-blocks 2c and 2c + 1: bytes 2c % 4 and 2c % 4 + 1 of scales[c / 2]
