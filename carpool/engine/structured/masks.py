@@ -150,7 +150,8 @@ def apply_grammar_masks(logits: torch.Tensor, seqs: list[Sequence], rows: list[i
         blocked = np.unpackbits(np.invert(packed).view(np.uint8), axis=1, count=logits.shape[-1], bitorder="little")
         index = torch.tensor(rows, dtype=torch.long, device=logits.device)
         blocked = torch.from_numpy(blocked).view(torch.bool).to(logits.device)
-        logits[index] = logits[index].masked_fill_(blocked, float("-inf"))
+        with torch.inference_mode():  # the model's logits are inference tensors: changed in place only inside it
+            logits[index] = logits[index].masked_fill_(blocked, float("-inf"))
 
 
 def block_packed(logits: np.ndarray, rows: np.ndarray, packed: np.ndarray) -> None:
