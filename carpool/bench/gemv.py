@@ -12,15 +12,14 @@ time instead of the wall clock: steadier on a loaded machine, meaningful at 1 th
 Each block format the model's GGUF file holds comes from it (its largest matrix of that format: Qwen2.5-Coder-1.5B's
 Q4_K and Q6_K, SmolLM2's Q4_1 and its Q8_0 embedding, which is also its LM head); the other 32-weight formats (Q4_0,
 Q4_1, Q5_0, Q8_0) are the largest layer matrix's shape quantized by gguf-py. Each runs in the layout the loader gives
-it on this kernel path (Q4_0/Q4_1 octet-major on OCTET_MAJOR_PATHS, Q4_K in row groups on ROW_GROUP_PATHS). GB/s
-counts the weight blocks one call streams.
+it on this kernel path (Q4_0/Q4_1 octet-major on OCTET_MAJOR_PATHS, Q4_K and Q6_K in row groups on
+ROW_GROUP_PATHS). GB/s counts the weight blocks one call streams.
 Then the error of one int8 call against the exact path.
 
 --layouts instead times the matrices carpool rearranges in GGUF's layout against their arrangement (Q4_0/Q4_1
-octet-major, Q4_K in row groups; kernels/csrc/ggml_blocks.h), side by side in both modes, whatever this path's loader
-picks: the measurement behind OCTET_MAJOR_PATHS and ROW_GROUP_PATHS. --copies
-cycles that many copies of each matrix, so that a call reads its weights from memory rather than a warm cache, as
-a decode step's do.
+octet-major, Q4_K and Q6_K in row groups; kernels/csrc/ggml_blocks.h), side by side in both modes, whatever this
+path's loader picks: the measurement behind OCTET_MAJOR_PATHS and ROW_GROUP_PATHS. --copies cycles that many copies
+of each matrix, so that a call reads its weights from memory rather than a warm cache, as a decode step's do.
 """
 
 import argparse
@@ -104,8 +103,8 @@ def cycled_linear(mode: str, x: torch.Tensor, copies: list[GGMLWeight]):
 
 
 def compare_layouts(blocks: dict, args, clock) -> None:
-    """Each format carpool rearranges (Q4_0/Q4_1 octet-major, Q4_K in row groups) in GGUF's layout against its
-    arrangement, each mode's two layouts taking turns."""
+    """Each format carpool rearranges (Q4_0/Q4_1 octet-major, Q4_K and Q6_K in row groups) in GGUF's layout against
+    its arrangement, each mode's two layouts taking turns."""
     print("| format | shape | threads | rows | mode | GGUF | rearranged | speed-up |\n"
           "| --- | --- | --- | --- | --- | --- | --- | --- |")
     for qtype in sorted(set(blocks) & set(ARRANGEMENTS)):

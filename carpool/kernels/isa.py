@@ -36,12 +36,13 @@ INT8_PROMPT_PATHS = frozenset({"avxvnni", "avx2"})
 # at 1 row 1.18-1.20x, 2 rows 1.11-1.15x, 4 rows 1.06-1.08x, 8-32 rows 0.97-1.11x; SmolLM2's step 1.19x against the
 # old 512-bit code on GGUF rows). Not measured: avxvnni (the same 256-bit VNNI code) and amx (avx512's GEMV).
 OCTET_MAJOR_PATHS = frozenset({"avx2", "avx512"})
-# Paths whose GEMV runs Q4_K matrices faster in row groups (eight rows' blocks word-interleaved, ggml_blocks.h), so
-# the loader rearranges them. Zen 4, Qwen2.5-Coder-1.5B's 8960x1536 from memory (`python -m carpool.bench.gemv
-# --layouts`): avx512 1.46-1.50x at one row on one thread (1.24-1.66x on two), 1.5-1.9x at 2-5 rows; forced avx2
-# 1.32-1.37x at one row, 1.2-1.4x at 4-6; the batched kernel, which puts the groups back first, 0.93-1.05x at 16-32
-# rows; the 1.5B's step 1.16x (avx512) and 1.10x (avx2). Not measured: avxvnni (the same VNNI code as avx512's) and
-# amx, whose prompts run exact.
+# Paths whose GEMV runs Q4_K and Q6_K matrices faster in row groups (eight rows' blocks word-interleaved,
+# ggml_blocks.h), so the loader rearranges them. Zen 4, Qwen2.5-Coder-1.5B's 8960x1536 Q4_K from memory (`python -m
+# carpool.bench.gemv --layouts`): avx512 1.46-1.50x at one row on one thread (1.24-1.66x on two), 1.5-1.9x at 2-5
+# rows; forced avx2 1.32-1.37x at one row, 1.2-1.4x at 4-6; the batched kernel, which puts the groups back first,
+# 0.93-1.05x at 16-32 rows; the 1.5B's step 1.16x (avx512) and 1.10x (avx2). Its Q6_K (LM head, ffn_down): avx512
+# 1.41-1.89x at one row, 0.88-0.90x at 32 (the step 1.12x at one stream, 0.985x at 32). Not measured: avxvnni (the
+# same VNNI code as avx512's) and amx, whose prompts run exact.
 ROW_GROUP_PATHS = frozenset({"avx2", "avx512"})
 
 ENV_VAR = "CARPOOL_KERNEL_ISA"

@@ -53,13 +53,13 @@ KERNEL_TYPES = frozenset(
 
 
 # carpool's arrangements of a GGUF matrix's bytes (Layout in kernels/csrc/ggml_blocks.h), by the flag a qtype the ops
-# take carries: "octet-major" Q4_0/Q4_1 rows (each eight blocks' scales together), Q4_K "row-groups" (eight rows'
-# blocks word-interleaved). Each is made once at load, where the kernel path's GEMV runs it faster.
+# take carries: "octet-major" Q4_0/Q4_1 rows (each eight blocks' scales together), Q4_K and Q6_K "row-groups" (eight
+# rows' blocks word-interleaved). Each is made once at load, where the kernel path's GEMV runs it faster.
 LAYOUT_FLAGS = {"gguf": 0, "octet-major": 1 << 8, "row-groups": 1 << 9}
 OCTET_MAJOR, ROW_GROUPS = LAYOUT_FLAGS["octet-major"], LAYOUT_FLAGS["row-groups"]
 OCTET_MAJOR_TYPES = frozenset({gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1})
 OCTET_WEIGHTS = 256  # eight blocks of 32: rows narrower than this have no octet to rearrange
-ROW_GROUP_TYPES = frozenset({gguf.GGMLQuantizationType.Q4_K})
+ROW_GROUP_TYPES = frozenset({gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K})
 GROUP_ROWS = 8  # a matrix whose rows are not whole groups stays in GGUF's layout
 # The arrangement each format has besides GGUF's.
 ARRANGEMENTS = {**dict.fromkeys(OCTET_MAJOR_TYPES, "octet-major"), **dict.fromkeys(ROW_GROUP_TYPES, "row-groups")}
@@ -81,7 +81,8 @@ class GGMLWeight:
 
     def for_kernels(self, lookup: bool = False) -> "GGMLWeight":
         """These weights as this CPU's kernel path runs them fastest: Q4_0/Q4_1 octet-major on OCTET_MAJOR_PATHS,
-        Q4_K in row groups on ROW_GROUP_PATHS unless the rows are looked up one by one (`lookup`: an embedding)."""
+        Q4_K and Q6_K in row groups on ROW_GROUP_PATHS unless the rows are looked up one by one (`lookup`: an
+        embedding)."""
         if self.layout != "gguf":
             return self
         path = kernel_path()

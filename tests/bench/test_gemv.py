@@ -33,7 +33,7 @@ def test_smollm2_brings_its_own_q4_1_and_its_tied_lm_head():
 
 def test_layouts_time_the_same_product_in_gguf_and_carpools_arrangement(monkeypatch, capsys):
     """--layouts: each rearranged format's two columns are one matmul (the same outputs), the second from its
-    arrangement (Q4_0/Q4_1 octet-major, Q4_K row groups), each call on the next of --copies copies of the matrix."""
+    arrangement (Q4_0/Q4_1 octet-major, Q4_K and Q6_K row groups), each call on the next of --copies copies of the matrix."""
     calls_seen, timed = [], []
     linear = gemv.linear
 
@@ -47,7 +47,7 @@ def test_layouts_time_the_same_product_in_gguf_and_carpools_arrangement(monkeypa
             calls_seen.clear()
             outputs[name] = [fn() for _ in range(3)]  # three calls: the two copies, then the first again
             qtypes, pointers = zip(*calls_seen)
-            flag = ROW_GROUPS if qtypes[0] & 0xFF == Q.Q4_K else OCTET_MAJOR
+            flag = ROW_GROUPS if qtypes[0] & 0xFF in (Q.Q4_K, Q.Q6_K) else OCTET_MAJOR
             assert len(set(qtypes)) == 1 and bool(qtypes[0] & flag) == (name == "rearranged")
             assert pointers[0] != pointers[1] and pointers[0] == pointers[2]
         timed.append((qtypes[0] & 0xFF, outputs))
@@ -56,16 +56,19 @@ def test_layouts_time_the_same_product_in_gguf_and_carpools_arrangement(monkeypa
     monkeypatch.setattr(gemv, "linear", seen_linear)
     monkeypatch.setattr(gemv, "seconds_per_call", record)
     args = argparse.Namespace(rows=[1, 8], threads=[1], dtype="float32", copies=2)
-    q4_k = np.random.default_rng(0).integers(0, 256, (16, 2, 144), dtype=np.uint8)
+    rng = np.random.default_rng(0)
+    q4_k, q6_k = rng.integers(0, 256, (16, 2, 144), dtype=np.uint8), rng.integers(0, 256, (16, 2, 210), dtype=np.uint8)
     q4_k[..., :4] = np.full((16, 2, 2), 0.01, dtype=np.float16).view(np.uint8)  # finite d and dmin
-    blocks = {**gemv.weights("smollm2-135m"), Q.Q4_K: torch.from_numpy(q4_k.reshape(16, -1))}
+    q6_k[..., 208:] = np.full((16, 2, 1), 0.01, dtype=np.float16).view(np.uint8)  # finite d
+    blocks = {**gemv.weights("smollm2-135m"), Q.Q4_K: torch.from_numpy(q4_k.reshape(16, -1)),
+              Q.Q6_K: torch.from_numpy(q6_k.reshape(16, -1))}
     gemv.compare_layouts(blocks, args, clock=None)
-    assert len(timed) == 3 * 2 * len(gemv.COMPARED)  # Q4_0, Q4_1 and Q4_K, two row counts, both modes
+    assert len(timed) == 4 * 2 * len(gemv.COMPARED)  # Q4_0, Q4_1, Q4_K and Q6_K, two row counts, both modes
     for qtype, outputs in timed:
         for gguf_y, rearranged_y in zip(outputs["gguf"], outputs["rearranged"]):
-            if qtype == Q.Q4_K:  # the row-group GEMV rounds each block's whole sum, the GGUF rows' GEMV 8 partial ones
+            if qtype in (Q.Q4_K, Q.Q6_K):  # the row-group GEMV rounds each block's whole sum, the GGUF rows' GEMV parts
                 torch.testing.assert_close(gguf_y, rearranged_y, rtol=1e-5, atol=1e-5)
             else:
                 assert torch.equal(gguf_y, rearranged_y)
-    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| Q4_")]
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| Q4_", "| Q6_"))]
     assert len(lines) == len(timed) and all(line.endswith("| 1.00x |") for line in lines)

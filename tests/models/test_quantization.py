@@ -128,30 +128,35 @@ def test_q4_rows_are_laid_out_for_the_path_once_for_a_tied_head(monkeypatch, gai
     assert torch.equal(head.rows(ids)(x), head(x)[:, ids])
 
 
-def random_q4_k(rows: int, cols: int, seed: int = 0) -> GGMLWeight:
-    """Q4_K blocks of random bits, their f16 d and dmin small and finite."""
+def random_k_quant(rows: int, cols: int, seed: int = 0, qtype=gguf.GGMLQuantizationType.Q4_K) -> GGMLWeight:
+    """Q4_K or Q6_K blocks of random bits, their f16 scales (Q4_K's d and dmin, Q6_K's d) small and finite."""
     rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, (rows, cols // 256, 144), dtype=np.uint8)
-    blocks[..., :4] = rng.uniform(0.01, 0.02, (rows, cols // 256, 2)).astype(np.float16).view(np.uint8)
-    return GGMLWeight(gguf.GGMLQuantizationType.Q4_K, torch.from_numpy(blocks.reshape(rows, -1)))
+    halves = {gguf.GGMLQuantizationType.Q4_K: slice(0, 4), gguf.GGMLQuantizationType.Q6_K: slice(208, 210)}[qtype]
+    blocks = rng.integers(0, 256, (rows, cols // 256, gguf.GGML_QUANT_SIZES[qtype][1]), dtype=np.uint8)
+    scales = rng.uniform(0.01, 0.02, (rows, cols // 256, (halves.stop - halves.start) // 2)).astype(np.float16)
+    blocks[..., halves] = scales.view(np.uint8)
+    return GGMLWeight(qtype, torch.from_numpy(blocks.reshape(rows, -1)))
 
 
 @pytest.mark.parametrize("gains", (True, False), ids=("row-group path", "other paths"))
-def test_q4_k_matrices_go_in_row_groups_on_the_path_but_not_an_embeddings(monkeypatch, gains):
-    """On ROW_GROUP_PATHS the loader puts Q4_K matrices of whole groups of eight rows in row groups; an embedding
-    (and the LM head tied to it) keeps GGUF's rows, which it looks up one by one. Outputs stay the GGUF rows' own."""
+def test_k_quant_matrices_go_in_row_groups_on_the_path_but_not_an_embeddings(monkeypatch, gains):
+    """On ROW_GROUP_PATHS the loader puts Q4_K and Q6_K matrices of whole groups of eight rows in row groups; an
+    embedding (and the LM head tied to it) keeps GGUF's rows, which it looks up one by one. Outputs stay the GGUF
+    rows' own."""
     monkeypatch.setattr(quantization, "ROW_GROUP_PATHS", {kernel_path()} if gains else set())
-    proj, odd, tied = random_q4_k(24, 512), random_q4_k(12, 256, seed=1), random_q4_k(16, 256, seed=2)
+    proj, odd, tied = random_k_quant(24, 512), random_k_quant(12, 256, seed=1), random_k_quant(16, 256, seed=2)
+    down = random_k_quant(16, 512, seed=3, qtype=gguf.GGMLQuantizationType.Q6_K)
     model = torch.nn.ModuleDict({"proj": torch.nn.Linear(512, 24, bias=False),
-                                 "odd": torch.nn.Linear(256, 12, bias=False),
+                                 "odd": torch.nn.Linear(256, 12, bias=False), "down": torch.nn.Linear(512, 16, bias=False),
                                  "head": torch.nn.Linear(256, 16, bias=False), "embed": torch.nn.Embedding(16, 256)})
-    state = {"proj.weight": proj, "odd.weight": odd, "head.weight": tied, "embed.weight": tied}
+    state = {"proj.weight": proj, "odd.weight": odd, "down.weight": down, "head.weight": tied, "embed.weight": tied}
     install_ggml_modules(model, state, torch.float32)
-    assert model["proj"].layout == ("row-groups" if gains else "gguf")
+    assert model["proj"].layout == model["down"].layout == ("row-groups" if gains else "gguf")
     assert model["odd"].layout == "gguf"  # 12 rows: not whole groups
     assert model["head"].layout == "gguf" and model["head"].qweight is model["embed"].qweight
     x = torch.randn(3, 512)
     assert torch.equal(model["proj"](x), torch.ops.carpool.ggml_linear(x, proj.data, int(proj.qtype)))
+    assert torch.equal(model["down"](x), torch.ops.carpool.ggml_linear(x, down.data, int(down.qtype)))
     assert torch.equal(model["embed"](torch.tensor([3, 15])), tied.dequantize()[[3, 15]])
     # A subset of the rows (a draft model's head) is laid out anew: four rows stay GGUF's, eight go in a group.
     four, eight = torch.tensor([7, 0, 23, 8]), torch.arange(16, 0, -2)

@@ -111,7 +111,7 @@ void amx_gemm(const c10::BFloat16* x, const uint8_t* weight, Layout layout, int6
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     configure_tiles();
     std::vector<c10::BFloat16> panel(kPanelColumns * K);
-    RowReader rows(weight, row_bytes, layout);
+    RowReader<QT> rows(weight, row_bytes, layout);
     alignas(64) float out[kPanelColumns * 2 * kRows];
     for (int64_t p = next_panel.fetch_add(1); p < panels; p = next_panel.fetch_add(1)) {
       const int64_t n0 = p * kPanelColumns, columns = std::min<int64_t>(kPanelColumns, N - n0);

@@ -49,19 +49,42 @@ constexpr bool kHasOctetMajor = QT == kQ4_0 || QT == kQ4_1;
 template <int64_t QT>
 constexpr int64_t kOctetScaleBytes = QT == kQ4_1 ? 32 : 16;  // d (and m) of an octet's eight blocks
 //
-// Row groups (torch.ops.carpool.ggml_row_groups; Q4_K, matrices of a multiple of 8 rows): rows 8g to 8g + 7 share
-// bytes [8g, 8g + 8) x row bytes, block column by block column (1152 bytes each): the eight rows' f16 d, their f16
-// dmin, then the 35 four-byte words that follow d and dmin in a GGUF block (12 bytes of scales, 128 of nibbles),
-// word t of row r at 32 + 32 t + 4 r. One 32-byte load is then a word of all eight rows, so the GEMV unpacks the
-// scales of eight blocks at once and dots each four activation values (broadcast) with eight rows, summing a row in
-// one lane instead of reducing a vector per row (llama.cpp repacks Q4_K alike for its AVX2 GEMV, q4_K_8x8).
+// Row groups (torch.ops.carpool.ggml_row_groups; Q4_K and Q6_K matrices of a multiple of 8 rows): rows 8g to 8g + 7
+// share bytes [8g, 8g + 8) x row bytes, block column by block column: the eight rows' f16 halves (Q4_K: d, then dmin;
+// Q6_K: d), half h of row r at 16 h + 2 r, then the block's four-byte words, word t of row r at 16 kHalves + 32 t +
+// 4 r (GroupLayout). One 32-byte load is then a word of all eight rows, so the GEMV unpacks eight blocks' scales at
+// once and dots each four activation values (broadcast) with eight rows, summing a row in one lane instead of
+// reducing a vector per row (llama.cpp repacks Q4_K alike for its AVX2 GEMV, q4_K_8x8).
 constexpr int64_t kRowGroups = 1 << 9, kGroupRows = 8;
 template <int64_t QT>
-constexpr bool kHasRowGroups = QT == kQ4_K;
-constexpr int64_t kGroupWords = 35;  // the four-byte words after a Q4_K block's d and dmin
-constexpr int64_t group_d_offset(int64_t r) { return 2 * r; }
-constexpr int64_t group_dmin_offset(int64_t r) { return 16 + 2 * r; }
-constexpr int64_t group_word_offset(int64_t t, int64_t r) { return 32 + 32 * t + 4 * r; }
+constexpr bool kHasRowGroups = QT == kQ4_K || QT == kQ6_K;
+// Where a GGUF block's f16 halves and four-byte words lie, and the order (slot) the group holds word t in: Q4_K's
+// d and dmin lead its 144 bytes, 35 words follow (12 bytes of scales, 128 of nibbles), kept in order; Q6_K's 52
+// words (128 bytes of low bits, 64 of high bits, 16 int8 scales) come before its d, and the group holds them in the
+// order its GEMV reads them, so a column streams front to back: the scales (words 48-51), then for each pass
+// c = 2 h + s of the GEMV (half h of 128 weights, its sub-blocks 8 h + 2 j + s) the three runs of four words it
+// reads together: low words 16 h + 4 s to + 3, the same + 8, high words 32 + 4 c to + 3. Zen 4, the 1.5B's LM head
+// at one row from memory (1 and 2 threads): in GGUF's word order the row-group GEMV ran 1.35x and 1.21x its GGUF
+// rows' speed, in this order 1.59-1.63x and 1.40-1.89x (39 GB/s); per half (its 16 low words, then 8 high), which
+// puts groups back by eight-word transposes, 1.36x and 1.22x, for 2-4% more at 32 rows (the batched kernel).
+template <int64_t QT> struct GroupLayout;
+template <> struct GroupLayout<kQ4_K> {
+  static constexpr int64_t kHalves = 2, kHalvesAt = 0, kWords = 35, kWordsAt = 4;
+  static constexpr int64_t slot(int64_t t) { return t; }
+};
+template <> struct GroupLayout<kQ6_K> {
+  static constexpr int64_t kHalves = 1, kHalvesAt = 208, kWords = 52, kWordsAt = 0;
+  static constexpr int64_t slot(int64_t t) {
+    if (t >= 48) return t - 48;                                          // scales
+    if (t >= 32) return 4 + 12 * ((t - 32) / 4) + 8 + t % 4;               // high bits of pass (t - 32) / 4
+    return 4 + 12 * (t / 16 * 2 + t % 8 / 4) + 4 * (t % 16 / 8) + t % 4;  // low bits of pass 2 h + s
+  }
+};
+constexpr int64_t group_half_offset(int64_t h, int64_t r) { return 16 * h + 2 * r; }
+template <int64_t QT>
+constexpr int64_t group_word_offset(int64_t t, int64_t r) {
+  return 16 * GroupLayout<QT>::kHalves + 32 * GroupLayout<QT>::slot(t) + 4 * r;
+}
 
 // Where a Q4_0/Q4_1 block's f16 d, f16 m (Q4_1) and 16 bytes of nibbles lie, as byte offsets: from a GGUF block's
 // start, or (block j of 8) from an octet-major octet's. The one statement of the layout.
@@ -85,8 +108,8 @@ inline RowFormat row_format(int64_t qtype) {
   const bool octet_major = (qtype & kOctetMajor) != 0, row_groups = (qtype & kRowGroups) != 0;
   TORCH_CHECK(!octet_major || type == kQ4_0 || type == kQ4_1,
               "qtype: only Q4_0 (2) and Q4_1 (3) rows are octet-major, got ", qtype);
-  TORCH_CHECK(!row_groups || (type == kQ4_K && !octet_major), "qtype: only Q4_K (12) rows come in row groups, got ",
-              qtype);
+  TORCH_CHECK(!row_groups || ((type == kQ4_K || type == kQ6_K) && !octet_major),
+              "qtype: only Q4_K (12) and Q6_K (14) rows come in row groups, got ", qtype);
   return {type, octet_major ? Layout::kOctetMajor : row_groups ? Layout::kRowGroups : Layout::kGguf};
 }
 
@@ -143,78 +166,110 @@ class GgufBlocks {
   uint8_t scratch_[Format<QT>::kBytes];
 };
 
-// One block column of a row group (kGroupRows blocks) -> the eight rows' GGUF blocks, row r's at out + r * row_bytes,
-// by transposes of 32-bit lanes: each row's d and dmin as one word, then its 35 words (copying the words one by one
-// took the batched int8 kernel's 32-row calls 1.4x as long).
-inline void ungroup_column(const uint8_t* column, uint8_t* out, int64_t row_bytes) {
 #ifdef CARPOOL_SIMD
-  const auto load = [&](int64_t t) {
-    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(column + group_word_offset(t, 0)));
-  };
-  // Rows 0-3 in the low 128 bits of every vector here, rows 4-7 in the high ones.
-  const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(column + group_d_offset(0)));
-  const __m128i dmin = _mm_loadu_si128(reinterpret_cast<const __m128i*>(column + group_dmin_offset(0)));
-  const __m256i head = _mm256_set_m128i(_mm_unpackhi_epi16(d, dmin), _mm_unpacklo_epi16(d, dmin));
-  {  // each row's first 16 bytes: d and dmin, words 0-2 (the scales)
-    const __m256i w0 = load(0), w1 = load(1), w2 = load(2);
-    const __m256i a = _mm256_unpacklo_epi32(head, w0), b = _mm256_unpackhi_epi32(head, w0);
-    const __m256i c = _mm256_unpacklo_epi32(w1, w2), e = _mm256_unpackhi_epi32(w1, w2);
-    const __m256i rows[4] = {_mm256_unpacklo_epi64(a, c), _mm256_unpackhi_epi64(a, c), _mm256_unpacklo_epi64(b, e),
-                             _mm256_unpackhi_epi64(b, e)};  // rows r (low half) and r + 4 (high)
-    for (int r = 0; r < 4; ++r) {
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + r * row_bytes), _mm256_castsi256_si128(rows[r]));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + (r + 4) * row_bytes), _mm256_extracti128_si256(rows[r], 1));
-    }
+// Four 32-bit words of eight rows (w[k]: word k of rows 0-7, lane r) -> each row's 16 bytes at out + r * row_bytes.
+inline void store_rows4(const __m256i (&w)[4], uint8_t* out, int64_t row_bytes) {
+  const __m256i a = _mm256_unpacklo_epi32(w[0], w[1]), b = _mm256_unpackhi_epi32(w[0], w[1]);
+  const __m256i c = _mm256_unpacklo_epi32(w[2], w[3]), e = _mm256_unpackhi_epi32(w[2], w[3]);
+  const __m256i rows[4] = {_mm256_unpacklo_epi64(a, c), _mm256_unpackhi_epi64(a, c), _mm256_unpacklo_epi64(b, e),
+                           _mm256_unpackhi_epi64(b, e)};  // rows r (low half) and r + 4 (high)
+  for (int r = 0; r < 4; ++r) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + r * row_bytes), _mm256_castsi256_si128(rows[r]));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + (r + 4) * row_bytes), _mm256_extracti128_si256(rows[r], 1));
   }
-  for (int64_t t = 3; t < kGroupWords; t += 8) {  // words t to t + 7 of each row (4 x 8 = the 32 words of nibbles)
-    __m256i pairs[8], quads[8];
-    for (int k = 0; k < 8; k += 2) {
-      const __m256i first = load(t + k), second = load(t + k + 1);
-      pairs[k] = _mm256_unpacklo_epi32(first, second);
-      pairs[k + 1] = _mm256_unpackhi_epi32(first, second);
+}
+
+// Eight 32-bit words of eight rows, loaded from `words` (32 bytes apart) -> each row's 32 bytes at out + r * row_bytes.
+inline void store_rows8(const uint8_t* words, uint8_t* out, int64_t row_bytes) {
+  __m256i pairs[8], quads[8];
+  for (int k = 0; k < 8; k += 2) {
+    const __m256i first = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(words + 32 * k));
+    const __m256i second = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(words + 32 * k + 32));
+    pairs[k] = _mm256_unpacklo_epi32(first, second);
+    pairs[k + 1] = _mm256_unpackhi_epi32(first, second);
+  }
+  for (int k = 0; k < 8; k += 4)
+    for (int h = 0; h < 2; ++h) {
+      quads[k + h] = _mm256_unpacklo_epi64(pairs[k + h], pairs[k + h + 2]);
+      quads[k + h + 2] = _mm256_unpackhi_epi64(pairs[k + h], pairs[k + h + 2]);
     }
-    for (int k = 0; k < 8; k += 4)
-      for (int h = 0; h < 2; ++h) {
-        quads[k + h] = _mm256_unpacklo_epi64(pairs[k + h], pairs[k + h + 2]);
-        quads[k + h + 2] = _mm256_unpackhi_epi64(pairs[k + h], pairs[k + h + 2]);
-      }
-    // quads[kQuadOfRow[r]]: words t to t + 3 of rows r (low half) and r + 4 (high); 4 quads on, words t + 4 to t + 7
-    constexpr int kQuadOfRow[4] = {0, 2, 1, 3};
-    for (int r = 0; r < 4; ++r) {
-      const int quad = kQuadOfRow[r];
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * row_bytes + 4 + 4 * t),
-                          _mm256_permute2x128_si256(quads[quad], quads[quad + 4], 0x20));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (r + 4) * row_bytes + 4 + 4 * t),
-                          _mm256_permute2x128_si256(quads[quad], quads[quad + 4], 0x31));
-    }
+  // quads[kQuadOfRow[r]]: words 0 to 3 of rows r (low half) and r + 4 (high); 4 quads on, words 4 to 7
+  constexpr int kQuadOfRow[4] = {0, 2, 1, 3};
+  for (int r = 0; r < 4; ++r) {
+    const int quad = kQuadOfRow[r];
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * row_bytes),
+                        _mm256_permute2x128_si256(quads[quad], quads[quad + 4], 0x20));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (r + 4) * row_bytes),
+                        _mm256_permute2x128_si256(quads[quad], quads[quad + 4], 0x31));
+  }
+}
+#endif
+
+// One block column of a row group (kGroupRows blocks) -> the eight rows' GGUF blocks, row r's at out + r * row_bytes,
+// by transposes of 32-bit lanes (copying the words one by one took the batched int8 kernel's 32-row calls 1.4x as
+// long on Q4_K).
+template <int64_t QT>
+inline void ungroup_column(const uint8_t* column, uint8_t* out, int64_t row_bytes) {
+  using G = GroupLayout<QT>;
+#ifdef CARPOOL_SIMD
+  const auto word = [&](int64_t t) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(column + group_word_offset<QT>(t, 0)));
+  };
+  if constexpr (QT == kQ4_K) {  // d and dmin as each row's first word, before words 0-2 (the scales)
+    const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(column + group_half_offset(0, 0)));
+    const __m128i dmin = _mm_loadu_si128(reinterpret_cast<const __m128i*>(column + group_half_offset(1, 0)));
+    store_rows4({_mm256_set_m128i(_mm_unpackhi_epi16(d, dmin), _mm_unpacklo_epi16(d, dmin)), word(0), word(1), word(2)},
+                out, row_bytes);
+    for (int64_t t = 3; t < G::kWords; t += 8) store_rows8(column + group_word_offset<QT>(t, 0), out + 4 + 4 * t, row_bytes);
+  } else {  // Q6_K: its runs of four words (each in four slots in a row), then d
+    for (int64_t t = 0; t < G::kWords; t += 4)
+      store_rows4({word(t), word(t + 1), word(t + 2), word(t + 3)}, out + G::kWordsAt + 4 * t, row_bytes);
+    for (int64_t r = 0; r < kGroupRows; ++r) std::memcpy(out + r * row_bytes + G::kHalvesAt, column + 2 * r, 2);
   }
 #else
   for (int64_t r = 0; r < kGroupRows; ++r) {
     uint8_t* block = out + r * row_bytes;
-    std::memcpy(block, column + group_d_offset(r), 2);
-    std::memcpy(block + 2, column + group_dmin_offset(r), 2);
-    for (int64_t t = 0; t < kGroupWords; ++t) std::memcpy(block + 4 + 4 * t, column + group_word_offset(t, r), 4);
+    for (int64_t h = 0; h < G::kHalves; ++h) std::memcpy(block + G::kHalvesAt + 2 * h, column + group_half_offset(h, r), 2);
+    for (int64_t t = 0; t < G::kWords; ++t)
+      std::memcpy(block + G::kWordsAt + 4 * t, column + group_word_offset<QT>(t, r), 4);
   }
 #endif
 }
 
-// Weight rows as GGUF holds them (octet-major rows stay octet-major), asked for in increasing order by one thread:
-// a row group is put back in GGUF's layout once, whole, for its eight rows (scratch of eight rows).
+// Eight rows' GGUF blocks (row r's at blocks + r * row_bytes) -> one block column of a row group: the inverse, at load.
+template <int64_t QT>
+inline void group_column(const uint8_t* blocks, int64_t row_bytes, uint8_t* column) {
+  using G = GroupLayout<QT>;
+  for (int64_t r = 0; r < kGroupRows; ++r) {
+    const uint8_t* block = blocks + r * row_bytes;
+    for (int64_t h = 0; h < G::kHalves; ++h) std::memcpy(column + group_half_offset(h, r), block + G::kHalvesAt + 2 * h, 2);
+    for (int64_t t = 0; t < G::kWords; ++t)
+      std::memcpy(column + group_word_offset<QT>(t, r), block + G::kWordsAt + 4 * t, 4);
+  }
+}
+
+// Weight rows of format QT as GGUF holds them (octet-major rows stay octet-major), asked for in increasing order by
+// one thread: a row group is put back in GGUF's layout once, whole, for its eight rows (scratch of eight rows).
+template <int64_t QT>
 class RowReader {
  public:
   RowReader(const uint8_t* weight, int64_t row_bytes, Layout layout)
-      : weight_(weight), row_bytes_(row_bytes), grouped_(layout == Layout::kRowGroups) {}
+      : weight_(weight), row_bytes_(row_bytes), grouped_(layout == Layout::kRowGroups) {
+    TORCH_CHECK(!grouped_ || kHasRowGroups<QT>, "RowReader: GGML type ", QT, " has no row groups");
+  }
 
   const uint8_t* operator()(int64_t n) {
     if (!grouped_) return weight_ + n * row_bytes_;
-    const int64_t group = n / kGroupRows;
-    if (group != held_) {
-      const uint8_t* from = weight_ + group * kGroupRows * row_bytes_;
-      constexpr int64_t kColumnBytes = kGroupRows * Format<kQ4_K>::kBytes;
-      scratch_.resize(kGroupRows * row_bytes_);
-      for (int64_t b = 0; b < row_bytes_ / Format<kQ4_K>::kBytes; ++b)
-        ungroup_column(from + b * kColumnBytes, scratch_.data() + b * Format<kQ4_K>::kBytes, row_bytes_);
-      held_ = group;
+    if constexpr (kHasRowGroups<QT>) {
+      const int64_t group = n / kGroupRows;
+      if (group != held_) {
+        const uint8_t* from = weight_ + group * kGroupRows * row_bytes_;
+        constexpr int64_t kBytes = Format<QT>::kBytes;
+        scratch_.resize(kGroupRows * row_bytes_);
+        for (int64_t b = 0; b < row_bytes_ / kBytes; ++b)
+          ungroup_column<QT>(from + b * kGroupRows * kBytes, scratch_.data() + b * kBytes, row_bytes_);
+        held_ = group;
+      }
     }
     return scratch_.data() + n % kGroupRows * row_bytes_;
   }

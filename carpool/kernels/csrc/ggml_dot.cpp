@@ -518,13 +518,13 @@ void dot_row_group(const uint8_t* group, const Int8Rows& x, int64_t m0, const st
   for (int64_t b = 0; b < x.K / 256; ++b) {
     const uint8_t* column = group + b * kColumnBytes;
     carpool::simd::prefetch(column + kGemvPrefetchBytes, kColumnBytes);
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(column + group_d_offset(0))));
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(column + group_half_offset(0, 0))));
     const __m256 dmin =
-        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(column + group_dmin_offset(0))));
+        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(column + group_half_offset(1, 0))));
     Words scale_words[2], min_words[2];
-    k_scale_min_words(reinterpret_cast<Words>(load256(column + group_word_offset(0, 0))),
-                      reinterpret_cast<Words>(load256(column + group_word_offset(1, 0))),
-                      reinterpret_cast<Words>(load256(column + group_word_offset(2, 0))), scale_words, min_words);
+    k_scale_min_words(reinterpret_cast<Words>(load256(column + group_word_offset<kQ4_K>(0, 0))),
+                      reinterpret_cast<Words>(load256(column + group_word_offset<kQ4_K>(1, 0))),
+                      reinterpret_cast<Words>(load256(column + group_word_offset<kQ4_K>(2, 0))), scale_words, min_words);
     const __m256i scales[2] = {reinterpret_cast<__m256i>(scale_words[0]), reinterpret_cast<__m256i>(scale_words[1])};
     const __m256i mins[2] = {reinterpret_cast<__m256i>(min_words[0]), reinterpret_cast<__m256i>(min_words[1])};
     __m256i isum[MR];
@@ -535,7 +535,7 @@ void dot_row_group(const uint8_t* group, const Int8Rows& x, int64_t m0, const st
       __m256i dots[MR][2];
       for (int i = 0; i < MR; ++i) dots[i][0] = dots[i][1] = _mm256_setzero_si256();
       for (int k = 0; k < 8; ++k) {
-        const __m256i raw = load256(column + group_word_offset(3 + 8 * c + k, 0));
+        const __m256i raw = load256(column + group_word_offset<kQ4_K>(3 + 8 * c + k, 0));
         const __m256i lo = _mm256_and_si256(raw, bytes(0x0F));
         const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), bytes(0x0F));
         for (int i = 0; i < MR; ++i) {
@@ -577,24 +577,133 @@ void dot_row_group(const uint8_t* group, const Int8Rows& x, int64_t m0, const st
   }
 }
 
-// Weight rows [first, last) of Q4_K row groups against every activation row. A range that splits a group (callers
-// split a projection's rows in whole groups where they can) computes the whole group and stores its own rows.
-template <typename Y>
+// ---- Q6_K row groups: the same scheme. In half h of a block (128 weights), low word l (l < 8) with low word 8 + l
+// and high word l (GGUF's words 16 h + l, 16 h + 8 + l, 32 + 8 h + l) make the six-bit weights at positions 4 l + (0
+// to 3) + 32 j, j = 0 to 3 (llama.cpp's order), sub-block 2 j + l / 4 of the half. The int8 scales are words 48 to 51
+// (sub-block s: byte s % 4 of word 48 + s / 4), sign-extended in each row's lane. The q - 32 offset costs 32 sum_s
+// sc_s sum_s(q_x) a block, from int16 pairs of scales against pairs of x's sums. The 1.5B's Q6_K, Zen 4, from memory,
+// one row: the LM head 1.63x its GGUF rows' GEMV on one thread, 1.89x on two (39 GB/s); ffn_down 1.41-1.49x; four rows
+// 1.59-1.64x; the decode step 36.1 -> 32.3 ms (1.12x; docs/benchmarks.md).
+
+// x's sums per sub-block of 16 as the int16 pairs (s, s + 2) of the scale pairs below: eight words a block,
+// [0, 2], [1, 3], [4, 6], [5, 7], ...
+std::vector<int32_t> q6_k_sum_pairs(const Int8Rows& x, int64_t m) {
+  const int64_t blocks = x.K / 256;
+  std::vector<int32_t> pairs(8 * blocks);
+  const int16_t* sums = x.sums_row(m);
+  for (int64_t b = 0; b < blocks; ++b)
+    for (int w = 0; w < 8; ++w) {
+      const int s = 4 * (w / 2) + w % 2;
+      pairs[8 * b + w] = static_cast<int32_t>(static_cast<uint16_t>(sums[16 * b + s]) |
+                                              static_cast<uint32_t>(static_cast<uint16_t>(sums[16 * b + s + 2])) << 16);
+    }
+  return pairs;
+}
+
+template <int MR>
+void dot_q6_k_row_group(const uint8_t* group, const Int8Rows& x, int64_t m0, const std::vector<int32_t>* sum_pairs,
+                        __m256* acc) {
+  constexpr int64_t kColumnBytes = kGroupRows * Format<kQ6_K>::kBytes;
+  const auto word = [](const uint8_t* column, int64_t t) { return load256(column + group_word_offset<kQ6_K>(t, 0)); };
+  for (int64_t b = 0; b < x.K / 256; ++b) {
+    const uint8_t* column = group + b * kColumnBytes;
+    carpool::simd::prefetch(column + kGemvPrefetchBytes, kColumnBytes);
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(column + group_half_offset(0, 0))));
+    const __m256i scale_words[4] = {word(column, 48), word(column, 49), word(column, 50), word(column, 51)};
+    __m256i scale[16];  // sub-block s's scale in every row's lane
+    for (int sub = 0; sub < 16; ++sub) {
+      scale[sub] = _mm256_srai_epi32(_mm256_slli_epi32(scale_words[sub / 4], 24 - 8 * (sub % 4)), 24);
+#ifndef CARPOOL_VNNI256
+      scale[sub] = _mm256_or_si256(_mm256_and_si256(scale[sub], _mm256_set1_epi32(0xFFFF)),
+                                   _mm256_slli_epi32(scale[sub], 16));  // in both int16 halves, for vpmaddwd
+#endif
+    }
+    __m256i isum[MR];
+    for (int i = 0; i < MR; ++i) isum[i] = _mm256_setzero_si256();
+    for (int h = 0; h < 2; ++h)
+      for (int half_sub = 0; half_sub < 2; ++half_sub) {  // low words 4 half_sub to + 3: sub-blocks 8 h + 2 j + half_sub
+        const __m256i* sub_scale = scale + 8 * h + half_sub;  // sub_scale[2 j]
+        __m256i dots[MR][4];
+        for (int i = 0; i < MR; ++i)
+          for (int j = 0; j < 4; ++j) dots[i][j] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; ++k) {
+          const int l = 4 * half_sub + k;
+          const __m256i low0 = word(column, 16 * h + l), low1 = word(column, 16 * h + 8 + l);
+          const __m256i high = word(column, 32 + 8 * h + l);
+          const __m256i q[4] = {
+              _mm256_or_si256(_mm256_and_si256(low0, bytes(0x0F)), _mm256_and_si256(_mm256_slli_epi16(high, 4), bytes(0x30))),
+              _mm256_or_si256(_mm256_and_si256(low1, bytes(0x0F)), _mm256_and_si256(_mm256_slli_epi16(high, 2), bytes(0x30))),
+              _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(low0, 4), bytes(0x0F)), _mm256_and_si256(high, bytes(0x30))),
+              _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(low1, 4), bytes(0x0F)),
+                              _mm256_and_si256(_mm256_srli_epi16(high, 2), bytes(0x30))),
+          };
+          for (int i = 0; i < MR; ++i) {
+            const int8_t* values = x.q_row(m0 + i) + 256 * b + 128 * h + 4 * l;
+            for (int j = 0; j < 4; ++j)
+#ifdef CARPOOL_VNNI256
+              dots[i][j] = dpbusd256(dots[i][j], q[j], broadcast4(values + 32 * j));
+#else  // int16 pair sums over two positions at most: 2 x 2 x 63 x 127 = 32004, no saturation
+              dots[i][j] = _mm256_add_epi16(dots[i][j], _mm256_maddubs_epi16(q[j], broadcast4(values + 32 * j)));
+#endif
+          }
+#ifndef CARPOOL_VNNI256
+          if (k % 2 == 1)
+            for (int i = 0; i < MR; ++i)
+              for (int j = 0; j < 4; ++j) {
+                isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(dots[i][j], sub_scale[2 * j]));
+                dots[i][j] = _mm256_setzero_si256();
+              }
+#endif
+        }
+#ifdef CARPOOL_VNNI256
+        for (int i = 0; i < MR; ++i)
+          for (int j = 0; j < 4; ++j) isum[i] = _mm256_add_epi32(isum[i], _mm256_mullo_epi32(dots[i][j], sub_scale[2 * j]));
+#endif
+      }
+    // scales s and s + 2 as int16 pairs of each row's lane (bytes 0 and 2, then 1 and 3, of a word), against x's
+    // pairs of sums (q6_k_sum_pairs' order)
+    __m256i scale_pairs[8];
+    for (int w = 0; w < 4; ++w) {
+      scale_pairs[2 * w] = _mm256_srai_epi16(_mm256_slli_epi16(scale_words[w], 8), 8);
+      scale_pairs[2 * w + 1] = _mm256_srai_epi16(scale_words[w], 8);
+    }
+    for (int i = 0; i < MR; ++i) {
+      const int32_t* pairs = sum_pairs[i].data() + 8 * b;
+      __m256i offset = _mm256_madd_epi16(scale_pairs[0], _mm256_set1_epi32(pairs[0]));
+      for (int w = 1; w < 8; ++w)
+        offset = _mm256_add_epi32(offset, _mm256_madd_epi16(scale_pairs[w], _mm256_set1_epi32(pairs[w])));
+      const __m256 x_scale = _mm256_set1_ps(x.d_row(m0 + i)[b]);
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(isum[i], _mm256_slli_epi32(offset, 5))),
+                               _mm256_mul_ps(d, x_scale), acc[i]);
+    }
+  }
+}
+
+// Weight rows [first, last) of Q4_K or Q6_K row groups against every activation row. A range that splits a group
+// (callers split a projection's rows in whole groups where they can) computes the whole group and stores its own rows.
+template <int64_t QT, typename Y>
 void int8_dot_row_groups(const Int8Rows& x, const uint8_t* weight, int64_t first, int64_t last, Y* y, int64_t ldy) {
-  const int64_t group_bytes = kGroupRows * x.K / 256 * Format<kQ4_K>::kBytes, M = x.M;
+  const int64_t group_bytes = kGroupRows * x.K / 256 * Format<QT>::kBytes, M = x.M;
   std::vector<std::vector<int32_t>> sum_pairs(M);
-  for (int64_t m = 0; m < M; ++m) sum_pairs[m] = subblock_sum_pairs(x, m);
+  for (int64_t m = 0; m < M; ++m) sum_pairs[m] = QT == kQ4_K ? subblock_sum_pairs(x, m) : q6_k_sum_pairs(x, m);
   for (int64_t g = first / kGroupRows; g * kGroupRows < last; ++g) {
     const uint8_t* group = weight + g * group_bytes;
     for (int64_t m = 0; m < M; m += kGemvPassRows) {  // a second pass finds the group's weights in cache
       const int64_t mr = std::min(kGemvPassRows, M - m);
       __m256 acc[kGemvPassRows];
       for (auto& a : acc) a = _mm256_setzero_ps();
+      const auto dot = [&]<int MR>() {
+        if constexpr (QT == kQ4_K)
+          dot_row_group<MR>(group, x, m, sum_pairs.data() + m, acc);
+        else
+          dot_q6_k_row_group<MR>(group, x, m, sum_pairs.data() + m, acc);
+      };
       switch (mr) {
-        case 1: dot_row_group<1>(group, x, m, sum_pairs.data() + m, acc); break;
-        case 2: dot_row_group<2>(group, x, m, sum_pairs.data() + m, acc); break;
-        case 3: dot_row_group<3>(group, x, m, sum_pairs.data() + m, acc); break;
-        default: dot_row_group<4>(group, x, m, sum_pairs.data() + m, acc); break;
+        case 1: dot.template operator()<1>(); break;
+        case 2: dot.template operator()<2>(); break;
+        case 3: dot.template operator()<3>(); break;
+        default: dot.template operator()<4>(); break;
       }
       alignas(32) float out[kGroupRows];
       for (int64_t i = 0; i < mr; ++i) {
@@ -689,7 +798,7 @@ void dot_block_rows(const uint8_t* row, const Int8Rows& x, int64_t m0, float* ou
 template <int64_t QT, Layout kLayout, typename Y>
 void int8_dot_rows(const Int8Rows& x, const uint8_t* weight, int64_t first, int64_t last, Y* y, int64_t ldy) {
   const int64_t row_bytes = x.K / Format<QT>::kWeights * Format<QT>::kBytes, M = x.M;
-  RowReader rows(weight, row_bytes, kLayout);  // row groups: the portable build's
+  RowReader<QT> rows(weight, row_bytes, kLayout);  // row groups: the portable build's
   float out[kGemvPassRows];
   for (int64_t n = first; n < last; ++n) {
     const uint8_t* row = rows(n);
@@ -856,7 +965,7 @@ void int8_gemv_rows(const Int8Rows& x, const uint8_t* weight, int64_t qtype, int
     if constexpr (kHasRowGroups<QT>) {
       if (format.layout == Layout::kRowGroups) {
 #ifdef CARPOOL_SIMD
-        return int8_dot_row_groups(x, weight, first, last, y, ldy);
+        return int8_dot_row_groups<QT>(x, weight, first, last, y, ldy);
 #else
         return int8_dot_rows<QT, Layout::kRowGroups>(x, weight, first, last, y, ldy);
 #endif

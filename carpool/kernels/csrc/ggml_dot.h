@@ -27,10 +27,10 @@ MatmulMode matmul_mode();
 // (SmolLM2's matmuls, 1 thread, loaded machine: 5 rows 16.2 ms batched, 12.9 ms as two GEMV calls of 4 + 1 rows on
 // AVX-512, 15.6 vs 13.0 on AVX2; at 6-8 rows the GEMV gained at most 16% there and lost 6% on AVX2 at 8).
 constexpr int64_t kInt8GemvMaxRows = 5;
-// Q4_K row groups (ggml_blocks.h) run the GEMV up to 8 rows: its passes read the groups in place, while the batched
-// kernel first puts each group back in GGUF's layout (Qwen2.5-Coder-1.5B's 8960x1536 at 8 rows, Zen 4, avx512: the
-// GEMV's two passes 0.94-1.13x the batched kernel on GGUF rows, the batched kernel on row groups 0.77-0.95x; at 6
-// rows 1.30x).
+// Q4_K and Q6_K row groups (ggml_blocks.h) run the GEMV up to 8 rows: its passes read the groups in place, while the
+// batched kernel first puts each group back in GGUF's layout (Qwen2.5-Coder-1.5B's 8960x1536 Q4_K at 8 rows, Zen 4,
+// avx512: the GEMV's two passes 0.94-1.13x the batched kernel on GGUF rows, the batched kernel on row groups
+// 0.77-0.95x; at 6 rows 1.30x; its Q6_K LM head at 8 rows 1.07-1.12x).
 constexpr int64_t kRowGroupGemvMaxRows = 8;
 
 // Activation rows up to which int8-dot mode runs the GEMV for `qtype` (its layout flag included); above it the

@@ -389,7 +389,7 @@ struct Panel {
         negdm(L::kMinGroups ? width * K / 32 : 0) {}
 
   template <bool kSums>
-  void unpack(RowReader& rows, Layout layout, int64_t n0, int64_t columns) {
+  void unpack(RowReader<QT>& rows, Layout layout, int64_t n0, int64_t columns) {
     const int64_t blocks = K / kW;
     for (int64_t n = 0; n < width; ++n) {
       if (n >= columns) {  // past the last column: zeros, whose outputs are dropped
@@ -615,7 +615,7 @@ void int8_gemm_tiles(const InterleavedRows& q, const uint8_t* weight, Layout lay
   std::atomic<int64_t> next_panel{0};
   auto run_panels = [&] {
     Panel<QT> panel(K, width);
-    RowReader rows(weight, row_bytes, layout);
+    RowReader<QT> rows(weight, row_bytes, layout);
     alignas(64) float out[NR * RV * V::kLanes];
     int64_t p = next_panel.fetch_add(chunk), end = std::min(p + chunk, panels);
     while (p < end) {
@@ -631,10 +631,14 @@ void int8_gemm_tiles(const InterleavedRows& q, const uint8_t* weight, Layout lay
       // unpacking is where the weights first arrive, and it waited on them (40% of a 32-row Q4_K call, measured).
       // Spread over the tile's blocks: issued all at once they stalled on the core's outstanding misses (the loop of
       // them was 2.6% of a 32-sequence step of the 1.5B on Zen 4; spread, the step ran 1.13-1.17x as fast).
-      // A row group is read whole with its first row (RowReader): the next panel reads the groups that start in it.
-      const int64_t unit = layout == Layout::kRowGroups ? kGroupRows : 1;
-      const int64_t ahead_row = (following * width + unit - 1) / unit * unit;
-      const int64_t ahead_end = std::min(N, (following * width + width + unit - 1) / unit * unit);
+      // A row group is read whole with its first row (RowReader), so a panel narrower than a group prefetches the
+      // bytes kGroupRows - width rows past the next panel's: a group arrives in parts over the panels before the one
+      // that reads it. (Whole groups, each before the panel it starts in, came all at once every other panel on
+      // avx512's 4-row panels: the 1.5B's Q6_K LM head at 32 rows ran 0.84-0.86x its GGUF rows' speed, 0.88-0.94x
+      // since.)
+      const int64_t shift = layout == Layout::kRowGroups ? std::max<int64_t>(0, kGroupRows - width) : 0;
+      const int64_t ahead_row = std::min(N, following * width + shift);
+      const int64_t ahead_end = std::min(N, following * width + width + shift);
       const uint8_t* ahead = following < end ? weight + ahead_row * row_bytes : nullptr;
       int64_t ahead_bytes = ahead ? std::max<int64_t>(0, ahead_end - ahead_row) * row_bytes : 0;
       for (int64_t v0 = 0; v0 < vectors; v0 += block_vectors) {

@@ -132,7 +132,7 @@ inline void dot_rows(const X* x, const X* w, int64_t rows_left, int64_t K, float
 template <int64_t QT, typename X, typename Y>
 void fused_linear_rows(const X* x, const uint8_t* weight, Layout layout, int64_t M, int64_t K, int64_t first,
                        int64_t last, Y* y, int64_t ldy, X* panel) {
-  RowReader reader(weight, K / Format<QT>::kWeights * Format<QT>::kBytes, layout);
+  RowReader<QT> reader(weight, K / Format<QT>::kWeights * Format<QT>::kBytes, layout);
   alignas(16) float dots[kMaxMR * kTileRows];
   for (int64_t n0 = first; n0 < last; n0 += kExactPanelRows) {
     const int64_t rows = std::min(kExactPanelRows, last - n0);
@@ -165,7 +165,7 @@ void fused_linear(const X* x, const uint8_t* weight, Layout layout, int64_t M, i
 template <int64_t QT, typename T>
 void dequantize_rows(const uint8_t* weight, Layout layout, int64_t N, int64_t K, T* out) {
   at::parallel_for(0, N, 16, [&](int64_t first, int64_t last) {
-    RowReader rows(weight, K / Format<QT>::kWeights * Format<QT>::kBytes, layout);
+    RowReader<QT> rows(weight, K / Format<QT>::kWeights * Format<QT>::kBytes, layout);
     for (int64_t n = first; n < last; ++n) dequantize_row<QT>(rows(n), K, layout, out + n * K);
   });
 }
@@ -214,28 +214,27 @@ at::Tensor ggml_octet_major(const at::Tensor& qweight, int64_t qtype) {
   return out;
 }
 
-// Q4_K rows (a multiple of 8 of them) -> the same rows in groups of eight (ggml_blocks.h), whose qtype is then
-// qtype | kRowGroups.
+// Q4_K or Q6_K rows (a multiple of 8 of them) -> the same rows in groups of eight (ggml_blocks.h), whose qtype is
+// then qtype | kRowGroups.
 at::Tensor ggml_row_groups(const at::Tensor& qweight, int64_t qtype) {
   const int64_t K = checked_in_features(qweight, qtype), N = qweight.size(0);
-  TORCH_CHECK(qtype == kQ4_K, "qtype: only Q4_K (12) rows go in row groups, got ", qtype);
+  TORCH_CHECK(qtype == kQ4_K || qtype == kQ6_K, "qtype: only Q4_K (12) and Q6_K (14) rows go in row groups, got ",
+              qtype);
   TORCH_CHECK(N % kGroupRows == 0, "qweight: ", N, " rows do not split into groups of ", kGroupRows);
-  constexpr int64_t kBytes = Format<kQ4_K>::kBytes;
-  const int64_t blocks = K / Format<kQ4_K>::kWeights, row_bytes = qweight.size(1);
   at::Tensor out = at::empty_like(qweight);
-  const uint8_t* from = qweight.data_ptr<uint8_t>();
-  uint8_t* to = out.data_ptr<uint8_t>();
-  at::parallel_for(0, N / kGroupRows, 1, [&](int64_t first, int64_t last) {
-    for (int64_t g = first; g < last; ++g)
-      for (int64_t b = 0; b < blocks; ++b) {
-        uint8_t* column = to + g * kGroupRows * row_bytes + b * kGroupRows * kBytes;
-        for (int64_t r = 0; r < kGroupRows; ++r) {
-          const uint8_t* block = from + (g * kGroupRows + r) * row_bytes + b * kBytes;
-          std::memcpy(column + group_d_offset(r), block, 2);
-          std::memcpy(column + group_dmin_offset(r), block + 2, 2);
-          for (int64_t t = 0; t < kGroupWords; ++t) std::memcpy(column + group_word_offset(t, r), block + 4 + 4 * t, 4);
-        }
-      }
+  dispatch_qtype(qtype, [&]<int64_t QT>() {
+    if constexpr (kHasRowGroups<QT>) {
+      constexpr int64_t kBytes = Format<QT>::kBytes;
+      const int64_t blocks = K / Format<QT>::kWeights, row_bytes = qweight.size(1);
+      const uint8_t* from = qweight.data_ptr<uint8_t>();
+      uint8_t* to = out.data_ptr<uint8_t>();
+      at::parallel_for(0, N / kGroupRows, 1, [&](int64_t first, int64_t last) {
+        for (int64_t g = first; g < last; ++g)
+          for (int64_t b = 0; b < blocks; ++b)
+            group_column<QT>(from + g * kGroupRows * row_bytes + b * kBytes, row_bytes,
+                             to + g * kGroupRows * row_bytes + b * kGroupRows * kBytes);
+      });
+    }
   });
   return out;
 }
@@ -249,7 +248,7 @@ at::Tensor ggml_gguf_rows(const at::Tensor& qweight, int64_t qtype) {
     constexpr int64_t kBytes = Format<QT>::kBytes;
     const int64_t blocks = K / Format<QT>::kWeights;
     uint8_t* to = out.data_ptr<uint8_t>();
-    RowReader rows(qweight.data_ptr<uint8_t>(), qweight.size(1), format.layout);
+    RowReader<QT> rows(qweight.data_ptr<uint8_t>(), qweight.size(1), format.layout);
     for (int64_t n = 0; n < N; ++n) {
       GgufBlocks<QT> row(rows(n), K, format.layout);
       for (int64_t b = 0; b < blocks; ++b) std::memcpy(to + (n * blocks + b) * kBytes, row[b], kBytes);
