@@ -634,7 +634,7 @@ void int8_gemm_tiles(const InterleavedRows& q, const uint8_t* weight, Layout lay
       // A row group is read whole with its first row (RowReader), so a panel narrower than a group prefetches the
       // bytes kGroupRows - width rows past the next panel's: a group arrives in parts over the panels before the one
       // that reads it. (Whole groups, each before the panel it starts in, came all at once every other panel on
-      // avx512's 4-row panels: the 1.5B's Q6_K LM head at 32 rows ran 0.84-0.86x its GGUF rows' speed, 0.88-0.94x
+      // avx512's 4-row panels: the 1.5B's Q6_K LM head at 32 rows ran 0.84-0.86x its GGUF rows' speed, 0.88-0.90x
       // since.)
       const int64_t shift = layout == Layout::kRowGroups ? std::max<int64_t>(0, kGroupRows - width) : 0;
       const int64_t ahead_row = std::min(N, following * width + shift);
