@@ -33,7 +33,8 @@ def test_smollm2_brings_its_own_q4_1_and_its_tied_lm_head():
 
 def test_layouts_time_the_same_product_in_gguf_and_carpools_arrangement(monkeypatch, capsys):
     """--layouts: each rearranged format's two columns are one matmul (the same outputs), the second from its
-    arrangement (Q4_0/Q4_1 octet-major, Q4_K and Q6_K row groups), each call on the next of --copies copies of the matrix."""
+    arrangement (Q4_0/Q4_1 octet-major, Q4_K and Q6_K row groups), each call on the next of --copies copies of the
+    matrix."""
     calls_seen, timed = [], []
     linear = gemv.linear
 

@@ -189,7 +189,7 @@ def check_server(model, device, cpu, fp32):
         firsts = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
                      if line.startswith("carpool:time_to_first_token_seconds_count"))
         assert firsts == 2, f"/metrics counts {firsts} first tokens for 2 requests"
-        return f"{name}: {whole.usage.completion_tokens} tokens, the stream equals the whole answer, /metrics counts both"
+        return f"{name}: {whole.usage.completion_tokens} tokens, the stream equals the answer, /metrics counts both"
     finally:
         server.terminate()
         server.wait(timeout=30)

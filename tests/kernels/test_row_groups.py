@@ -59,7 +59,8 @@ def test_row_groups_give_the_same_outputs_bit_for_bit_past_the_gemv(every_row_co
         for dtype in (torch.float32, torch.bfloat16):
             x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows)).to(dtype)
             expected = torch.ops.carpool.ggml_linear(x, blocks, int(qtype))
-            assert torch.equal(torch.ops.carpool.ggml_linear(x, grouped, int(qtype) | ROW_GROUPS), expected), (mode, rows)
+            out = torch.ops.carpool.ggml_linear(x, grouped, int(qtype) | ROW_GROUPS)
+            assert torch.equal(out, expected), (mode, rows)
 
 
 @pytest.mark.parametrize("qtype", FORMATS)

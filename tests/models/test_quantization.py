@@ -147,7 +147,8 @@ def test_k_quant_matrices_go_in_row_groups_on_the_path_but_not_an_embeddings(mon
     proj, odd, tied = random_k_quant(24, 512), random_k_quant(12, 256, seed=1), random_k_quant(16, 256, seed=2)
     down = random_k_quant(16, 512, seed=3, qtype=gguf.GGMLQuantizationType.Q6_K)
     model = torch.nn.ModuleDict({"proj": torch.nn.Linear(512, 24, bias=False),
-                                 "odd": torch.nn.Linear(256, 12, bias=False), "down": torch.nn.Linear(512, 16, bias=False),
+                                 "odd": torch.nn.Linear(256, 12, bias=False),
+                                 "down": torch.nn.Linear(512, 16, bias=False),
                                  "head": torch.nn.Linear(256, 16, bias=False), "embed": torch.nn.Embedding(16, 256)})
     state = {"proj.weight": proj, "odd.weight": odd, "down.weight": down, "head.weight": tied, "embed.weight": tied}
     install_ggml_modules(model, state, torch.float32)

@@ -51,10 +51,10 @@ constexpr int64_t kOctetScaleBytes = QT == kQ4_1 ? 32 : 16;  // d (and m) of an 
 //
 // Row groups (torch.ops.carpool.ggml_row_groups; Q4_K and Q6_K matrices of a multiple of 8 rows): rows 8g to 8g + 7
 // share bytes [8g, 8g + 8) x row bytes, block column by block column: the eight rows' f16 halves (Q4_K: d, then dmin;
-// Q6_K: d), half h of row r at 16 h + 2 r, then the block's four-byte words, word t of row r at 16 kHalves + 32 t +
-// 4 r (GroupLayout). One 32-byte load is then a word of all eight rows, so the GEMV unpacks eight blocks' scales at
-// once and dots each four activation values (broadcast) with eight rows, summing a row in one lane instead of
-// reducing a vector per row (llama.cpp repacks Q4_K alike for its AVX2 GEMV, q4_K_8x8).
+// Q6_K: d), half h of row r at 16 h + 2 r, then the block's four-byte words, word t of row r at 16 kHalves +
+// 32 slot(t) + 4 r (GroupLayout). One 32-byte load is then a word of all eight rows, so the GEMV unpacks eight
+// blocks' scales at once and dots each four activation values (broadcast) with eight rows, summing a row in one lane
+// instead of reducing a vector per row (llama.cpp repacks Q4_K alike for its AVX2 GEMV, q4_K_8x8).
 constexpr int64_t kRowGroups = 1 << 9, kGroupRows = 8;
 template <int64_t QT>
 constexpr bool kHasRowGroups = QT == kQ4_K || QT == kQ6_K;
@@ -167,6 +167,18 @@ class GgufBlocks {
 };
 
 #ifdef CARPOOL_SIMD
+// Q6_K's six-bit weights (0-63, before the - 32) from 32 bytes of low bits each of a half's two runs (low0: weights
+// 0-31 and 64-95 in its nibbles, low1: 32-63 and 96-127) and their 32 bytes of high bits (two bits a weight):
+// q[j] holds weights 32 j to 32 j + 31 of each byte position (llama.cpp's order), as GGUF rows and row groups alike.
+inline void q6_k_weights(__m256i low0, __m256i low1, __m256i high, __m256i (&q)[4]) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), high2 = _mm256_set1_epi8(0x30);
+  q[0] = _mm256_or_si256(_mm256_and_si256(low0, low4), _mm256_and_si256(_mm256_slli_epi16(high, 4), high2));
+  q[1] = _mm256_or_si256(_mm256_and_si256(low1, low4), _mm256_and_si256(_mm256_slli_epi16(high, 2), high2));
+  q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(low0, 4), low4), _mm256_and_si256(high, high2));
+  q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(low1, 4), low4),
+                         _mm256_and_si256(_mm256_srli_epi16(high, 2), high2));
+}
+
 // Four 32-bit words of eight rows (w[k]: word k of rows 0-7, lane r) -> each row's 16 bytes at out + r * row_bytes.
 inline void store_rows4(const __m256i (&w)[4], uint8_t* out, int64_t row_bytes) {
   const __m256i a = _mm256_unpacklo_epi32(w[0], w[1]), b = _mm256_unpackhi_epi32(w[0], w[1]);
@@ -220,7 +232,8 @@ inline void ungroup_column(const uint8_t* column, uint8_t* out, int64_t row_byte
     const __m128i dmin = _mm_loadu_si128(reinterpret_cast<const __m128i*>(column + group_half_offset(1, 0)));
     store_rows4({_mm256_set_m128i(_mm_unpackhi_epi16(d, dmin), _mm_unpacklo_epi16(d, dmin)), word(0), word(1), word(2)},
                 out, row_bytes);
-    for (int64_t t = 3; t < G::kWords; t += 8) store_rows8(column + group_word_offset<QT>(t, 0), out + 4 + 4 * t, row_bytes);
+    for (int64_t t = 3; t < G::kWords; t += 8)
+      store_rows8(column + group_word_offset<QT>(t, 0), out + G::kWordsAt + 4 * t, row_bytes);
   } else {  // Q6_K: its runs of four words (each in four slots in a row), then d
     for (int64_t t = 0; t < G::kWords; t += 4)
       store_rows4({word(t), word(t + 1), word(t + 2), word(t + 3)}, out + G::kWordsAt + 4 * t, row_bytes);
@@ -229,7 +242,8 @@ inline void ungroup_column(const uint8_t* column, uint8_t* out, int64_t row_byte
 #else
   for (int64_t r = 0; r < kGroupRows; ++r) {
     uint8_t* block = out + r * row_bytes;
-    for (int64_t h = 0; h < G::kHalves; ++h) std::memcpy(block + G::kHalvesAt + 2 * h, column + group_half_offset(h, r), 2);
+    for (int64_t h = 0; h < G::kHalves; ++h)
+      std::memcpy(block + G::kHalvesAt + 2 * h, column + group_half_offset(h, r), 2);
     for (int64_t t = 0; t < G::kWords; ++t)
       std::memcpy(block + G::kWordsAt + 4 * t, column + group_word_offset<QT>(t, r), 4);
   }
@@ -242,7 +256,8 @@ inline void group_column(const uint8_t* blocks, int64_t row_bytes, uint8_t* colu
   using G = GroupLayout<QT>;
   for (int64_t r = 0; r < kGroupRows; ++r) {
     const uint8_t* block = blocks + r * row_bytes;
-    for (int64_t h = 0; h < G::kHalves; ++h) std::memcpy(column + group_half_offset(h, r), block + G::kHalvesAt + 2 * h, 2);
+    for (int64_t h = 0; h < G::kHalves; ++h)
+      std::memcpy(column + group_half_offset(h, r), block + G::kHalvesAt + 2 * h, 2);
     for (int64_t t = 0; t < G::kWords; ++t)
       std::memcpy(column + group_word_offset<QT>(t, r), block + G::kWordsAt + 4 * t, 4);
   }

@@ -447,13 +447,8 @@ void dot_block_rows(const uint8_t* row, const Int8Rows& x, int64_t m0, float* ou
       for (int i = 0; i < MR; ++i) isum[i] = _mm256_setzero_si256();
       for (int h = 0; h < 2; ++h) {
         const __m256i low0 = load256(p + 64 * h), low1 = load256(p + 64 * h + 32), high = load256(p + 128 + 32 * h);
-        const __m256i q[4] = {
-            _mm256_or_si256(_mm256_and_si256(low0, bytes(0x0F)), _mm256_and_si256(_mm256_slli_epi16(high, 4), bytes(0x30))),
-            _mm256_or_si256(_mm256_and_si256(low1, bytes(0x0F)), _mm256_and_si256(_mm256_slli_epi16(high, 2), bytes(0x30))),
-            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(low0, 4), bytes(0x0F)), _mm256_and_si256(high, bytes(0x30))),
-            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(low1, 4), bytes(0x0F)),
-                            _mm256_and_si256(_mm256_srli_epi16(high, 2), bytes(0x30))),
-        };
+        __m256i q[4];
+        q6_k_weights(low0, low1, high, q);
         // Sub-blocks 8h + 2k and 8h + 2k + 1 (16 weights each): one scale per 128-bit half of the int16 products.
         const __m256i scale16 = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scales + 8 * h))));
         for (int k = 0; k < 4; ++k) {
@@ -518,13 +513,15 @@ void dot_row_group(const uint8_t* group, const Int8Rows& x, int64_t m0, const st
   for (int64_t b = 0; b < x.K / 256; ++b) {
     const uint8_t* column = group + b * kColumnBytes;
     carpool::simd::prefetch(column + kGemvPrefetchBytes, kColumnBytes);
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(column + group_half_offset(0, 0))));
+    const __m256 d =
+        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(column + group_half_offset(0, 0))));
     const __m256 dmin =
         _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(column + group_half_offset(1, 0))));
     Words scale_words[2], min_words[2];
-    k_scale_min_words(reinterpret_cast<Words>(load256(column + group_word_offset<kQ4_K>(0, 0))),
-                      reinterpret_cast<Words>(load256(column + group_word_offset<kQ4_K>(1, 0))),
-                      reinterpret_cast<Words>(load256(column + group_word_offset<kQ4_K>(2, 0))), scale_words, min_words);
+    const auto scale_word = [&](int64_t t) {
+      return reinterpret_cast<Words>(load256(column + group_word_offset<kQ4_K>(t, 0)));
+    };
+    k_scale_min_words(scale_word(0), scale_word(1), scale_word(2), scale_words, min_words);
     const __m256i scales[2] = {reinterpret_cast<__m256i>(scale_words[0]), reinterpret_cast<__m256i>(scale_words[1])};
     const __m256i mins[2] = {reinterpret_cast<__m256i>(min_words[0]), reinterpret_cast<__m256i>(min_words[1])};
     __m256i isum[MR];
@@ -608,7 +605,8 @@ void dot_q6_k_row_group(const uint8_t* group, const Int8Rows& x, int64_t m0, con
   for (int64_t b = 0; b < x.K / 256; ++b) {
     const uint8_t* column = group + b * kColumnBytes;
     carpool::simd::prefetch(column + kGemvPrefetchBytes, kColumnBytes);
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(column + group_half_offset(0, 0))));
+    const __m256 d =
+        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(column + group_half_offset(0, 0))));
     const __m256i scale_words[4] = {word(column, 48), word(column, 49), word(column, 50), word(column, 51)};
     __m256i scale[16];  // sub-block s's scale in every row's lane
     for (int sub = 0; sub < 16; ++sub) {
@@ -621,7 +619,7 @@ void dot_q6_k_row_group(const uint8_t* group, const Int8Rows& x, int64_t m0, con
     __m256i isum[MR];
     for (int i = 0; i < MR; ++i) isum[i] = _mm256_setzero_si256();
     for (int h = 0; h < 2; ++h)
-      for (int half_sub = 0; half_sub < 2; ++half_sub) {  // low words 4 half_sub to + 3: sub-blocks 8 h + 2 j + half_sub
+      for (int half_sub = 0; half_sub < 2; ++half_sub) {  // low words 4 half_sub + (0-3); sub-blocks 8 h + 2 j + it
         const __m256i* sub_scale = scale + 8 * h + half_sub;  // sub_scale[2 j]
         __m256i dots[MR][4];
         for (int i = 0; i < MR; ++i)
@@ -631,13 +629,8 @@ void dot_q6_k_row_group(const uint8_t* group, const Int8Rows& x, int64_t m0, con
           const int l = 4 * half_sub + k;
           const __m256i low0 = word(column, 16 * h + l), low1 = word(column, 16 * h + 8 + l);
           const __m256i high = word(column, 32 + 8 * h + l);
-          const __m256i q[4] = {
-              _mm256_or_si256(_mm256_and_si256(low0, bytes(0x0F)), _mm256_and_si256(_mm256_slli_epi16(high, 4), bytes(0x30))),
-              _mm256_or_si256(_mm256_and_si256(low1, bytes(0x0F)), _mm256_and_si256(_mm256_slli_epi16(high, 2), bytes(0x30))),
-              _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(low0, 4), bytes(0x0F)), _mm256_and_si256(high, bytes(0x30))),
-              _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(low1, 4), bytes(0x0F)),
-                              _mm256_and_si256(_mm256_srli_epi16(high, 2), bytes(0x30))),
-          };
+          __m256i q[4];
+          q6_k_weights(low0, low1, high, q);
           for (int i = 0; i < MR; ++i) {
             const int8_t* values = x.q_row(m0 + i) + 256 * b + 128 * h + 4 * l;
             for (int j = 0; j < 4; ++j)
@@ -658,7 +651,8 @@ void dot_q6_k_row_group(const uint8_t* group, const Int8Rows& x, int64_t m0, con
         }
 #ifdef CARPOOL_VNNI256
         for (int i = 0; i < MR; ++i)
-          for (int j = 0; j < 4; ++j) isum[i] = _mm256_add_epi32(isum[i], _mm256_mullo_epi32(dots[i][j], sub_scale[2 * j]));
+          for (int j = 0; j < 4; ++j)
+            isum[i] = _mm256_add_epi32(isum[i], _mm256_mullo_epi32(dots[i][j], sub_scale[2 * j]));
 #endif
       }
     // scales s and s + 2 as int16 pairs of each row's lane (bytes 0 and 2, then 1 and 3, of a word), against x's

@@ -167,13 +167,8 @@ int32_t unpack_block(const uint8_t* p, int8_t* w, int32_t* sc, float& d, float* 
     __m256i bias32 = _mm256_setzero_si256();
     for (int h = 0; h < 2; ++h) {
       const __m256i low0 = load256(p + 64 * h), low1 = load256(p + 64 * h + 32), high = load256(p + 128 + 32 * h);
-      const __m256i q[4] = {
-          _mm256_or_si256(_mm256_and_si256(low0, bytes(0x0F)), _mm256_and_si256(_mm256_slli_epi16(high, 4), bytes(0x30))),
-          _mm256_or_si256(_mm256_and_si256(low1, bytes(0x0F)), _mm256_and_si256(_mm256_slli_epi16(high, 2), bytes(0x30))),
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(low0, 4), bytes(0x0F)), _mm256_and_si256(high, bytes(0x30))),
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(low1, 4), bytes(0x0F)),
-                          _mm256_and_si256(_mm256_srli_epi16(high, 2), bytes(0x30))),
-      };
+      __m256i q[4];
+      q6_k_weights(low0, low1, high, q);
       // Sub-blocks 8h + 2k and 8h + 2k + 1 are bytes 0-15 and 16-31 of q[k]: their scales, byte for byte.
       const __m256i scale_bytes = _mm256_broadcastsi128_si256(scale8);
       for (int k = 0; k < 4; ++k) {
