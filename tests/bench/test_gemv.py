@@ -67,8 +67,9 @@ def test_layouts_time_the_same_product_in_gguf_and_carpools_arrangement(monkeypa
     assert len(timed) == 4 * 2 * len(gemv.COMPARED)  # Q4_0, Q4_1, Q4_K and Q6_K, two row counts, both modes
     for qtype, outputs in timed:
         for gguf_y, rearranged_y in zip(outputs["gguf"], outputs["rearranged"]):
-            if qtype in (Q.Q4_K, Q.Q6_K):  # the row-group GEMV rounds each block's whole sum, the GGUF rows' GEMV parts
-                torch.testing.assert_close(gguf_y, rearranged_y, rtol=1e-5, atol=1e-5)
+            if qtype in (Q.Q4_K, Q.Q6_K):  # the row-group GEMV rounds each block's whole sum, the GGUF rows' GEMV parts:
+                # fp32 rounding within test_int8_dot's bound (2e-6 of the magnitude; 1200 draws of x: at most 3.8e-7)
+                assert (gguf_y - rearranged_y).abs().max() <= 2e-6 * gguf_y.abs().max()
             else:
                 assert torch.equal(gguf_y, rearranged_y)
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| Q4_", "| Q6_"))]
