@@ -24,16 +24,6 @@ def int8_dot():
     torch.ops.carpool.set_matmul_mode(previous)
 
 
-@pytest.fixture
-def every_row_count_int8():
-    """int8-dot mode, with every format's row limit raised so each row count below takes the integer path."""
-    previous_mode = torch.ops.carpool.set_matmul_mode(INT8_DOT)
-    previous = {qtype: torch.ops.carpool.set_int8_dot_max_rows(int(qtype), 1 << 20) for qtype in QTYPES}
-    yield
-    for qtype, rows in previous.items():
-        torch.ops.carpool.set_int8_dot_max_rows(int(qtype), rows)
-    torch.ops.carpool.set_matmul_mode(previous_mode)
-
 
 def block_of(qtype) -> int:
     return 256 if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K) else 32

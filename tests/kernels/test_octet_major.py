@@ -23,16 +23,6 @@ def octet_major(blocks: torch.Tensor, qtype) -> torch.Tensor:
     return torch.ops.carpool.ggml_octet_major(blocks, int(qtype))
 
 
-@pytest.fixture
-def every_row_count_int8():
-    """int8-dot mode with the Q4 formats' row limits raised, so every row count takes the integer kernels."""
-    previous_mode = set_matmul_mode("int8-dot")
-    previous = {qtype: torch.ops.carpool.set_int8_dot_max_rows(int(qtype), 1 << 20) for qtype in FORMATS}
-    yield
-    for qtype, rows in previous.items():
-        torch.ops.carpool.set_int8_dot_max_rows(int(qtype), rows)
-    set_matmul_mode(previous_mode)
-
 
 @pytest.mark.parametrize("cols", (*WIDTHS, 64))
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)

@@ -23,16 +23,6 @@ def row_groups(blocks: torch.Tensor, qtype) -> torch.Tensor:
     return torch.ops.carpool.ggml_row_groups(blocks, int(qtype))
 
 
-@pytest.fixture
-def every_row_count_int8():
-    """int8-dot mode with every row-group format's row limit raised, so every row count takes the integer kernels."""
-    previous_mode = set_matmul_mode("int8-dot")
-    previous = {qtype: torch.ops.carpool.set_int8_dot_max_rows(int(qtype), 1 << 20) for qtype in FORMATS}
-    yield
-    for qtype, rows in previous.items():
-        torch.ops.carpool.set_int8_dot_max_rows(int(qtype), rows)
-    set_matmul_mode(previous_mode)
-
 
 @pytest.mark.parametrize("qtype", FORMATS)
 @pytest.mark.parametrize("cols", WIDTHS)

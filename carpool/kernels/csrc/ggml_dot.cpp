@@ -480,21 +480,33 @@ void dot_block_rows(const uint8_t* row, const Int8Rows& x, int64_t m0, float* ou
 // weights from memory, Zen 4: one row 1.46-1.50x the GGUF rows' GEMV on one thread (two: 1.24-1.66x, 27-38 GB/s,
 // the memory's wall), four rows 1.73-1.91x; the 1.5B's decode step 42.7 -> 36.9 ms (docs/benchmarks.md).
 
-// x's sums per sub-block of one activation row, as the int16 pairs (j, j + 2) that the minimums multiply: four
-// int32 words per 256-value block ([0, 2], [1, 3], [4, 6], [5, 7]); sums of 32 int8 values fit int16.
-std::vector<int32_t> subblock_sum_pairs(const Int8Rows& x, int64_t m) {
-  const int64_t blocks = x.K / 256;
-  std::vector<int32_t> pairs(4 * blocks);
+// x's sums per sub-block of `sub` values (Q4_K's 32, Q6_K's 16) of one activation row, as the int16 pairs
+// (j, j + 2) that the row groups' per-sub-block weights (Q4_K's minimums, Q6_K's scales) multiply: 128 / sub int32
+// words per 256-value block ([0, 2], [1, 3], [4, 6], [5, 7], ...); sums of 32 int8 values fit int16.
+std::vector<int32_t> subblock_sum_pairs(const Int8Rows& x, int64_t m, int sub) {
+  const int64_t blocks = x.K / 256, words = 128 / sub, per_sub = sub / 16;
+  std::vector<int32_t> pairs(words * blocks);
   const int16_t* sums = x.sums_row(m);
-  for (int64_t b = 0; b < blocks; ++b) {
-    int32_t sub[8];
-    for (int j = 0; j < 8; ++j) sub[j] = sums[16 * b + 2 * j] + sums[16 * b + 2 * j + 1];
-    for (int w = 0; w < 4; ++w) {
+  const auto sub_sum = [&](int64_t b, int j) {
+    int32_t total = 0;
+    for (int64_t k = 0; k < per_sub; ++k) total += sums[16 * b + per_sub * j + k];
+    return static_cast<uint16_t>(total);
+  };
+  for (int64_t b = 0; b < blocks; ++b)
+    for (int w = 0; w < words; ++w) {
       const int j = 4 * (w / 2) + w % 2;
-      pairs[4 * b + w] = static_cast<int32_t>(static_cast<uint16_t>(sub[j]) | static_cast<uint32_t>(sub[j + 2]) << 16);
+      pairs[words * b + w] = static_cast<int32_t>(sub_sum(b, j) | static_cast<uint32_t>(sub_sum(b, j + 2)) << 16);
     }
-  }
   return pairs;
+}
+
+// sum_w pairs[w] . x_pairs[w] per int32 lane: each lane's int16 pairs against one pair of x's sums, broadcast.
+template <int W>
+inline __m256i pair_dots(const __m256i (&pairs)[W], const int32_t* x_pairs) {
+  __m256i total = _mm256_madd_epi16(pairs[0], _mm256_set1_epi32(x_pairs[0]));
+  for (int w = 1; w < W; ++w)
+    total = _mm256_add_epi32(total, _mm256_madd_epi16(pairs[w], _mm256_set1_epi32(x_pairs[w])));
+  return total;
 }
 
 inline __m256i broadcast4(const int8_t* p) {
@@ -563,10 +575,7 @@ void dot_row_group(const uint8_t* group, const Int8Rows& x, int64_t m0, const st
         _mm256_and_si256(mins[0], bytes02), _mm256_and_si256(_mm256_srli_epi32(mins[0], 8), bytes02),
         _mm256_and_si256(mins[1], bytes02), _mm256_and_si256(_mm256_srli_epi32(mins[1], 8), bytes02)};
     for (int i = 0; i < MR; ++i) {
-      const int32_t* pairs = sum_pairs[i].data() + 4 * b;
-      __m256i min_sum = _mm256_madd_epi16(min_pairs[0], _mm256_set1_epi32(pairs[0]));
-      for (int w = 1; w < 4; ++w)
-        min_sum = _mm256_add_epi32(min_sum, _mm256_madd_epi16(min_pairs[w], _mm256_set1_epi32(pairs[w])));
+      const __m256i min_sum = pair_dots(min_pairs, sum_pairs[i].data() + 4 * b);
       const __m256 x_scale = _mm256_set1_ps(x.d_row(m0 + i)[b]);
       acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_mul_ps(d, x_scale), acc[i]);
       acc[i] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(min_sum), _mm256_mul_ps(dmin, x_scale), acc[i]);
@@ -581,21 +590,6 @@ void dot_row_group(const uint8_t* group, const Int8Rows& x, int64_t m0, const st
 // sc_s sum_s(q_x) a block, from int16 pairs of scales against pairs of x's sums. The 1.5B's Q6_K, Zen 4, from memory,
 // one row: the LM head 1.63x its GGUF rows' GEMV on one thread, 1.89x on two (39 GB/s); ffn_down 1.41-1.49x; four rows
 // 1.59-1.64x; the decode step 36.1 -> 32.3 ms (1.12x; docs/benchmarks.md).
-
-// x's sums per sub-block of 16 as the int16 pairs (s, s + 2) of the scale pairs below: eight words a block,
-// [0, 2], [1, 3], [4, 6], [5, 7], ...
-std::vector<int32_t> q6_k_sum_pairs(const Int8Rows& x, int64_t m) {
-  const int64_t blocks = x.K / 256;
-  std::vector<int32_t> pairs(8 * blocks);
-  const int16_t* sums = x.sums_row(m);
-  for (int64_t b = 0; b < blocks; ++b)
-    for (int w = 0; w < 8; ++w) {
-      const int s = 4 * (w / 2) + w % 2;
-      pairs[8 * b + w] = static_cast<int32_t>(static_cast<uint16_t>(sums[16 * b + s]) |
-                                              static_cast<uint32_t>(static_cast<uint16_t>(sums[16 * b + s + 2])) << 16);
-    }
-  return pairs;
-}
 
 template <int MR>
 void dot_q6_k_row_group(const uint8_t* group, const Int8Rows& x, int64_t m0, const std::vector<int32_t>* sum_pairs,
@@ -656,17 +650,14 @@ void dot_q6_k_row_group(const uint8_t* group, const Int8Rows& x, int64_t m0, con
 #endif
       }
     // scales s and s + 2 as int16 pairs of each row's lane (bytes 0 and 2, then 1 and 3, of a word), against x's
-    // pairs of sums (q6_k_sum_pairs' order)
+    // pairs of sums (subblock_sum_pairs' order)
     __m256i scale_pairs[8];
     for (int w = 0; w < 4; ++w) {
       scale_pairs[2 * w] = _mm256_srai_epi16(_mm256_slli_epi16(scale_words[w], 8), 8);
       scale_pairs[2 * w + 1] = _mm256_srai_epi16(scale_words[w], 8);
     }
     for (int i = 0; i < MR; ++i) {
-      const int32_t* pairs = sum_pairs[i].data() + 8 * b;
-      __m256i offset = _mm256_madd_epi16(scale_pairs[0], _mm256_set1_epi32(pairs[0]));
-      for (int w = 1; w < 8; ++w)
-        offset = _mm256_add_epi32(offset, _mm256_madd_epi16(scale_pairs[w], _mm256_set1_epi32(pairs[w])));
+      const __m256i offset = pair_dots(scale_pairs, sum_pairs[i].data() + 8 * b);
       const __m256 x_scale = _mm256_set1_ps(x.d_row(m0 + i)[b]);
       acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(isum[i], _mm256_slli_epi32(offset, 5))),
                                _mm256_mul_ps(d, x_scale), acc[i]);
@@ -680,7 +671,7 @@ template <int64_t QT, typename Y>
 void int8_dot_row_groups(const Int8Rows& x, const uint8_t* weight, int64_t first, int64_t last, Y* y, int64_t ldy) {
   const int64_t group_bytes = kGroupRows * x.K / 256 * Format<QT>::kBytes, M = x.M;
   std::vector<std::vector<int32_t>> sum_pairs(M);
-  for (int64_t m = 0; m < M; ++m) sum_pairs[m] = QT == kQ4_K ? subblock_sum_pairs(x, m) : q6_k_sum_pairs(x, m);
+  for (int64_t m = 0; m < M; ++m) sum_pairs[m] = subblock_sum_pairs(x, m, QT == kQ4_K ? 32 : 16);
   for (int64_t g = first / kGroupRows; g * kGroupRows < last; ++g) {
     const uint8_t* group = weight + g * group_bytes;
     for (int64_t m = 0; m < M; m += kGemvPassRows) {  // a second pass finds the group's weights in cache
