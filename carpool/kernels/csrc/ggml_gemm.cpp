@@ -10,7 +10,8 @@
 //      + sum_g negdm_g (x_d sum_g(x_q))                                         (Q4_1: m; Q4_K/Q5_K: -dmin m_g)
 // where the weights are the block's signed integers (Q4_0: q - 8, Q6_K: q - 32, ...), so the 128 bias is one integer
 // per block and column, subtracted once for all rows. Register tile: NR columns x RV vectors of rows; each thread
-// unpacks NR columns over all of K, prefetches the next NR while it computes, and runs every row vector on them.
+// unpacks a panel of columns over all of K (Panel), prefetches the next panel's while it computes, and runs every
+// row vector on them.
 //
 // AVX-512: vpdpbusd on 16 rows (zmm) or 8 (ymm, batches of up to 8); AVX-VNNI: vpdpbusd on 8 rows. AVX2: vpmaddubsw
 // on 8 rows, its int16 pairs summed over a few steps before one vpmaddwd (GemmLayout::kPairSteps); Q8_0, signed on
@@ -100,6 +101,15 @@ inline int32_t byte_sum32(__m256i v) {
   return first + second;
 }
 
+// A Q4_K / Q5_K block's eight sub-block scales (bytes of `scales`) as integers, and its minimums (bytes of `mins`)
+// times -dmin.
+inline void k_block_scales(uint64_t scales, uint64_t mins, float dmin, int32_t* sc, float* negdm) {
+  const __m128i scale8 = _mm_cvtsi64_si128(static_cast<int64_t>(scales));
+  const __m128i min8 = _mm_cvtsi64_si128(static_cast<int64_t>(mins));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(sc), _mm256_cvtepu8_epi32(scale8));
+  _mm256_storeu_ps(negdm, _mm256_mul_ps(_mm256_set1_ps(-dmin), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(min8))));
+}
+
 // One block of one column as integers: w[kWeights] signed, sc per sub-block, d, negdm per min group; returns
 // sum_s sc_s sum_s(w) (the 128 bias of x's u8 form times this is what the dot products overcount), or 0 without
 // kSums (x without a bias needs none; the sums were 7 of 13 instructions per 64 Q4_K weights). Sums are taken on
@@ -128,14 +138,10 @@ int32_t unpack_block(const uint8_t* p, int8_t* w, int32_t* sc, float& d, float* 
     return kSums ? byte_sum32(q) - 32 * offset : 0;
   } else if constexpr (QT == kQ4_K || QT == kQ5_K) {
     d = half_to_float(p);
-    const float dmin = half_to_float(p + 2);
     uint64_t scales, mins;
     k_scales_mins_packed(p + 4, scales, mins);
-    const __m128i scale8 = _mm_cvtsi64_si128(static_cast<int64_t>(scales));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(sc), _mm256_cvtepu8_epi32(scale8));
-    _mm256_storeu_ps(negdm, _mm256_mul_ps(_mm256_set1_ps(-dmin),
-                                          _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(mins))))));
-    const __m256i scale_bytes = _mm256_broadcastsi128_si256(scale8);
+    k_block_scales(scales, mins, half_to_float(p + 2), sc, negdm);
+    const __m256i scale_bytes = _mm256_broadcastsi128_si256(_mm_cvtsi64_si128(static_cast<int64_t>(scales)));
     const uint8_t* qs = p + (QT == kQ5_K ? 48 : 16);
     __m256i high;
     if constexpr (QT == kQ5_K) high = load256(p + 16);
@@ -203,15 +209,23 @@ int32_t unpack_block(const Q4Parts& parts, int8_t* w, int32_t* sc, float& d, flo
 
 // ---- vector lanes over activation rows ----------------------------------------------------------------------
 
-inline int32_t load4(const int8_t* p) {
+inline int32_t load4(const void* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
   return v;
 }
-inline int64_t load8(const int8_t* p) {
+// A column's 8 or 16 weights from two or four steps of 4, `step` bytes apart (4: contiguous).
+inline int64_t load_steps8(const int8_t* p, int64_t step) {
   int64_t v;
-  std::memcpy(&v, p, 8);
-  return v;
+  if (step == 4) {
+    std::memcpy(&v, p, 8);
+    return v;
+  }
+  return static_cast<uint32_t>(load4(p)) | static_cast<int64_t>(load4(p + step)) << 32;
+}
+inline __m128i load_steps16(const int8_t* p, int64_t step) {
+  if (step == 4) return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm_setr_epi32(load4(p), load4(p + step), load4(p + 2 * step), load4(p + 3 * step));
 }
 
 #ifdef CARPOOL_AVX512
@@ -226,12 +240,13 @@ struct Rows16 {
   static F fload(const float* p) { return _mm512_loadu_ps(p); }
   static I dot(I acc, I x, I w) { return _mm512_dpbusd_epi32(acc, x, w); }
   static I dot_unsigned(I acc, I x, I w) { return _mm512_dpbusd_epi32(acc, w, x); }
-  // A column's kGroup weights at p, in every kGroup bytes of the vector (each row's share of a step of x).
+  // A column's kGroup weights at p (four of them each `step` bytes on: Panel), in every kGroup bytes of the vector
+  // (each row's share of a step of x).
   template <int kGroup>
-  static I weights(const int8_t* p) {
+  static I weights(const int8_t* p, int64_t step) {
     if constexpr (kGroup == 4) return _mm512_set1_epi32(load4(p));
-    else if constexpr (kGroup == 8) return _mm512_set1_epi64(load8(p));
-    else return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    else if constexpr (kGroup == 8) return _mm512_set1_epi64(load_steps8(p, step));
+    else return _mm512_broadcast_i32x4(load_steps16(p, step));
   }
   // Each lane the total of its row's kGroup / 4 lanes (InterleavedRows' last vector).
   template <int kGroup>
@@ -266,10 +281,10 @@ struct Rows8 {
   static constexpr bool kInt16Pairs = true;
 #endif
   template <int kGroup>  // as Rows16's
-  static I weights(const int8_t* p) {
+  static I weights(const int8_t* p, int64_t step) {
     if constexpr (kGroup == 4) return _mm256_set1_epi32(load4(p));
-    else if constexpr (kGroup == 8) return _mm256_set1_epi64x(load8(p));
-    else return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    else if constexpr (kGroup == 8) return _mm256_set1_epi64x(load_steps8(p, step));
+    else return _mm256_broadcastsi128_si256(load_steps16(p, step));
   }
   template <int kGroup>  // as Rows16's
   static I row_totals(I t) {
@@ -367,34 +382,51 @@ InterleavedRows quantize_interleaved(const float* x, int64_t M, int64_t K, int64
   return out;
 }
 
-// `width` columns unpacked over all of K: what the tiles' broadcasts read, once per call.
+// `width` columns unpacked over all of K: what the tiles' broadcasts read, once per call. A column's weights are
+// column-major ([width][K]), or, for row groups, interleaved ([K / 4][width][4]: each step of four weights holds
+// every column's, as a group holds its eight rows' words), so that a group unpacks in place: one 32-byte load is a
+// word of eight columns, unpacked and stored whole, where putting each group back in GGUF's layout first (RowReader,
+// 8 x 8 transposes) and unpacking row by row had made the unpack ~13% of a 32-row call (Zen 4, perf; from L2 or L3
+// alike). Panels of row groups hold whole groups. `step` is the bytes from a column's four weights to its next four.
+// The 1.5B's matrices, one call, int8, the old unpack against this in one process (docs/benchmarks.md): Q4_K
+// 8960x1536 at 16 / 32 / 64 rows 1.06x / 1.03x / 1.02x, the Q6_K LM head at 16 / 32 rows 1.18x / 1.15x (2
+// threads), 512 rows unchanged.
 template <int64_t QT>
 struct Panel {
   using L = GemmLayout<QT>;
   static constexpr int64_t kW = Format<QT>::kWeights;
   int64_t K, width;
-  std::vector<int8_t> w;       // [width][K]
+  bool interleaved;
+  int64_t step;
+  std::vector<int8_t> w;       // [width][K] or [K / 4][width][4]
   std::vector<int32_t> sc;     // [width][K / kSub]
   std::vector<int32_t> bias;   // [width][K / kW]
   std::vector<float> d;        // [width][K / kW]
   std::vector<float> negdm;    // [width][K / 32] (formats with min terms)
 
-  Panel(int64_t K, int64_t width)
-      : K(K), width(width), w(width * K), sc(width * K / L::kSub), bias(width * K / kW), d(width * K / kW),
-        negdm(L::kMinGroups ? width * K / 32 : 0) {}
+  Panel(int64_t K, int64_t width, bool interleaved)
+      : K(K), width(width), interleaved(interleaved), step(interleaved ? 4 * width : 4), w(width * K),
+        sc(width * K / L::kSub), bias(width * K / kW), d(width * K / kW), negdm(L::kMinGroups ? width * K / 32 : 0) {}
+
+  const int8_t* column(int64_t n) const { return w.data() + n * (interleaved ? 4 : K); }
 
   template <bool kSums>
-  void unpack(RowReader<QT>& rows, Layout layout, int64_t n0, int64_t columns) {
+  void unpack(RowReader<QT>& rows, const uint8_t* weight, int64_t row_bytes, Layout layout, int64_t n0,
+              int64_t columns) {
     const int64_t blocks = K / kW;
-    for (int64_t n = 0; n < width; ++n) {
-      if (n >= columns) {  // past the last column: zeros, whose outputs are dropped
-        std::fill_n(w.begin() + n * K, K, 0);
-        std::fill_n(sc.begin() + n * K / L::kSub, K / L::kSub, 0);
-        std::fill_n(bias.begin() + n * blocks, blocks, 0);
-        std::fill_n(d.begin() + n * blocks, blocks, 0.0f);
-        if constexpr (L::kMinGroups > 0) std::fill_n(negdm.begin() + n * K / 32, K / 32, 0.0f);
-        continue;
+    if (columns < width) {  // past the last column: zeros, whose outputs are dropped
+      std::fill_n(w.begin() + (interleaved ? 0 : columns * K), interleaved ? width * K : (width - columns) * K, 0);
+      std::fill(sc.begin() + columns * K / L::kSub, sc.end(), 0);
+      std::fill(bias.begin() + columns * blocks, bias.end(), 0);
+      std::fill(d.begin() + columns * blocks, d.end(), 0.0f);
+      std::fill(negdm.begin() + std::min<int64_t>(negdm.size(), columns * K / 32), negdm.end(), 0.0f);
+    }
+    if constexpr (kHasRowGroups<QT>)
+      if (interleaved) {
+        for (int64_t n = 0; n < columns; n += kGroupRows) unpack_group<kSums>(weight + (n0 + n) * row_bytes, n);
+        return;
       }
+    for (int64_t n = 0; n < columns; ++n) {
       auto unpack_one = [&](int64_t b, const auto& block) {
         bias[n * blocks + b] = unpack_block<QT, kSums>(block, w.data() + n * K + b * kW,
                                                        sc.data() + (n * K + b * kW) / L::kSub, d[n * blocks + b],
@@ -405,6 +437,81 @@ struct Panel {
         row.for_each_q4(blocks, unpack_one);
       else
         for (int64_t b = 0; b < blocks; ++b) unpack_one(b, row[b]);
+    }
+  }
+
+  // Row group `group` (its eight rows' blocks, kernels/csrc/ggml_blocks.h) into columns n to n + 7, each 32-byte
+  // word of the group a step of eight columns' weights once unpacked.
+  template <bool kSums>
+  void unpack_group(const uint8_t* group, int64_t n) {
+    const int64_t blocks = K / kW, at_step = step;  // held: the int8 stores below may alias every member
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* column = group + b * kGroupRows * Format<QT>::kBytes;
+      const auto word = [&](int64_t t) { return load256(column + group_word_offset<QT>(t, 0)); };
+      int8_t* at = w.data() + b * kW / 4 * at_step + 4 * n;  // step 0 of this block, column n
+      if constexpr (QT == kQ4_K) {
+        using Words = uint32_t __attribute__((vector_size(32)));
+        Words scale_words[2], min_words[2];
+        k_scale_min_words(reinterpret_cast<Words>(word(0)), reinterpret_cast<Words>(word(1)),
+                          reinterpret_cast<Words>(word(2)), scale_words, min_words);
+        for (int64_t r = 0; r < kGroupRows; ++r) {
+          const int64_t c = n + r;
+          d[c * blocks + b] = half_to_float(column + group_half_offset(0, r));
+          k_block_scales(scale_words[0][r] | static_cast<uint64_t>(scale_words[1][r]) << 32,
+                         min_words[0][r] | static_cast<uint64_t>(min_words[1][r]) << 32,
+                         half_to_float(column + group_half_offset(1, r)), sc.data() + (c * K + b * kW) / L::kSub,
+                         negdm.data() + (c * K + b * kW) / 32);
+        }
+        // word 3 + 8 run + i: nibbles 4 i to + 3 of 32-byte run `run`, weights 64 run + 4 i to + 3 (low nibbles) and
+        // 32 on (high)
+        for (int64_t run = 0; run < 4; ++run)
+#pragma GCC unroll 8
+          for (int64_t i = 0; i < 8; ++i) {
+            const __m256i nibbles = word(3 + 8 * run + i);
+            int8_t* low = at + (16 * run + i) * at_step;
+            store256(low, _mm256_and_si256(nibbles, bytes(0x0F)));
+            store256(low + 8 * at_step, _mm256_and_si256(_mm256_srli_epi16(nibbles, 4), bytes(0x0F)));
+          }
+      } else {  // Q6_K, as its row-group GEMV reads it (ggml_dot.cpp)
+        __m256i scale_pairs[16];  // sub-block s's scale in both int16 halves of each row's lane, for the sums
+        __m256i scale_total = _mm256_setzero_si256(), sums = _mm256_setzero_si256();
+        if constexpr (kSums)
+          for (int s = 0; s < 16; ++s) {
+            const __m256i scale = _mm256_srai_epi32(_mm256_slli_epi32(word(48 + s / 4), 24 - 8 * (s % 4)), 24);
+            scale_total = _mm256_add_epi32(scale_total, scale);
+            scale_pairs[s] = _mm256_or_si256(_mm256_and_si256(scale, _mm256_set1_epi32(0xFFFF)),
+                                             _mm256_slli_epi32(scale, 16));
+          }
+        for (int64_t r = 0; r < kGroupRows; ++r) {
+          const int64_t c = n + r;
+          d[c * blocks + b] = half_to_float(column + group_half_offset(0, r));
+          const uint8_t* scales = column + group_word_offset<QT>(48, r);  // row r's 16 scales, four a word
+          const __m128i scale8 = _mm_setr_epi32(load4(scales), load4(scales + 32), load4(scales + 64),
+                                                load4(scales + 96));
+          int32_t* to = sc.data() + (c * K + b * kW) / L::kSub;
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(to), _mm256_cvtepi8_epi32(scale8));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(to + 8), _mm256_cvtepi8_epi32(_mm_srli_si128(scale8, 8)));
+        }
+        // pass (h, l): weights 128 h + 4 l + 32 j to + 3 (j = 0-3) of every row, sub-block 8 h + 2 j + l / 4
+        for (int h = 0; h < 2; ++h)
+#pragma GCC unroll 8
+          for (int l = 0; l < 8; ++l) {
+            __m256i q[4];
+            q6_k_weights(word(16 * h + l), word(16 * h + 8 + l), word(32 + 8 * h + l), q);
+            for (int j = 0; j < 4; ++j) {
+              store256(at + (32 * h + l + 8 * j) * at_step, _mm256_sub_epi8(q[j], bytes(32)));
+              if constexpr (kSums)  // u8 q <= 63: pairs within int16, times the scale in both halves
+                sums = _mm256_add_epi32(sums, _mm256_madd_epi16(_mm256_maddubs_epi16(q[j], bytes(1)),
+                                                                 scale_pairs[8 * h + 2 * j + l / 4]));
+            }
+          }
+        if constexpr (kSums) {  // q - 32: minus 32 * 16 * sum_s sc_s
+          alignas(32) int32_t row_bias[kGroupRows];
+          _mm256_store_si256(reinterpret_cast<__m256i*>(row_bias),
+                             _mm256_sub_epi32(sums, _mm256_slli_epi32(scale_total, 9)));
+          for (int64_t r = 0; r < kGroupRows; ++r) bias[(n + r) * blocks + b] = row_bias[r];
+        }
+      }
     }
   }
 };
@@ -422,8 +529,8 @@ inline void keep_in_register(T& v) {
 // its unsigned operand and x the signed one, which an instruction may take from memory: x held in registers, or GCC
 // folded its loads into every column's vpdpbusd (NR loads per vector instead of one; Q4_K at 32 rows 5% slower).
 template <int64_t QT, typename V, int NR, int RV, int kGroup>
-inline void block_totals(const uint8_t* xu, int64_t vector_bytes, const int8_t* const* w, const int32_t* const* sc,
-                         int64_t b, typename V::I (&total)[NR][RV]) {
+inline void block_totals(const uint8_t* xu, int64_t vector_bytes, const int8_t* const* w, int64_t step,
+                         const int32_t* const* sc, int64_t b, typename V::I (&total)[NR][RV]) {
   using L = GemmLayout<QT>;
   constexpr int64_t kW = Format<QT>::kWeights;
   constexpr int64_t stride = V::kLanes * 4;
@@ -441,7 +548,7 @@ inline void block_totals(const uint8_t* xu, int64_t vector_bytes, const int8_t* 
         if constexpr (L::kUnsignedWeights) keep_in_register(xv[r]);
       }
       for (int n = 0; n < NR; ++n) {
-        const typename V::I wv = V::template weights<kGroup>(w[n] + k0 + kGroup * g);
+        const typename V::I wv = V::template weights<kGroup>(w[n] + (k0 + kGroup * g) / 4 * step, step);
         for (int r = 0; r < RV; ++r) {
           if constexpr (L::kUnsignedWeights)
             part[n][r] = V::dot_unsigned(part[n][r], xv[r], wv);
@@ -467,7 +574,7 @@ inline void block_totals(const uint8_t* xu, int64_t vector_bytes, const int8_t* 
 // kPairSteps steps. Unsigned weights are the instruction's unsigned operand, x (then signed) the other; Q8_0's
 // |w| is, against x with w's sign (kSignedPairs).
 template <int64_t QT, int NR, int RV, int kGroup>
-inline void block_totals_pairs(const uint8_t* xu, int64_t vector_bytes, const int8_t* const* w,
+inline void block_totals_pairs(const uint8_t* xu, int64_t vector_bytes, const int8_t* const* w, int64_t step,
                                const int32_t* const* sc, int64_t b, __m256i (&total)[NR][RV]) {
   using L = GemmLayout<QT>;
   constexpr int64_t kW = Format<QT>::kWeights;
@@ -484,7 +591,7 @@ inline void block_totals_pairs(const uint8_t* xu, int64_t vector_bytes, const in
         __m256i xv[RV];
         for (int r = 0; r < RV; ++r) xv[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + 32 * g + r * vector_bytes));
         for (int n = 0; n < NR; ++n) {
-          const __m256i wv = Rows8::weights<kGroup>(w[n] + k0 + kGroup * (g0 + g));
+          const __m256i wv = Rows8::weights<kGroup>(w[n] + (k0 + kGroup * (g0 + g)) / 4 * step, step);
           [[maybe_unused]] const __m256i magnitude = L::kSignedPairs ? _mm256_abs_epi8(wv) : wv;
           for (int r = 0; r < RV; ++r) {
             __m256i product;
@@ -523,7 +630,7 @@ void gemm_tile(const Panel<QT>& panel, int64_t c0, const InterleavedRows& x, int
   const int8_t* w[NR];
   const int32_t* sc[NR];
   for (int n = 0; n < NR; ++n) {
-    w[n] = panel.w.data() + (c0 + n) * K;
+    w[n] = panel.column(c0 + n);
     sc[n] = panel.sc.data() + (c0 + n) * (K / L::kSub);
   }
   typename V::F acc[NR][RV];
@@ -534,9 +641,9 @@ void gemm_tile(const Panel<QT>& panel, int64_t c0, const InterleavedRows& x, int
       _mm_prefetch(reinterpret_cast<const char*>(ahead + offset), _MM_HINT_T0);
     typename V::I total[NR][RV];
     if constexpr (V::kInt16Pairs) {
-      block_totals_pairs<QT, NR, RV, kGroup>(xu, vector_bytes, w, sc, b, total);
+      block_totals_pairs<QT, NR, RV, kGroup>(xu, vector_bytes, w, panel.step, sc, b, total);
     } else {
-      block_totals<QT, V, NR, RV, kGroup>(xu, vector_bytes, w, sc, b, total);
+      block_totals<QT, V, NR, RV, kGroup>(xu, vector_bytes, w, panel.step, sc, b, total);
     }
     if constexpr (kGroup > 4)
       for (int n = 0; n < NR; ++n)
@@ -598,7 +705,14 @@ void int8_gemm_tiles(const InterleavedRows& q, const uint8_t* weight, Layout lay
   // Vectors with every lane a row (quantize_interleaved never groups a call of one vector, whose tile has RV 1).
   const int64_t full_vectors = q.tail_group > 4 ? vectors - 1 : vectors;
   const int64_t block_vectors = std::max<int64_t>(RV, kRowBlockBytes / (K * V::kLanes) / RV * RV);
-  const int64_t panel_tiles = vectors > block_vectors ? kPanelTiles : 1, width = panel_tiles * NR;
+  // Row groups unpack in place into panels of whole groups (Panel) where a tile's columns divide a group or groups
+  // divide them. AVX2's 3-column tiles would need 24-column panels, 36 KiB of weights for a row of 1536, past L1
+  // beside the rows' x: a 32-row Q4_K call ran 5.7-5.9 -> 6.2-7.9 ms (Zen 4, forced avx2, one thread); they put
+  // groups back (RowReader) instead.
+  const bool interleaved = layout == Layout::kRowGroups && (kGroupRows % NR == 0 || NR % kGroupRows == 0);
+  int64_t panel_tiles = vectors > block_vectors ? kPanelTiles : 1;
+  while (interleaved && panel_tiles * NR % kGroupRows) ++panel_tiles;
+  const int64_t width = panel_tiles * NR;
   const int64_t panels = (N + width - 1) / width;
   // Each thread claims runs of `chunk` panels as it goes instead of a fixed share: a fixed split waits at the call's
   // end on whichever thread ran slower. 32-sequence decode steps of the 1.5B (Zen 4, alternating steps in one
@@ -609,7 +723,7 @@ void int8_gemm_tiles(const InterleavedRows& q, const uint8_t* weight, Layout lay
   while (chunk * width % (64 / static_cast<int64_t>(sizeof(Y)))) ++chunk;
   std::atomic<int64_t> next_panel{0};
   auto run_panels = [&] {
-    Panel<QT> panel(K, width);
+    Panel<QT> panel(K, width, interleaved);
     RowReader<QT> rows(weight, row_bytes, layout);
     alignas(64) float out[NR * RV * V::kLanes];
     int64_t p = next_panel.fetch_add(chunk), end = std::min(p + chunk, panels);
@@ -621,47 +735,53 @@ void int8_gemm_tiles(const InterleavedRows& q, const uint8_t* weight, Layout lay
         end = std::min(following + chunk, panels);
       }
       const int64_t n0 = p * width, columns = std::min<int64_t>(width, N - n0);
-      panel.template unpack<kXBias<QT, V> != 0>(rows, layout, n0, columns);
-      // The next panel's blocks (contiguous rows) on their way from memory while this one's first tile computes:
-      // unpacking is where the weights first arrive, and it waited on them (40% of a 32-row Q4_K call, measured).
-      // Spread over the tile's blocks: issued all at once they stalled on the core's outstanding misses (the loop of
-      // them was 2.6% of a 32-sequence step of the 1.5B on Zen 4; spread, the step ran 1.13-1.17x as fast).
-      // A row group is read whole with its first row (RowReader), so a panel narrower than a group prefetches the
-      // bytes kGroupRows - width rows past the next panel's: a group arrives in parts over the panels before the one
-      // that reads it. (Whole groups, each before the panel it starts in, came all at once every other panel on
-      // avx512's 4-row panels: the 1.5B's Q6_K LM head at 32 rows ran 0.84-0.86x its GGUF rows' speed, 0.88-0.90x
-      // since.)
+      panel.template unpack<kXBias<QT, V> != 0>(rows, weight, row_bytes, layout, n0, columns);
+      // The next panel's blocks (contiguous rows) on their way from memory while this one computes: unpacking is
+      // where the weights first arrive, and it waited on them (40% of a 32-row Q4_K call, measured). Spread over
+      // the blocks of every tile of the panel's first row block: issued all at once they stalled on the core's
+      // outstanding misses (the loop of them was 2.6% of a 32-sequence step of the 1.5B on Zen 4; spread over a
+      // tile, the step ran 1.13-1.17x as fast), and a row-group panel of two tiles that prefetched in its first tile
+      // only ran the 1.5B's Q6_K LM head at 32 rows from memory 0.94x as fast as over both (Zen 4, one thread).
+      // A row group put back whole with its first row (RowReader) is read then, so a panel narrower than a group
+      // prefetches the bytes kGroupRows - width rows past the next panel's: a group arrives in parts over the panels
+      // before the one that reads it. (Whole groups, each before the panel it starts in, came all at once every other
+      // panel of 4 rows: the 1.5B's Q6_K LM head at 32 rows ran 0.84-0.86x its GGUF rows' speed, 0.88-0.90x since.)
       const int64_t shift = layout == Layout::kRowGroups ? std::max<int64_t>(0, kGroupRows - width) : 0;
       const int64_t ahead_row = std::min(N, following * width + shift);
       const int64_t ahead_end = std::min(N, following * width + width + shift);
       const uint8_t* ahead = following < end ? weight + ahead_row * row_bytes : nullptr;
       int64_t ahead_bytes = ahead ? std::max<int64_t>(0, ahead_end - ahead_row) * row_bytes : 0;
+      const int64_t tiles = (columns + NR - 1) / NR;
+      const int64_t slice = (ahead_bytes + tiles - 1) / tiles;
       for (int64_t v0 = 0; v0 < vectors; v0 += block_vectors) {
         const int64_t v1 = std::min(vectors, v0 + block_vectors), full_end = std::min(v1, full_vectors);
         for (int64_t c0 = 0; c0 < columns; c0 += NR) {
           const int64_t tile_columns = std::min<int64_t>(NR, columns - c0);
+          int64_t tile_ahead = std::min(slice, ahead_bytes);
+          ahead_bytes -= tile_ahead;
           for (int64_t v = v0; v < full_end; v += RV) {
             const int rv = static_cast<int>(std::min<int64_t>(RV, full_end - v));
             if (rv == RV)
-              gemm_tile<QT, V, NR, RV>(panel, c0, q, v, out, ahead, ahead_bytes);
+              gemm_tile<QT, V, NR, RV>(panel, c0, q, v, out, ahead, tile_ahead);
             else
-              gemm_tile<QT, V, NR, 1>(panel, c0, q, v, out, ahead, ahead_bytes);
-            ahead_bytes = 0;
+              gemm_tile<QT, V, NR, 1>(panel, c0, q, v, out, ahead, tile_ahead);
+            tile_ahead = 0;
             store_tile<V::kLanes>(out, rv, static_cast<int>(tile_columns), v, M, y + n0 + c0, N);
           }
           if constexpr (RV > 1)
             if (full_end < v1) {  // the last vector, in its grouped layout
               if (q.tail_group == 8)
-                gemm_tile<QT, V, NR, 1, 8>(panel, c0, q, full_end, out, ahead, ahead_bytes);
+                gemm_tile<QT, V, NR, 1, 8>(panel, c0, q, full_end, out, ahead, tile_ahead);
               else
-                gemm_tile<QT, V, NR, 1, 16>(panel, c0, q, full_end, out, ahead, ahead_bytes);
-              ahead_bytes = 0;
+                gemm_tile<QT, V, NR, 1, 16>(panel, c0, q, full_end, out, ahead, tile_ahead);
+              tile_ahead = 0;
               const int spread = q.tail_group / 4;  // each row's first lane into lane `row`, as store_tile reads
               for (int n = 0; n < NR; ++n)
                 for (int row = 1; row < V::kLanes / spread; ++row)
                   out[n * V::kLanes + row] = out[n * V::kLanes + row * spread];
               store_tile<V::kLanes>(out, 1, static_cast<int>(tile_columns), full_end, M, y + n0 + c0, N);
             }
+          ahead += slice;
         }
       }
       p = following;
