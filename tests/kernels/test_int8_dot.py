@@ -24,7 +24,6 @@ def int8_dot():
     torch.ops.carpool.set_matmul_mode(previous)
 
 
-
 def block_of(qtype) -> int:
     return 256 if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K) else 32
 

@@ -23,7 +23,6 @@ def octet_major(blocks: torch.Tensor, qtype) -> torch.Tensor:
     return torch.ops.carpool.ggml_octet_major(blocks, int(qtype))
 
 
-
 @pytest.mark.parametrize("cols", (*WIDTHS, 64))
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
 def test_octet_major_rows_dequantize_to_the_same_weights(qtype, cols):

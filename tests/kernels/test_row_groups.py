@@ -23,7 +23,6 @@ def row_groups(blocks: torch.Tensor, qtype) -> torch.Tensor:
     return torch.ops.carpool.ggml_row_groups(blocks, int(qtype))
 
 
-
 @pytest.mark.parametrize("qtype", FORMATS)
 @pytest.mark.parametrize("cols", WIDTHS)
 def test_row_groups_hold_the_same_bytes_and_weights(qtype, cols):

@@ -179,6 +179,17 @@ inline void q6_k_weights(__m256i low0, __m256i low1, __m256i high, __m256i (&q)[
                          _mm256_and_si256(_mm256_srli_epi16(high, 2), high2));
 }
 
+// A Q6_K row group's sub-block s scale in each row's 32-bit lane (int8 s of the row's 16, sign-extended), from the
+// group's four scale words (48-51, lane r row r's); the row-group GEMV and the batched kernel's unpack read them so.
+inline __m256i q6_k_group_scale(const __m256i (&scale_words)[4], int s) {
+  return _mm256_srai_epi32(_mm256_slli_epi32(scale_words[s / 4], 24 - 8 * (s % 4)), 24);
+}
+
+// Each 32-bit lane's low int16 in both its halves: a per-lane factor for vpmaddwd's pairs.
+inline __m256i int16_in_both_halves(__m256i v) {
+  return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(v, 16));
+}
+
 // Four 32-bit words of eight rows (w[k]: word k of rows 0-7, lane r) -> each row's 16 bytes at out + r * row_bytes.
 inline void store_rows4(const __m256i (&w)[4], uint8_t* out, int64_t row_bytes) {
   const __m256i a = _mm256_unpacklo_epi32(w[0], w[1]), b = _mm256_unpackhi_epi32(w[0], w[1]);
@@ -288,6 +299,9 @@ class RowReader {
     }
     return scratch_.data() + n % kGroupRows * row_bytes_;
   }
+
+  // The row group holding row n, in place (row groups only).
+  const uint8_t* group(int64_t n) const { return weight_ + n / kGroupRows * kGroupRows * row_bytes_; }
 
  private:
   const uint8_t* weight_;

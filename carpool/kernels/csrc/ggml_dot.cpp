@@ -604,10 +604,9 @@ void dot_q6_k_row_group(const uint8_t* group, const Int8Rows& x, int64_t m0, con
     const __m256i scale_words[4] = {word(column, 48), word(column, 49), word(column, 50), word(column, 51)};
     __m256i scale[16];  // sub-block s's scale in every row's lane
     for (int sub = 0; sub < 16; ++sub) {
-      scale[sub] = _mm256_srai_epi32(_mm256_slli_epi32(scale_words[sub / 4], 24 - 8 * (sub % 4)), 24);
+      scale[sub] = q6_k_group_scale(scale_words, sub);
 #ifndef CARPOOL_VNNI256
-      scale[sub] = _mm256_or_si256(_mm256_and_si256(scale[sub], _mm256_set1_epi32(0xFFFF)),
-                                   _mm256_slli_epi32(scale[sub], 16));  // in both int16 halves, for vpmaddwd
+      scale[sub] = int16_in_both_halves(scale[sub]);  // for vpmaddwd
 #endif
     }
     __m256i isum[MR];

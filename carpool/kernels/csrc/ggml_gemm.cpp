@@ -411,8 +411,7 @@ struct Panel {
   const int8_t* column(int64_t n) const { return w.data() + n * (interleaved ? 4 : K); }
 
   template <bool kSums>
-  void unpack(RowReader<QT>& rows, const uint8_t* weight, int64_t row_bytes, Layout layout, int64_t n0,
-              int64_t columns) {
+  void unpack(RowReader<QT>& rows, Layout layout, int64_t n0, int64_t columns) {
     const int64_t blocks = K / kW;
     if (columns < width) {  // past the last column: zeros, whose outputs are dropped
       std::fill_n(w.begin() + (interleaved ? 0 : columns * K), interleaved ? width * K : (width - columns) * K, 0);
@@ -423,7 +422,7 @@ struct Panel {
     }
     if constexpr (kHasRowGroups<QT>)
       if (interleaved) {
-        for (int64_t n = 0; n < columns; n += kGroupRows) unpack_group<kSums>(weight + (n0 + n) * row_bytes, n);
+        for (int64_t n = 0; n < columns; n += kGroupRows) unpack_group<kSums>(rows.group(n0 + n), n);
         return;
       }
     for (int64_t n = 0; n < columns; ++n) {
@@ -475,13 +474,14 @@ struct Panel {
       } else {  // Q6_K, as its row-group GEMV reads it (ggml_dot.cpp)
         __m256i scale_pairs[16];  // sub-block s's scale in both int16 halves of each row's lane, for the sums
         __m256i scale_total = _mm256_setzero_si256(), sums = _mm256_setzero_si256();
-        if constexpr (kSums)
+        if constexpr (kSums) {
+          const __m256i scale_words[4] = {word(48), word(49), word(50), word(51)};
           for (int s = 0; s < 16; ++s) {
-            const __m256i scale = _mm256_srai_epi32(_mm256_slli_epi32(word(48 + s / 4), 24 - 8 * (s % 4)), 24);
+            const __m256i scale = q6_k_group_scale(scale_words, s);
             scale_total = _mm256_add_epi32(scale_total, scale);
-            scale_pairs[s] = _mm256_or_si256(_mm256_and_si256(scale, _mm256_set1_epi32(0xFFFF)),
-                                             _mm256_slli_epi32(scale, 16));
+            scale_pairs[s] = int16_in_both_halves(scale);
           }
+        }
         for (int64_t r = 0; r < kGroupRows; ++r) {
           const int64_t c = n + r;
           d[c * blocks + b] = half_to_float(column + group_half_offset(0, r));
@@ -735,7 +735,7 @@ void int8_gemm_tiles(const InterleavedRows& q, const uint8_t* weight, Layout lay
         end = std::min(following + chunk, panels);
       }
       const int64_t n0 = p * width, columns = std::min<int64_t>(width, N - n0);
-      panel.template unpack<kXBias<QT, V> != 0>(rows, weight, row_bytes, layout, n0, columns);
+      panel.template unpack<kXBias<QT, V> != 0>(rows, layout, n0, columns);
       // The next panel's blocks (contiguous rows) on their way from memory while this one computes: unpacking is
       // where the weights first arrive, and it waited on them (40% of a 32-row Q4_K call, measured). Spread over
       // the blocks of every tile of the panel's first row block: issued all at once they stalled on the core's
