@@ -19,11 +19,13 @@ HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER = 288, 4, 2, 64, 512  # 288 = nine 32-w
 Q_SIZE, KV_SIZE = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
 EPS, SCALE, BLOCK_SIZE, NUM_BLOCKS = 1e-5, HEAD_DIM**-0.5, 16, 24
 
-# name -> (positions, keys each row attends to, block table row per row): one sequence, three, and one sequence's
-# three verify rows (each row reads the keys the rows before it wrote in the same step); six rows take the batched
-# int8 kernel, so that step runs op by op.
+# name -> (positions, keys each row attends to, block table row per row): one sequence, two (4 attention items on the
+# test's 3 threads: split finer in the region, as too few to share evenly), three, and one sequence's three verify
+# rows (each row reads the keys the rows before it wrote in the same step); six rows take the batched int8 kernel, so
+# that step runs op by op.
 BATCHES = {
     "one": ([20], [21], [0]),
+    "two": ([4, 39], [5, 40], [0, 1]),
     "three": ([4, 39, 16], [5, 40, 17], [0, 1, 2]),
     "verify": ([29, 30, 31], [30, 31, 32], [1, 1, 1]),
     "six": ([4, 39, 16, 0, 7, 25], [5, 40, 17, 1, 8, 26], [0, 1, 2, 3, 4, 5]),

@@ -427,7 +427,8 @@ class DecodeStack : public torch::CustomClassHolder {
     const int64_t* position = positions.data_ptr<int64_t>();
     const float eps = static_cast<float>(eps_), scale = static_cast<float>(scale_);
     PreparedInput prepared;
-    // Steps with fewer attention items than threads (one sequence of few KV heads) share each item finer.
+    // Steps with fewer attention items than threads, or too few to share evenly (one sequence of few KV heads), share
+    // each item finer (SplitDecodeAttention::pays).
     using Split = carpool::kernels::SplitDecodeAttention<T>;
     Split split;
     bool split_now = false;
@@ -455,7 +456,7 @@ class DecodeStack : public torch::CustomClassHolder {
         {
           for (int64_t t = 0; t < M; ++t)
             position_token(layer, group, qkv + t * qkv_width, t, position[t], cos, sin, eps);
-          split_now = Split::pays(runs * num_kv_heads_, threads) &&
+          split_now = Split::pays(runs * num_kv_heads_, threads, /*in_region=*/true) &&
                       split.prepare(qkv, qkv_width, layer.k_cache.data_ptr<T>(), layer.v_cache.data_ptr<T>(),
                                     group.tables, group.lens, group.runs.data(), runs, attended, num_heads_,
                                     num_kv_heads_, head_dim_, layer.k_cache.size(1), group.max_blocks, scale,

@@ -92,7 +92,13 @@ class SplitDecodeAttention {
   // 2,000 keys, op by op): Gemma 3's one item 2.8 -> 1.75 ms for 18 layers' calls (one thread reads ~13 GB/s, two
   // ~20); SmolLM2's 3 items no faster split (2.51-2.53 ms whole, 2.50-2.58 split for 30 calls; at 900 keys 3-7%
   // slower), nor its engine steps at 1,000 tokens of context, in noise of +-10%.
-  static bool pays(int64_t items, int threads) { return items < threads; }
+  // In the fused decode step's one parallel region (`in_region`: its phases' barriers cost no fork) a few items that
+  // the threads cannot share evenly split too: SmolLM2's 3 on 2 threads left one thread idle a third of the
+  // attention, and its engine steps ran 1.032x as fast split at ~2,100 tokens of context, 1.017x at ~600, 1.003x at
+  // ~100 (Zen 4, one process, steps alternating).
+  static bool pays(int64_t items, int threads, bool in_region = false) {
+    return items < threads || (in_region && items % threads != 0 && items < 4 * threads);
+  }
 
   // Sets up a call's items (one thread; arguments as decode_attention_items', items all of runs x kv_heads); false
   // where the vectorized kernel does not apply (head size, dtype, portable build): the items then run whole.
