@@ -7,6 +7,13 @@ used once in the whole run: a server with a prefix cache gets no free hits from 
 TTFT runs to the first chunk carrying text (some servers send an empty role chunk at once); ITL is the gap
 between consecutive text chunks; output tokens come from the usage chunk when the server sends one. Nothing is
 measured until every server answers /health (READY_POLL_S below).
+
+`--rounds N` measures the servers in turns N times, each round starting with the server the last one ended with (A B,
+B A, A B, ...), every round on prompts of its own (the same for every server within it). On a shared machine the
+neighbours' load drifts over the minutes one server's run takes; alternating spreads that drift over both sides, and
+the report gives each round's ratios beside the pooled figures (all requests of all rounds). One 32-stream run of
+Qwen2.5-Coder-1.5B against llama.cpp's server on the project's 2-core VM read 2.27-2.40x depending on the hour and on
+which server went first (docs/benchmarks.md).
 """
 
 import argparse
@@ -88,6 +95,9 @@ def add_parser(modes) -> None:
                         help="path prefix of the .json and .png (default: bench-results/serve-LABELS)")
     parser.add_argument("--ready-timeout", type=float, default=600.0,
                         help="seconds to wait for every server's /health before measuring any")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="measure the servers in turns this many times, the order reversed each round, each "
+                             "round on new prompts; the report pools them and gives each round's ratios")
     parser.set_defaults(func=main)
 
 
@@ -114,8 +124,15 @@ def file_stem(labels: list[str]) -> str:
 def main(args: argparse.Namespace) -> int:
     urls = args.url or ["http://127.0.0.1:8000"]
     labels = checked_labels(urls, args.label)
+    if args.rounds < 1:
+        raise ValueError(f"rounds: expected at least 1, got {args.rounds}")
     asyncio.run(wait_until_ready(urls, args.ready_timeout))
-    reports = [asyncio.run(run(args, url, labels[i] if i < len(labels) else None)) for i, url in enumerate(urls)]
+    runs: list[list[dict]] = [[] for _ in urls]  # per server, its run in each round
+    for round_index in range(args.rounds):
+        for i in round_order(len(urls), round_index):
+            label = labels[i] if i < len(labels) else None
+            runs[i].append(asyncio.run(run(args, urls[i], label, round_index)))
+    reports = [pooled(server_runs) for server_runs in runs]
     prefix = Path(args.out or f"bench-results/serve-{file_stem([r['label'] for r in reports])}")
     prefix.parent.mkdir(parents=True, exist_ok=True)
     # appended, not with_suffix: a prefix such as "serve-carpool-vs-llama.cpp" or "qwen-1.5b" has dots of its own
@@ -130,16 +147,45 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
+def round_order(servers: int, round_index: int) -> list[int]:
+    """The servers' order in a round: as given in even rounds, reversed in odd ones (A B, B A, A B, ...)."""
+    order = list(range(servers))
+    return order[::-1] if round_index % 2 else order
+
+
+def pooled(server_runs: list[dict]) -> dict:
+    """One server's report: each level's requests of every round summarized together (tokens over the summed
+    durations, percentiles over all requests), and with several rounds each round's own levels under "rounds"."""
+    first = server_runs[0]
+    levels = [summarize(level["concurrency"], [r for run in server_runs for r in run["results"][i]],
+                        sum(run["durations"][i] for run in server_runs))
+              for i, level in enumerate(first["levels"])]
+    report = {key: value for key, value in first.items() if key not in ("levels", "results", "durations")}
+    report["levels"] = [asdict(level) for level in levels]
+    if len(server_runs) > 1:
+        report["rounds"] = [run["levels"] for run in server_runs]
+    return report
+
+
+def _ratio(mine: dict, theirs: dict, key: str) -> float:
+    return mine[key] / theirs[key] if mine[key] and theirs[key] else float("nan")
+
+
 def comparison(reports: list[dict]) -> str:
-    """The first server's figures as multiples of each other's, level by level."""
+    """The first server's figures as multiples of each other's, level by level (pooled over rounds, then each
+    round's output tokens/s ratio)."""
     first = reports[0]
     lines = []
     for other in reports[1:]:
         lines.append(f"{first['label']} / {other['label']}:")
-        for mine, theirs in zip(first["levels"], other["levels"]):
-            ratio = lambda key: (mine[key] / theirs[key]) if mine[key] and theirs[key] else float("nan")  # noqa: E731
-            lines.append(f"  {mine['concurrency']:>3} streams: output tokens/s x{ratio('output_tokens_per_s'):.2f}, "
-                         f"TTFT p50 x{ratio('ttft_p50_s'):.2f}, ITL p50 x{ratio('itl_p50_s'):.2f}")
+        for i, (mine, theirs) in enumerate(zip(first["levels"], other["levels"])):
+            ratio = {key: _ratio(mine, theirs, key) for key in ("output_tokens_per_s", "ttft_p50_s", "itl_p50_s")}
+            line = (f"  {mine['concurrency']:>3} streams: output tokens/s x{ratio['output_tokens_per_s']:.2f}, "
+                    f"TTFT p50 x{ratio['ttft_p50_s']:.2f}, ITL p50 x{ratio['itl_p50_s']:.2f}")
+            if "rounds" in first:
+                by_round = [_ratio(a[i], b[i], "output_tokens_per_s") for a, b in zip(first["rounds"], other["rounds"])]
+                line += "; output tokens/s by round " + " ".join(f"x{r:.2f}" for r in by_round)
+            lines.append(line)
     return "\n".join(lines)
 
 
@@ -162,13 +208,18 @@ async def wait_until_ready(urls: list[str], timeout: float) -> None:
                 await asyncio.sleep(READY_POLL_S)
 
 
-async def run(args: argparse.Namespace, url: str, label: str | None) -> dict:
+async def run(args: argparse.Namespace, url: str, label: str | None, round_index: int = 0) -> dict:
+    """One server's run of every level in one round: the report's fields, each level's summary ("levels"), and
+    its requests and duration ("results", "durations") for pooling over rounds."""
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     levels = args.concurrency
     counts = [args.num_requests or max(8, 2 * c) for c in levels]
-    prompts = first_human_turns(1 + sum(counts), max_chars=args.max_prompt_chars)
-    if len(prompts) < 1 + sum(counts):
-        raise ValueError(f"num-requests: only {len(prompts)} prompts available, {1 + sum(counts)} needed")
+    per_round = 1 + sum(counts)
+    needed = per_round * (round_index + 1)
+    prompts = first_human_turns(needed, max_chars=args.max_prompt_chars)
+    if len(prompts) < needed:
+        raise ValueError(f"num-requests: only {len(prompts)} prompts available, {needed} needed")
+    prompts = prompts[per_round * round_index:]
     limits = httpx.Limits(max_connections=max(levels) + 1, max_keepalive_connections=max(levels) + 1)
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=httpx.Timeout(600.0),
                                  limits=limits) as client:
@@ -176,11 +227,16 @@ async def run(args: argparse.Namespace, url: str, label: str | None) -> dict:
         warmup = await _one_request(client, model, prompts.pop(0), args.max_tokens, args.api)
         if not warmup.ok:
             raise RuntimeError(f"the warm-up request failed: {warmup.error}")
-        reports = []
+        results, durations = [], []
         for concurrency, count in zip(levels, counts):
             level_prompts, prompts = prompts[:count], prompts[count:]
-            reports.append(await _run_level(client, model, level_prompts, concurrency, args.max_tokens, args.api))
-            print(f"concurrency {concurrency}: {reports[-1].output_tokens_per_s:.1f} output tokens/s", flush=True)
+            level_results, duration = await _run_level(client, model, level_prompts, concurrency, args.max_tokens,
+                                                       args.api)
+            results.append(level_results)
+            durations.append(duration)
+            tokens_per_s = summarize(concurrency, level_results, duration).output_tokens_per_s
+            print(f"{label or model}, round {round_index + 1}, concurrency {concurrency}: {tokens_per_s:.1f} "
+                  "output tokens/s", flush=True)
     return {
         "url": url,
         "model": model,
@@ -188,7 +244,9 @@ async def run(args: argparse.Namespace, url: str, label: str | None) -> dict:
         "max_tokens": args.max_tokens,
         "api": args.api,
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "levels": [asdict(r) for r in reports],
+        "levels": [asdict(summarize(c, r, d)) for c, r, d in zip(levels, results, durations)],
+        "results": results,
+        "durations": durations,
     }
 
 
@@ -199,7 +257,8 @@ async def _first_model(client: httpx.AsyncClient) -> str:
 
 
 async def _run_level(client, model: str, prompts: list[str], concurrency: int, max_tokens: int,
-                     api: str) -> LevelReport:
+                     api: str) -> tuple[list[RequestResult], float]:
+    """Every prompt sent by `concurrency` streams in a closed loop: the requests' results and the seconds taken."""
     pending = list(reversed(prompts))
     results: list[RequestResult] = []
 
@@ -209,7 +268,7 @@ async def _run_level(client, model: str, prompts: list[str], concurrency: int, m
 
     start = time.perf_counter()
     await asyncio.gather(*(stream_worker() for _ in range(concurrency)))
-    return summarize(concurrency, results, time.perf_counter() - start)
+    return results, time.perf_counter() - start
 
 
 def _chunk_text(choice: dict) -> str | None:

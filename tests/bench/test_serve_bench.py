@@ -141,6 +141,41 @@ def test_no_server_is_measured_until_every_one_answers_health(tmp_path, monkeypa
                   "--ready-timeout", "0.2", "--out", str(tmp_path / "never")])
 
 
+def test_rounds_take_turns_on_new_prompts_and_pool(tmp_path, capsys):
+    """--rounds 3: the servers in turns (A B, B A, A B), each round on prompts of its own (the same for both servers
+    within it), the report pooling every round's requests and giving each round's ratio."""
+    events, scripted = [], {route.path: route.endpoint for route in scripted_app().routes}
+
+    def app(name: str) -> Starlette:
+        async def chat(request):
+            events.append((name, (await request.json())["messages"][0]["content"]))
+            return await scripted["/v1/chat/completions"](request)
+
+        return Starlette(routes=[Route("/v1/models", scripted["/v1/models"]),
+                                 Route("/v1/chat/completions", chat, methods=["POST"])])
+
+    with ServedApp(app("a")) as a, ServedApp(app("b")) as b:
+        urls = [str(client.base_url).rstrip("/") for client in (a, b)]
+        assert main(["bench", "serve", "--url", urls[0], "--url", urls[1], "--label", "a", "--label", "b",
+                     "--concurrency", "1", "--num-requests", "2", "--max-tokens", "4", "--rounds", "3",
+                     "--out", str(tmp_path / "rounds")]) == 0
+    runs = [events[i:i + 3] for i in range(0, len(events), 3)]  # each server's run: the warm-up, two measured
+    assert [run[0][0] for run in runs] == ["a", "b", "b", "a", "a", "b"]
+    prompts = [[prompt for _, prompt in run] for run in runs]
+    assert prompts[0] == prompts[1] and prompts[2] == prompts[3] and prompts[4] == prompts[5]
+    assert len({prompt for run in prompts for prompt in run}) == 9  # three rounds, three prompts each
+    reports = json.loads((tmp_path / "rounds.json").read_text())
+    for report in reports:
+        assert len(report["rounds"]) == 3 and all(r[0]["num_requests"] == 2 for r in report["rounds"])
+        level = report["levels"][0]
+        assert (level["num_requests"], level["output_tokens"]) == (6, 6 * TOKENS)
+        assert level["duration_s"] == pytest.approx(sum(r[0]["duration_s"] for r in report["rounds"]))
+    out = capsys.readouterr().out
+    assert "output tokens/s by round x" in out and out.count(" x", out.index("by round")) >= 3
+    assert main(["bench", "serve", "--url", urls[0], "--rounds", "0"]) == 2
+    assert "rounds: expected at least 1" in capsys.readouterr().err
+
+
 def test_bench_serve_drives_plain_completions_for_base_models(scripted_url, tmp_path):
     prefix = tmp_path / "completions"
     assert main(["bench", "serve", "--url", scripted_url, "--api", "completions", "--concurrency", "2",
