@@ -10,7 +10,11 @@ else the machine runs; with more, idle threads' spinning counts too) and the ope
 head run alone at batch 1 (the matmuls) and the attention alone at the sequence's context, so that
 overhead = step - matmuls - attention is what neither kernel accounts for (norms, rotary, cache writes,
 allocations, Python, metadata, sampling); and the bandwidth floor: the bytes one step streams (every weight, and
-the keys and values of the sequence's context, --context tokens of a meeting transcript) over --bandwidth-gbs.
+the keys and values of the sequence's context, --context tokens of a meeting transcript) over --bandwidth-gbs, and
+over the bandwidth measured in the same run: each round also reads a buffer larger than any cache with the step's
+threads (the fastest of a few passes), so that a slow step on a shared machine says whether the memory slowed under
+it: on the project's 2-core VM (Zen 4) SmolLM2's step measured 4.95 ms one hour and 5.5-8.4 ms the next, while the
+buffer read at 30.1 GB/s beside the 8.4 ms one: the neighbours took time from the step, not bandwidth.
 """
 
 import argparse
@@ -90,6 +94,20 @@ def dispatched_ops(engine) -> int:
     return len(profiler.events())
 
 
+# What the bandwidth is measured on: 256 MiB, past every cache of the machines this project runs on (L3 32 MiB).
+STREAM_BYTES = 256 << 20
+
+
+def stream_gbs(buffer: torch.Tensor, passes: int = 3) -> float:
+    """The fastest of `passes` reads of `buffer` by torch's threads (a sum: one add per 4 bytes read), in GB/s."""
+    best = float("inf")
+    for _ in range(passes):
+        start = time.perf_counter()
+        buffer.sum()
+        best = min(best, time.perf_counter() - start)
+    return buffer.numel() * buffer.element_size() / best / 1e9
+
+
 def _median_ms(calls: list, repeats: int) -> tuple[float, float]:
     """Median wall and CPU milliseconds of one pass over `calls`."""
     times = []
@@ -113,8 +131,10 @@ def run(model_name: str, rounds: int, steps: int, threads: int, bandwidth_gbs: f
     for _ in range(3):  # warm-up
         engine.step()
     dtype = model.norm.weight.dtype
-    attention = []
+    attention, bandwidths = [], []
+    buffer = torch.ones(STREAM_BYTES // 4)
     for _ in range(rounds):
+        bandwidths.append(stream_gbs(buffer))
         for mode in samples:
             model.fused_decode = mode != "python"
             model.decode_stack().set_one_region(mode == "fused")
@@ -138,13 +158,17 @@ def run(model_name: str, rounds: int, steps: int, threads: int, bandwidth_gbs: f
     mean_context = context + rounds * len(samples) * (steps + 1) // 2  # the context grows a token a step
     weights, keys_values = weight_bytes(model), kv_bytes(model, mean_context)
     floor = (weights + keys_values) / (bandwidth_gbs * 1e9) * 1000
+    measured_gbs = statistics.median(bandwidths)
+    measured_floor = (weights + keys_values) / (measured_gbs * 1e9) * 1000
     report = {"model": model_name, "threads": threads, "dtype": str(dtype), "steps_per_round": steps, "rounds": rounds,
               "context": context, "mean_context": mean_context, "matmuls_ms": matmuls, "attention_ms": attend,
-              "weight_bytes": weights, "kv_bytes": keys_values, "floor_ms": floor, "bandwidth_gbs": bandwidth_gbs}
+              "weight_bytes": weights, "kv_bytes": keys_values, "floor_ms": floor, "bandwidth_gbs": bandwidth_gbs,
+              "measured_bandwidth_gbs": measured_gbs, "measured_floor_ms": measured_floor}
     for mode, values in samples.items():
         wall, cpu = statistics.median(v[0] for v in values), statistics.median(v[1] for v in values)
         report[mode] = {"wall_ms": wall, "cpu_ms": cpu, "overhead_wall_ms": wall - matmuls[0] - attend[0],
                         "overhead_cpu_ms": cpu - matmuls[1] - attend[1], "x_floor": wall / floor,
+                        "x_measured_floor": wall / measured_floor,
                         "ops_per_step": ops[mode]}
     return report
 
@@ -156,12 +180,13 @@ def main(args: argparse.Namespace) -> None:
           f"{matmul_wall:.2f} ms ({matmul_cpu:.2f} CPU), attention alone {attention_wall:.2f} ms "
           f"({attention_cpu:.2f} CPU) at {report['mean_context']} tokens of context, floor {report['floor_ms']:.2f} ms "
           f"({report['weight_bytes'] / 1e6:.0f} MB of weights + {report['kv_bytes'] / 1e6:.1f} MB of keys and values "
-          f"at {args.bandwidth_gbs} GB/s)")
+          f"at {args.bandwidth_gbs} GB/s); measured between rounds {report['measured_bandwidth_gbs']:.1f} GB/s, "
+          f"floor {report['measured_floor_ms']:.2f} ms")
     for mode in ("python", "fused-ops", "fused"):
         r = report[mode]
         print(f"  {mode:9s} layers: {r['wall_ms']:.2f} ms/step ({r['cpu_ms']:.2f} CPU), overhead "
               f"{r['overhead_wall_ms']:.2f} ms ({r['overhead_cpu_ms']:.2f} CPU), {r['x_floor']:.2f}x the floor, "
-              f"{r['ops_per_step']} operator calls")
+              f"{r['x_measured_floor']:.2f}x the measured floor, {r['ops_per_step']} operator calls")
     if args.out:
         write_report(args.out, report)
 
