@@ -227,16 +227,16 @@ async def run(args: argparse.Namespace, url: str, label: str | None, round_index
         warmup = await _one_request(client, model, prompts.pop(0), args.max_tokens, args.api)
         if not warmup.ok:
             raise RuntimeError(f"the warm-up request failed: {warmup.error}")
-        results, durations = [], []
+        results, durations, summaries = [], [], []
         for concurrency, count in zip(levels, counts):
             level_prompts, prompts = prompts[:count], prompts[count:]
             level_results, duration = await _run_level(client, model, level_prompts, concurrency, args.max_tokens,
                                                        args.api)
             results.append(level_results)
             durations.append(duration)
-            tokens_per_s = summarize(concurrency, level_results, duration).output_tokens_per_s
-            print(f"{label or model}, round {round_index + 1}, concurrency {concurrency}: {tokens_per_s:.1f} "
-                  "output tokens/s", flush=True)
+            summaries.append(summarize(concurrency, level_results, duration))
+            print(f"{label or model}, round {round_index + 1}, concurrency {concurrency}: "
+                  f"{summaries[-1].output_tokens_per_s:.1f} output tokens/s", flush=True)
     return {
         "url": url,
         "model": model,
@@ -244,7 +244,7 @@ async def run(args: argparse.Namespace, url: str, label: str | None, round_index
         "max_tokens": args.max_tokens,
         "api": args.api,
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "levels": [asdict(summarize(c, r, d)) for c, r, d in zip(levels, results, durations)],
+        "levels": [asdict(summary) for summary in summaries],
         "results": results,
         "durations": durations,
     }
