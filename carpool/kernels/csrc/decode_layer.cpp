@@ -12,10 +12,10 @@
 // When every projection runs a GEMV kernel (GGML blocks; int8-dot up to int8_gemv_max_rows, or the exact path), the
 // whole step runs in one OpenMP parallel region instead: each op called on its own forks and joins the threads
 // (SmolLM2: 5 parallel ops a layer, 150 a step, each a few microseconds of fork, join and imbalance around 10-70 us
-// of work). In the region the threads split each projection's weight rows and the attention's (run of a sequence's
-// rows, KV head) items, one thread does the few-microsecond element-wise steps, and they meet at a barrier only where
-// the next step reads what the last one wrote. The kernels are the ops' own (row_kernels.h, ggml_dot.h) on ranges,
-// so every value is computed as the op-by-op step computes it.
+// of work). In the region the threads share each projection's weight rows (work_shares.h) and split the
+// attention's (run of a sequence's rows, KV head) items, one thread does the few-microsecond element-wise steps, and
+// they meet at a barrier only where the next step reads what the last one wrote. The kernels are the ops' own
+// (row_kernels.h, ggml_dot.h) on ranges, so every value is computed as the op-by-op step computes it.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -35,6 +35,7 @@
 #include "amx_gemm.h"
 #include "ggml_dot.h"
 #include "row_kernels.h"
+#include "work_shares.h"
 
 namespace {
 
@@ -200,11 +201,20 @@ void prepare(const Projection& projection, const uint8_t* int8, const T* in, int
     out.exact = wide;
 }
 
-// This thread's share of a projection's weight rows (its parts side by side): out[m * ldo + n].
+// A projection's weight rows shared out over the threads (WorkShares) in units of whole exact-path panels, and so
+// of whole row groups.
+void reset_shares(carpool::kernels::WorkShares& shares, const Projection& projection, int threads) {
+  constexpr int64_t unit = carpool::kernels::kExactPanelRows;
+  int64_t bytes = 0;
+  for (const at::Tensor& weight : projection.weights) bytes += weight.numel();
+  const int64_t units = std::max<int64_t>(1, (total_rows(projection) + unit - 1) / unit);
+  shares.reset(units, threads, bytes / units);
+}
+
+// Weight rows [first, last) of a projection (its parts side by side): out[m * ldo + n].
 template <typename T>
-void project_share(const Projection& projection, const uint8_t* int8, const PreparedInput& in, int64_t M, int64_t K,
-                   T* out, int64_t ldo, ExactInput<T>* panel, int tid, int threads) {
-  const auto [first, last] = share(total_rows(projection), carpool::kernels::kExactPanelRows, tid, threads);
+void project_rows(const Projection& projection, const uint8_t* int8, const PreparedInput& in, int64_t M, int64_t K,
+                  T* out, int64_t ldo, ExactInput<T>* panel, int64_t first, int64_t last) {
   int64_t offset = 0;
   for (size_t i = 0; i < projection.weights.size(); ++i) {
     const int64_t rows = projection.weights[i].size(0);
@@ -218,6 +228,17 @@ void project_share(const Projection& projection, const uint8_t* int8, const Prep
                                         K, lo, hi, out + offset, ldo, panel);
     offset += rows;
   }
+}
+
+// This thread's part of a projection's rows, as `shares` (reset_shares) hands them out.
+template <typename T>
+void project_share(const Projection& projection, const uint8_t* int8, const PreparedInput& in, int64_t M, int64_t K,
+                   T* out, int64_t ldo, ExactInput<T>* panel, carpool::kernels::WorkShares& shares, int tid) {
+  constexpr int64_t unit = carpool::kernels::kExactPanelRows;
+  const int64_t rows = total_rows(projection);
+  shares.run(tid, [&](int64_t first, int64_t last) {
+    project_rows(projection, int8, in, M, K, out, ldo, panel, first * unit, std::min(rows, last * unit));
+  });
 }
 
 // y = a + b (+= in place), rounded to T once, as torch adds two tensors of T.
@@ -432,6 +453,7 @@ class DecodeStack : public torch::CustomClassHolder {
     using Split = carpool::kernels::SplitDecodeAttention<T>;
     Split split;
     bool split_now = false;
+    carpool::kernels::WorkShares shares(at::get_num_threads());
 
 #pragma omp parallel num_threads(at::get_num_threads())
     {
@@ -447,8 +469,9 @@ class DecodeStack : public torch::CustomClassHolder {
           if (previous) finish_mlp(*previous, h, projected, M, H, eps);
           carpool::kernels::rms_norm_rows(h, layer.input_norm.data_ptr<T>(), normed, M, H, eps);
           prepare(layer.qkv, part_int8, normed, M, H, prepared);
+          reset_shares(shares, layer.qkv, threads);
         }
-        project_share(layer.qkv, part_int8, prepared, M, H, qkv, qkv_width, panel.data(), tid, threads);
+        project_share(layer.qkv, part_int8, prepared, M, H, qkv, qkv_width, panel.data(), shares, tid);
         part_int8 += layer.qkv.qtypes.size();
 #pragma omp barrier
         const int64_t runs = static_cast<int64_t>(group.runs.size()) - 1;
@@ -474,8 +497,11 @@ class DecodeStack : public torch::CustomClassHolder {
         }
 #pragma omp barrier
 #pragma omp single
-        prepare(layer.o, part_int8, attended, M, q_size, prepared);
-        project_share(layer.o, part_int8, prepared, M, q_size, projected, H, panel.data(), tid, threads);
+        {
+          prepare(layer.o, part_int8, attended, M, q_size, prepared);
+          reset_shares(shares, layer.o, threads);
+        }
+        project_share(layer.o, part_int8, prepared, M, q_size, projected, H, panel.data(), shares, tid);
         part_int8 += layer.o.qtypes.size();
 #pragma omp barrier
 #pragma omp single
@@ -485,17 +511,19 @@ class DecodeStack : public torch::CustomClassHolder {
           add_into(h, projected, M * H);
           carpool::kernels::rms_norm_rows(h, layer.mlp_in_norm.data_ptr<T>(), normed, M, H, eps);
           prepare(layer.gate_up, part_int8, normed, M, H, prepared);
+          reset_shares(shares, layer.gate_up, threads);
         }
         const int64_t width = total_rows(layer.gate_up) / 2;
-        project_share(layer.gate_up, part_int8, prepared, M, H, gate_up, 2 * width, panel.data(), tid, threads);
+        project_share(layer.gate_up, part_int8, prepared, M, H, gate_up, 2 * width, panel.data(), shares, tid);
         part_int8 += layer.gate_up.qtypes.size();
 #pragma omp barrier
 #pragma omp single
         {
           activate_into(gate_up, act, M, width, options);
           prepare(layer.down, part_int8, act, M, width, prepared);
+          reset_shares(shares, layer.down, threads);
         }
-        project_share(layer.down, part_int8, prepared, M, width, projected, H, panel.data(), tid, threads);
+        project_share(layer.down, part_int8, prepared, M, width, projected, H, panel.data(), shares, tid);
         part_int8 += layer.down.qtypes.size();
 #pragma omp barrier
       }

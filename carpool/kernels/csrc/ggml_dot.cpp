@@ -25,6 +25,7 @@
 
 #include "ggml_blocks.h"
 #include "vec.h"
+#include "work_shares.h"
 
 namespace carpool::ggml {
 
@@ -969,14 +970,23 @@ at::Tensor int8_dot_linear(const at::Tensor& x, const uint8_t* weight, int64_t q
   if (M > int8_gemv_max_rows(qtype) && int8_gemm_linear(wide, weight, qtype, N, y)) return y;
   Int8Rows q;
   quantize_rows(wide.data_ptr<float>(), M, K, block_weights(qtype), q);
-  // Rows split evenly over the threads (whole row groups): at one activation row every core streams its share of
-  // the weights.
-  const int64_t unit = row_format(qtype).layout == Layout::kRowGroups ? kGroupRows : 1;
-  at::parallel_for(0, N / unit, 8 / unit, [&](int64_t first, int64_t last) {
-    if (x.scalar_type() == at::kFloat)
-      int8_gemv_rows(q, weight, qtype, first * unit, last * unit, y.data_ptr<float>(), N);
-    else
-      int8_gemv_rows(q, weight, qtype, first * unit, last * unit, y.data_ptr<c10::BFloat16>(), N);
+  // Each thread streams its share of the weights, and takes on what a slower one has not started (WorkShares), in
+  // units of whole row groups.
+  constexpr int64_t unit = 2 * kGroupRows;
+  int64_t row_bytes = 0;
+  dispatch_qtype(row_format(qtype).qtype,
+                 [&]<int64_t QT>() { row_bytes = K / Format<QT>::kWeights * Format<QT>::kBytes; });
+  const int threads = at::get_num_threads();
+  carpool::kernels::WorkShares shares(threads);
+  shares.reset((N + unit - 1) / unit, threads, unit * row_bytes);
+  at::parallel_for(0, threads, 1, [&](int64_t first_thread, int64_t last_thread) {
+    for (int64_t tid = first_thread; tid < last_thread; ++tid)  // all of them on one thread in a parallel region
+      shares.run(static_cast<int>(tid), [&](int64_t first, int64_t last) {
+        if (x.scalar_type() == at::kFloat)
+          int8_gemv_rows(q, weight, qtype, first * unit, std::min(N, last * unit), y.data_ptr<float>(), N);
+        else
+          int8_gemv_rows(q, weight, qtype, first * unit, std::min(N, last * unit), y.data_ptr<c10::BFloat16>(), N);
+      });
   });
   return y;
 }
