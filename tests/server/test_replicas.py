@@ -3,6 +3,7 @@ routing keeping a repeated prefix on one replica (and its cache), /metrics label
 steps are routed like any request, and a replica killed mid-stream: a clean 5xx error event, then the next
 requests succeed on the other replica."""
 
+import re
 import time
 
 import httpx
@@ -122,27 +123,34 @@ def test_a_client_that_leaves_aborts_its_request_on_the_replica(server):
 
 
 def replica_pids(server) -> dict[str, int]:
+    """Replica index -> pid, from the idle Ray workers' titles ("ray::ServeReplica:engine-<model>-<i>:...")."""
     pids = {}
     for process in psutil.Process(server.process.pid).children(recursive=True):
         try:
             title = " ".join(process.cmdline())
         except psutil.Error:
             continue
-        if "ServeReplica:engine-" in title:  # "ray::ServeReplica:engine-<model>-<i>:engine-<model>-<i>"
-            pids[title.strip().rsplit("-", 1)[1]] = process.pid
+        if match := re.search(r"ServeReplica:engine-.*?-(\d+)(?=:|\s|$)", title):
+            pids[match[1]] = process.pid
     return pids
 
 
 def test_a_killed_replica_fails_its_stream_cleanly_and_the_next_requests_succeed(server):
     with httpx.Client(base_url=server.url, timeout=60) as http:
         body = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        # Read before the request: a worker running a call may be titled after the call instead (a CI run found no
+        # title for the busy replica mid-stream), so both are looked for while idle, for a few seconds at most.
+        deadline = time.monotonic() + 10
+        while len(pids := replica_pids(server)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(pids) == 2, pids
         before = routed(server)
         with http.stream("POST", "/v1/completions", json=body) as response:
             lines = response.iter_lines()
             assert next(line for line in lines if line.startswith("data:"))
             # The router's own count says where the request went.
             busy = next(replica for replica, count in routed(server).items() if count > before.get(replica, 0))
-            psutil.Process(replica_pids(server)[busy]).kill()
+            psutil.Process(pids[busy]).kill()
             started = time.monotonic()
             events = [line for line in lines if line.startswith("data:")]
         assert time.monotonic() - started < 20  # no hang
