@@ -5,7 +5,7 @@
 // changes from step to step: SmolLM2's one-stream decode step (Zen 4, 2 threads, per-thread timers) spent 0.1-1.0
 // ms of its 3.7 ms waiting at the projections' barriers, the slower thread alternating between steps. Against the
 // static split, one-stream steps alternating in one process: 0.99-1.01x on a quiet machine (both models), and with
-// a busy process on one of the two cores the 1.5B 1.05-1.10x, SmolLM2 1.0-1.17x (docs/benchmarks.md).
+// a busy process on one of the two cores the 1.5B 1.05-1.10x, SmolLM2 0.99-1.17x (docs/benchmarks.md).
 #pragma once
 
 #include <algorithm>
