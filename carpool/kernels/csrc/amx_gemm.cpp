@@ -104,7 +104,7 @@ void tile_block(const c10::BFloat16* panel, const uint32_t* xv, int64_t K, float
 template <int64_t QT>
 void amx_gemm(const c10::BFloat16* x, const uint8_t* weight, Layout layout, int64_t M, int64_t N, int64_t K,
               c10::BFloat16* y) {
-  const int64_t vectors = (M + kRows - 1) / kRows, row_bytes = K / Format<QT>::kWeights * Format<QT>::kBytes;
+  const int64_t vectors = (M + kRows - 1) / kRows, row_bytes = gguf_row_bytes<QT>(K);
   const std::vector<uint32_t> paired = pair_rows(x, M, K, vectors);
   const int64_t panels = (N + kPanelColumns - 1) / kPanelColumns;
   std::atomic<int64_t> next_panel{0};  // claimed as threads go: a busy core takes fewer

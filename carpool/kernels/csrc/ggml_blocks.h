@@ -327,6 +327,17 @@ void dispatch_qtype(int64_t qtype, Fn&& fn) {
               " (supported: Q4_0=2, Q4_1=3, Q5_0=6, Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14)");
 }
 
+// Bytes of a row of K weights in QT's blocks, and the same for a runtime qtype.
+template <int64_t QT>
+constexpr int64_t gguf_row_bytes(int64_t K) {
+  return K / Format<QT>::kWeights * Format<QT>::kBytes;
+}
+inline int64_t gguf_row_bytes(int64_t qtype, int64_t K) {
+  int64_t bytes = 0;
+  dispatch_qtype(qtype, [&]<int64_t QT>() { bytes = gguf_row_bytes<QT>(K); });
+  return bytes;
+}
+
 // Q4_K / Q5_K sub-block scales and minimums, 6 bits each in the 12 bytes' three 32-bit words u, as bytes: scales[0]
 // holds sub-blocks 0-3's scales, scales[1] 4-7's, mins alike (llama.cpp's get_scale_min_k4 for every j at once, in
 // 32-bit operations). W is uint32_t, or a GCC vector of them: the words of eight blocks at once (Q4_K row groups).

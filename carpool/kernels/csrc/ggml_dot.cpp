@@ -782,7 +782,7 @@ void dot_block_rows(const uint8_t* row, const Int8Rows& x, int64_t m0, float* ou
 // Weight rows [first, last) against every activation row, up to kGemvPassRows at a time per unpacked block.
 template <int64_t QT, Layout kLayout, typename Y>
 void int8_dot_rows(const Int8Rows& x, const uint8_t* weight, int64_t first, int64_t last, Y* y, int64_t ldy) {
-  const int64_t row_bytes = x.K / Format<QT>::kWeights * Format<QT>::kBytes, M = x.M;
+  const int64_t row_bytes = gguf_row_bytes<QT>(x.K), M = x.M;
   RowReader<QT> rows(weight, row_bytes, kLayout);  // row groups: the portable build's
   float out[kGemvPassRows];
   for (int64_t n = first; n < last; ++n) {
@@ -973,12 +973,9 @@ at::Tensor int8_dot_linear(const at::Tensor& x, const uint8_t* weight, int64_t q
   // Each thread streams its share of the weights, and takes on what a slower one has not started (WorkShares), in
   // units of whole row groups.
   constexpr int64_t unit = 2 * kGroupRows;
-  int64_t row_bytes = 0;
-  dispatch_qtype(row_format(qtype).qtype,
-                 [&]<int64_t QT>() { row_bytes = K / Format<QT>::kWeights * Format<QT>::kBytes; });
   const int threads = at::get_num_threads();
   carpool::kernels::WorkShares shares(threads);
-  shares.reset((N + unit - 1) / unit, threads, unit * row_bytes);
+  shares.reset((N + unit - 1) / unit, threads, unit * gguf_row_bytes(row_format(qtype).qtype, K));
   at::parallel_for(0, threads, 1, [&](int64_t first_thread, int64_t last_thread) {
     for (int64_t tid = first_thread; tid < last_thread; ++tid)  // all of them on one thread in a parallel region
       shares.run(static_cast<int>(tid), [&](int64_t first, int64_t last) {

@@ -790,7 +790,7 @@ constexpr int64_t kRowBlockBytes = 128 << 10, kPanelTiles = 8;
 template <int64_t QT, typename V, int NR, int RV, typename Y>
 void int8_gemm_tiles(const InterleavedRows& q, const uint8_t* weight, Layout layout, int64_t M, int64_t N,
                      int64_t K, Y* y) {
-  const int64_t row_bytes = K / Format<QT>::kWeights * Format<QT>::kBytes, vectors = q.rows / V::kLanes;
+  const int64_t row_bytes = gguf_row_bytes<QT>(K), vectors = q.rows / V::kLanes;
   // Vectors with every lane a row (quantize_interleaved never groups a call of one vector, whose tile has RV 1).
   const int64_t full_vectors = q.tail_group > 4 ? vectors - 1 : vectors;
   const int64_t block_vectors = std::max<int64_t>(RV, kRowBlockBytes / (K * V::kLanes) / RV * RV);

@@ -132,7 +132,7 @@ inline void dot_rows(const X* x, const X* w, int64_t rows_left, int64_t K, float
 template <int64_t QT, typename X, typename Y>
 void fused_linear_rows(const X* x, const uint8_t* weight, Layout layout, int64_t M, int64_t K, int64_t first,
                        int64_t last, Y* y, int64_t ldy, X* panel) {
-  RowReader<QT> reader(weight, K / Format<QT>::kWeights * Format<QT>::kBytes, layout);
+  RowReader<QT> reader(weight, gguf_row_bytes<QT>(K), layout);
   alignas(16) float dots[kMaxMR * kTileRows];
   for (int64_t n0 = first; n0 < last; n0 += kExactPanelRows) {
     const int64_t rows = std::min(kExactPanelRows, last - n0);
@@ -165,7 +165,7 @@ void fused_linear(const X* x, const uint8_t* weight, Layout layout, int64_t M, i
 template <int64_t QT, typename T>
 void dequantize_rows(const uint8_t* weight, Layout layout, int64_t N, int64_t K, T* out) {
   at::parallel_for(0, N, 16, [&](int64_t first, int64_t last) {
-    RowReader<QT> rows(weight, K / Format<QT>::kWeights * Format<QT>::kBytes, layout);
+    RowReader<QT> rows(weight, gguf_row_bytes<QT>(K), layout);
     for (int64_t n = first; n < last; ++n) dequantize_row<QT>(rows(n), K, layout, out + n * K);
   });
 }
