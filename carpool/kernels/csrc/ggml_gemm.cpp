@@ -104,10 +104,14 @@ inline int32_t byte_sum32(__m256i v) {
 
 // A Q4_K / Q5_K block's eight sub-block scales (bytes of `scales`) as integers, and its minimums (bytes of `mins`)
 // as int16 pairs: four words, minimum 2j in the low half of word j and 2j + 1 in the high.
+// kNibbles: even sub-blocks' scales times 16 (kNibbleTiles).
+template <bool kNibbles = false>
 inline void k_block_scales(uint64_t scales, uint64_t mins, int32_t* sc, int32_t* min_pairs) {
   const __m128i scale8 = _mm_cvtsi64_si128(static_cast<int64_t>(scales));
   const __m128i min8 = _mm_cvtsi64_si128(static_cast<int64_t>(mins));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(sc), _mm256_cvtepu8_epi32(scale8));
+  __m256i scale32 = _mm256_cvtepu8_epi32(scale8);
+  if constexpr (kNibbles) scale32 = _mm256_sllv_epi32(scale32, _mm256_setr_epi32(4, 0, 4, 0, 4, 0, 4, 0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(sc), scale32);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(min_pairs), _mm_cvtepu8_epi16(min8));
 }
 
@@ -268,6 +272,7 @@ struct Rows16 {
     if constexpr (kGroup >= 16) t = _mm512_add_epi32(t, _mm512_shuffle_epi32(t, _MM_PERM_BADC));
     return t;
   }
+  static I and_bytes(I a, uint8_t mask) { return _mm512_and_si512(a, _mm512_set1_epi8(static_cast<char>(mask))); }
   static I mul(I a, int32_t s) { return _mm512_mullo_epi32(a, _mm512_set1_epi32(s)); }
   // acc + the int16 pairs of a times those of s, summed by pairs
   static I dot_pairs(I acc, I a, int32_t s) { return _mm512_dpwssd_epi32(acc, a, _mm512_set1_epi32(s)); }
@@ -317,6 +322,7 @@ struct Rows8 {
   static F fzero() { return _mm256_setzero_ps(); }
   static I iload(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
   static F fload(const float* p) { return _mm256_loadu_ps(p); }
+  static I and_bytes(I a, uint8_t mask) { return _mm256_and_si256(a, _mm256_set1_epi8(static_cast<char>(mask))); }
   static I mul(I a, int32_t s) { return _mm256_mullo_epi32(a, _mm256_set1_epi32(s)); }
   static I dot_pairs(I acc, I a, int32_t s) {  // as Rows16's
     return _mm256_add_epi32(acc, _mm256_madd_epi16(a, _mm256_set1_epi32(s)));
@@ -454,6 +460,17 @@ InterleavedRows quantize_interleaved(const float* x, int64_t M, int64_t K, int64
 // The 1.5B's matrices, one call, int8, the old unpack against this in one process (docs/benchmarks.md): Q4_K
 // 8960x1536 at 16 / 32 / 64 rows 1.06x / 1.03x / 1.02x, the Q6_K LM head at 16 / 32 rows 1.18x / 1.15x (2
 // threads), 512 rows unchanged.
+// Q4_K row groups on AVX-512: the tiles read each column's nibbles from its row group in place, and the panel
+// unpacks only the scales. A step's four weights are one vpandd with a 32-bit broadcast from memory: low nibbles q
+// (mask 0x0F), high nibbles 16 q (0xF0), so the panel holds the low sub-blocks' scales times 16 and d / 16; the
+// totals are 16 times as large (|total| <= 8 x 8 x 4 x 240 x 127 x 63 < 2^31) and the floats bit-identical. The
+// unpack's loads and stores of every weight were 7.5% of the 1.5B's 32-sequence step; reading the nibbles, whose
+// vpandd is free beside vpdpbusd (Zen 4, scratch loop), the 8960x1536 call at 32 rows ran 3.12-3.16 -> 2.83-2.88 ms
+// (one thread) and the step 1.04-1.07x (2 threads, alternating in one process). AVX2's int16 pairs would need a
+// shift for the high nibbles too (on its four busy pipes), so it unpacks.
+template <int64_t QT, typename V>
+constexpr bool kNibbleTiles = QT == kQ4_K && V::kLanes == 16;
+
 template <int64_t QT>
 struct Panel {
   using L = GemmLayout<QT>;
@@ -468,6 +485,7 @@ struct Panel {
   std::vector<float> negdm;    // [width][K / 32] (Q4_1)
   std::vector<int32_t> min_pairs;  // [width][K / 64] (K-quants: k_block_scales)
   std::vector<float> negdmin;  // [width][K / kW] (K-quants)
+  std::vector<const uint8_t*> groups;  // [width / kGroupRows]: each group in place (nibble tiles: kNibbleTiles)
 
   Panel(int64_t K, int64_t width, bool interleaved)
       : K(K), width(width), interleaved(interleaved), step(interleaved ? 4 * width : 4), w(width * K),
@@ -476,6 +494,10 @@ struct Panel {
         min_pairs(L::kIntegerMins ? width * K / 64 : 0), negdmin(L::kIntegerMins ? width * K / kW : 0) {}
 
   const int8_t* column(int64_t n) const { return w.data() + n * (interleaved ? 4 : K); }
+  // Column n's first nibble word in its row group (kNibbleTiles): its four bytes of each block's word 3.
+  const int8_t* nibbles(int64_t n) const {
+    return reinterpret_cast<const int8_t*>(groups[n / kGroupRows] + group_word_offset<QT>(3, n % kGroupRows));
+  }
   // Column n's block b: where its terms go.
   BlockTerms terms(int64_t n, int64_t b) {
     const int64_t k = n * K + b * kW;
@@ -483,7 +505,7 @@ struct Panel {
     return {sc.data() + k / L::kSub, d.data() + k / kW, at(negdm, k / 32), at(min_pairs, k / 64), at(negdmin, k / kW)};
   }
 
-  template <bool kSums>
+  template <bool kSums, bool kNibbles = false>
   void unpack(RowReader<QT>& rows, Layout layout, int64_t n0, int64_t columns) {
     const int64_t blocks = K / kW;
     if (columns < width) {  // past the last column: zeros, whose outputs are dropped
@@ -497,7 +519,11 @@ struct Panel {
     }
     if constexpr (kHasRowGroups<QT>)
       if (interleaved) {
-        for (int64_t n = 0; n < columns; n += kGroupRows) unpack_group<kSums>(rows.group(n0 + n), n);
+        groups.resize(width / kGroupRows);
+        for (int64_t n = 0; n < width; n += kGroupRows) {  // past the last column: any group, its outputs dropped
+          groups[n / kGroupRows] = rows.group(n0 + std::min(n, columns - 1));
+          if (n < columns) unpack_group<kSums, kNibbles>(groups[n / kGroupRows], n);
+        }
         return;
       }
     for (int64_t n = 0; n < columns; ++n) {
@@ -514,7 +540,7 @@ struct Panel {
 
   // Row group `group` (its eight rows' blocks, kernels/csrc/ggml_blocks.h) into columns n to n + 7, each 32-byte
   // word of the group a step of eight columns' weights once unpacked.
-  template <bool kSums>
+  template <bool kSums, bool kNibbles>
   void unpack_group(const uint8_t* group, int64_t n) {
     const int64_t blocks = K / kW, at_step = step;  // held: the int8 stores below may alias every member
     for (int64_t b = 0; b < blocks; ++b) {
@@ -526,13 +552,31 @@ struct Panel {
         Words scale_words[2], min_words[2];
         k_scale_min_words(reinterpret_cast<Words>(word(0)), reinterpret_cast<Words>(word(1)),
                           reinterpret_cast<Words>(word(2)), scale_words, min_words);
+        // The eight rows' d and dmin in one conversion each, and each row's scale and minimum bytes as one 64-bit
+        // lane (unpacked by pairs of rows, then put in order): a row at a time, the scalar
+        // extractions and conversions were 7% of a 32-row call once the tiles read the nibbles (Zen 4).
+        alignas(32) float d8[kGroupRows], negdmin8[kGroupRows];
+        alignas(32) uint64_t scale8[kGroupRows], min8[kGroupRows];
+        const __m128i halves_d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(column + group_half_offset(0, 0)));
+        const __m128i halves_dmin = _mm_loadu_si128(reinterpret_cast<const __m128i*>(column + group_half_offset(1, 0)));
+        _mm256_store_ps(d8, _mm256_mul_ps(_mm256_cvtph_ps(halves_d), _mm256_set1_ps(kNibbles ? 1.0f / 16 : 1.0f)));
+        _mm256_store_ps(negdmin8, _mm256_sub_ps(_mm256_setzero_ps(), _mm256_cvtph_ps(halves_dmin)));
+        const auto rows_of = [](Words first, Words second, uint64_t* to) {
+          const __m256i a = reinterpret_cast<__m256i>(first), c = reinterpret_cast<__m256i>(second);
+          const __m256i lo = _mm256_unpacklo_epi32(a, c), hi = _mm256_unpackhi_epi32(a, c);
+          _mm256_store_si256(reinterpret_cast<__m256i*>(to), _mm256_permute2x128_si256(lo, hi, 0x20));
+          _mm256_store_si256(reinterpret_cast<__m256i*>(to + 4), _mm256_permute2x128_si256(lo, hi, 0x31));
+        };
+        rows_of(scale_words[0], scale_words[1], scale8);
+        rows_of(min_words[0], min_words[1], min8);
         for (int64_t r = 0; r < kGroupRows; ++r) {
-          const BlockTerms t = terms(n + r, b);
-          *t.d = half_to_float(column + group_half_offset(0, r));
-          *t.negdmin = -half_to_float(column + group_half_offset(1, r));
-          k_block_scales(scale_words[0][r] | static_cast<uint64_t>(scale_words[1][r]) << 32,
-                         min_words[0][r] | static_cast<uint64_t>(min_words[1][r]) << 32, t.sc, t.min_pairs);
+          const int64_t c = n + r;
+          d[c * blocks + b] = d8[r];
+          negdmin[c * blocks + b] = negdmin8[r];
+          k_block_scales<kNibbles>(scale8[r], min8[r], sc.data() + (c * K + b * kW) / L::kSub,
+                                   min_pairs.data() + (c * K + b * kW) / 64);
         }
+        if constexpr (kNibbles) continue;
         // word 3 + 8 run + i: nibbles 4 i to + 3 of 32-byte run `run`, weights 64 run + 4 i to + 3 (low nibbles) and
         // 32 on (high)
         for (int64_t run = 0; run < 4; ++run)
@@ -600,7 +644,7 @@ inline void keep_in_register(T& v) {
 // VNNI: vpdpbusd into a partial sum per sub-block, times its scale (vpmulld) for the K-quants. Unsigned weights are
 // its unsigned operand and x the signed one, which an instruction may take from memory: x held in registers, or GCC
 // folded its loads into every column's vpdpbusd (NR loads per vector instead of one; Q4_K at 32 rows 5% slower).
-template <int64_t QT, typename V, int NR, int RV, int kGroup>
+template <int64_t QT, typename V, int NR, int RV, int kGroup, bool kNibbles>
 inline void block_totals(const uint8_t* xu, int64_t vector_bytes, const int8_t* const* w, int64_t step,
                          const int32_t* const* sc, int64_t b, typename V::I (&total)[NR][RV]) {
   using L = GemmLayout<QT>;
@@ -620,7 +664,14 @@ inline void block_totals(const uint8_t* xu, int64_t vector_bytes, const int8_t* 
         if constexpr (L::kUnsignedWeights) keep_in_register(xv[r]);
       }
       for (int n = 0; n < NR; ++n) {
-        const typename V::I wv = V::template weights<kGroup>(w[n] + (k0 + kGroup * g) / 4 * step, step);
+        typename V::I wv;
+        if constexpr (kNibbles) {  // sub-block s's nibbles in its row group: see kNibbleTiles
+          constexpr int64_t kWordBytes = 4 * kGroupRows;
+          const int8_t* at = w[n] + b * kGroupRows * Format<QT>::kBytes + (s / 2 * 8 + kGroup / 4 * g) * kWordBytes;
+          wv = V::and_bytes(V::template weights<kGroup>(at, kWordBytes), s % 2 ? 0xF0 : 0x0F);
+        } else {
+          wv = V::template weights<kGroup>(w[n] + (k0 + kGroup * g) / 4 * step, step);
+        }
         for (int r = 0; r < RV; ++r) {
           if constexpr (L::kUnsignedWeights)
             part[n][r] = V::dot_unsigned(part[n][r], xv[r], wv);
@@ -692,7 +743,7 @@ inline void block_totals_pairs(const uint8_t* xu, int64_t vector_bytes, const in
 // out[n][r * lanes + l] = y of row (first_vector + r) * lanes + l, column c0 + n of the panel (kGroup > 4, the last
 // vector's layout: y of its row l / (kGroup / 4), in each of that row's lanes). `ahead` (ahead_bytes from it, none
 // if 0): the blocks the thread unpacks next, prefetched a slice per block.
-template <int64_t QT, typename V, int NR, int RV, int kGroup = 4>
+template <int64_t QT, typename V, int NR, int RV, bool kNibbles, int kGroup = 4>
 void gemm_tile(const Panel<QT>& panel, int64_t c0, const InterleavedRows& x, int64_t first_vector, float* out,
                const uint8_t* ahead, int64_t ahead_bytes) {
   using L = GemmLayout<QT>;
@@ -702,7 +753,10 @@ void gemm_tile(const Panel<QT>& panel, int64_t c0, const InterleavedRows& x, int
   const int8_t* w[NR];
   const int32_t* sc[NR];
   for (int n = 0; n < NR; ++n) {
-    w[n] = panel.column(c0 + n);
+    if constexpr (kNibbles)
+      w[n] = panel.nibbles(c0 + n);
+    else
+      w[n] = panel.column(c0 + n);
     sc[n] = panel.sc.data() + (c0 + n) * (K / L::kSub);
   }
   typename V::F acc[NR][RV];
@@ -715,7 +769,7 @@ void gemm_tile(const Panel<QT>& panel, int64_t c0, const InterleavedRows& x, int
     if constexpr (V::kInt16Pairs) {
       block_totals_pairs<QT, NR, RV, kGroup>(xu, vector_bytes, w, panel.step, sc, b, total);
     } else {
-      block_totals<QT, V, NR, RV, kGroup>(xu, vector_bytes, w, panel.step, sc, b, total);
+      block_totals<QT, V, NR, RV, kGroup, kNibbles>(xu, vector_bytes, w, panel.step, sc, b, total);
     }
     if constexpr (kGroup > 4)
       for (int n = 0; n < NR; ++n)
@@ -799,6 +853,7 @@ void int8_gemm_tiles(const InterleavedRows& q, const uint8_t* weight, Layout lay
   // beside the rows' x: a 32-row Q4_K call ran 5.7-5.9 -> 6.2-7.9 ms (Zen 4, forced avx2, one thread); they put
   // groups back (RowReader) instead.
   const bool interleaved = layout == Layout::kRowGroups && (kGroupRows % NR == 0 || NR % kGroupRows == 0);
+  const bool nibbles = kNibbleTiles<QT, V> && interleaved;
   int64_t panel_tiles = vectors > block_vectors ? kPanelTiles : 1;
   while (interleaved && panel_tiles * NR % kGroupRows) ++panel_tiles;
   const int64_t width = panel_tiles * NR;
@@ -833,7 +888,9 @@ void int8_gemm_tiles(const InterleavedRows& q, const uint8_t* weight, Layout lay
       }
       const int64_t n0 = p * width, columns = std::min<int64_t>(width, N - n0);
       Y* to = staged.data() + (p - run) * width;
-      panel.template unpack<kXBias<QT, V> != 0>(rows, layout, n0, columns);
+      if constexpr (kNibbleTiles<QT, V>)
+        if (nibbles) panel.template unpack<false, true>(rows, layout, n0, columns);
+      if (!nibbles) panel.template unpack<kXBias<QT, V> != 0>(rows, layout, n0, columns);
       // The next panel's blocks (contiguous rows) on their way from memory while this one computes: unpacking is
       // where the weights first arrive, and it waited on them (40% of a 32-row Q4_K call, measured). Spread over
       // the blocks of every tile of the panel's first row block: issued all at once they stalled on the core's
@@ -851,27 +908,34 @@ void int8_gemm_tiles(const InterleavedRows& q, const uint8_t* weight, Layout lay
       int64_t ahead_bytes = ahead ? std::max<int64_t>(0, ahead_end - ahead_row) * row_bytes : 0;
       const int64_t tiles = (columns + NR - 1) / NR;
       const int64_t slice = (ahead_bytes + tiles - 1) / tiles;
+      int64_t tile_ahead = 0;
+      auto tile = [&]<int kRV, int kGroup>(int64_t c0, int64_t v) {
+        if (nibbles)
+          gemm_tile<QT, V, NR, kRV, kNibbleTiles<QT, V>, kGroup>(panel, c0, q, v, out, ahead, tile_ahead);
+        else
+          gemm_tile<QT, V, NR, kRV, false, kGroup>(panel, c0, q, v, out, ahead, tile_ahead);
+      };
       for (int64_t v0 = 0; v0 < vectors; v0 += block_vectors) {
         const int64_t v1 = std::min(vectors, v0 + block_vectors), full_end = std::min(v1, full_vectors);
         for (int64_t c0 = 0; c0 < columns; c0 += NR) {
           const int64_t tile_columns = std::min<int64_t>(NR, columns - c0);
-          int64_t tile_ahead = std::min(slice, ahead_bytes);
+          tile_ahead = std::min(slice, ahead_bytes);
           ahead_bytes -= tile_ahead;
           for (int64_t v = v0; v < full_end; v += RV) {
             const int rv = static_cast<int>(std::min<int64_t>(RV, full_end - v));
             if (rv == RV)
-              gemm_tile<QT, V, NR, RV>(panel, c0, q, v, out, ahead, tile_ahead);
+              tile.template operator()<RV, 4>(c0, v);
             else
-              gemm_tile<QT, V, NR, 1>(panel, c0, q, v, out, ahead, tile_ahead);
+              tile.template operator()<1, 4>(c0, v);
             tile_ahead = 0;
             store_tile<V::kLanes>(out, rv, static_cast<int>(tile_columns), v, M, to + c0, run_width);
           }
           if constexpr (RV > 1)
             if (full_end < v1) {  // the last vector, in its grouped layout
               if (q.tail_group == 8)
-                gemm_tile<QT, V, NR, 1, 8>(panel, c0, q, full_end, out, ahead, tile_ahead);
+                tile.template operator()<1, 8>(c0, full_end);
               else
-                gemm_tile<QT, V, NR, 1, 16>(panel, c0, q, full_end, out, ahead, tile_ahead);
+                tile.template operator()<1, 16>(c0, full_end);
               tile_ahead = 0;
               const int spread = q.tail_group / 4;  // each row's first lane into lane `row`, as store_tile reads
               for (int n = 0; n < NR; ++n)
