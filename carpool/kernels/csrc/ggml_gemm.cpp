@@ -2,7 +2,8 @@
 // ggml_dot.cpp dots each weight block with a few activation rows laid along the vector lanes of K; here the lanes
 // are activation ROWS: x is quantized once per call and stored as x + 128 (u8; x itself against unsigned weights,
 // kXBias) interleaved [rows / lanes][K / 4][lanes][4] (each vector of rows contiguous along K), so
-// one vpdpbusd multiplies 4 weights of one output column (broadcast from an unpacked panel) with 16 rows at once.
+// one vpdpbusd multiplies 4 weights of one output column (broadcast from an unpacked panel, or, for Q4_K row groups
+// on AVX-512, from the group's nibbles in place: kNibbleTiles) with 16 rows at once.
 // A sub-block's integer scale is then the same for every lane: one vpmulld per 32 (Q6_K: 16) weights instead of
 // one vpdpwssd per 64, and each weight byte is unpacked once per call, not once per 4 rows. With weights w and
 // row scales x_d, for each block of a column:
@@ -451,15 +452,6 @@ InterleavedRows quantize_interleaved(const float* x, int64_t M, int64_t K, int64
   return out;
 }
 
-// `width` columns unpacked over all of K: what the tiles' broadcasts read, once per call. A column's weights are
-// column-major ([width][K]), or, for row groups, interleaved ([K / 4][width][4]: each step of four weights holds
-// every column's, as a group holds its eight rows' words), so that a group unpacks in place: one 32-byte load is a
-// word of eight columns, unpacked and stored whole, where putting each group back in GGUF's layout first (RowReader,
-// 8 x 8 transposes) and unpacking row by row had made the unpack ~13% of a 32-row call (Zen 4, perf; from L2 or L3
-// alike). Panels of row groups hold whole groups. `step` is the bytes from a column's four weights to its next four.
-// The 1.5B's matrices, one call, int8, the old unpack against this in one process (docs/benchmarks.md): Q4_K
-// 8960x1536 at 16 / 32 / 64 rows 1.06x / 1.03x / 1.02x, the Q6_K LM head at 16 / 32 rows 1.18x / 1.15x (2
-// threads), 512 rows unchanged.
 // Q4_K row groups on AVX-512: the tiles read each column's nibbles from its row group in place, and the panel
 // unpacks only the scales. A step's four weights are one vpandd with a 32-bit broadcast from memory: low nibbles q
 // (mask 0x0F), high nibbles 16 q (0xF0), so the panel holds the low sub-blocks' scales times 16 and d / 16; the
@@ -471,6 +463,15 @@ InterleavedRows quantize_interleaved(const float* x, int64_t M, int64_t K, int64
 template <int64_t QT, typename V>
 constexpr bool kNibbleTiles = QT == kQ4_K && V::kLanes == 16;
 
+// `width` columns unpacked over all of K: what the tiles' broadcasts read, once per call. A column's weights are
+// column-major ([width][K]), or, for row groups, interleaved ([K / 4][width][4]: each step of four weights holds
+// every column's, as a group holds its eight rows' words), so that a group unpacks in place: one 32-byte load is a
+// word of eight columns, unpacked and stored whole, where putting each group back in GGUF's layout first (RowReader,
+// 8 x 8 transposes) and unpacking row by row had made the unpack ~13% of a 32-row call (Zen 4, perf; from L2 or L3
+// alike). Panels of row groups hold whole groups. `step` is the bytes from a column's four weights to its next four.
+// The 1.5B's matrices, one call, int8, the old unpack against this in one process (docs/benchmarks.md): Q4_K
+// 8960x1536 at 16 / 32 / 64 rows 1.06x / 1.03x / 1.02x, the Q6_K LM head at 16 / 32 rows 1.18x / 1.15x (2
+// threads), 512 rows unchanged.
 template <int64_t QT>
 struct Panel {
   using L = GemmLayout<QT>;
@@ -539,7 +540,7 @@ struct Panel {
   }
 
   // Row group `group` (its eight rows' blocks, kernels/csrc/ggml_blocks.h) into columns n to n + 7, each 32-byte
-  // word of the group a step of eight columns' weights once unpacked.
+  // word of the group a step of eight columns' weights once unpacked (kNibbles: the scales only).
   template <bool kSums, bool kNibbles>
   void unpack_group(const uint8_t* group, int64_t n) {
     const int64_t blocks = K / kW, at_step = step;  // held: the int8 stores below may alias every member
@@ -553,8 +554,8 @@ struct Panel {
         k_scale_min_words(reinterpret_cast<Words>(word(0)), reinterpret_cast<Words>(word(1)),
                           reinterpret_cast<Words>(word(2)), scale_words, min_words);
         // The eight rows' d and dmin in one conversion each, and each row's scale and minimum bytes as one 64-bit
-        // lane (unpacked by pairs of rows, then put in order): a row at a time, the scalar
-        // extractions and conversions were 7% of a 32-row call once the tiles read the nibbles (Zen 4).
+        // lane (unpacked by pairs of rows, then put in order): a row at a time, the scalar extractions and
+        // conversions were 7% of a 32-row call once the tiles read the nibbles (Zen 4, one thread: 2.95 -> 2.85 ms).
         alignas(32) float d8[kGroupRows], negdmin8[kGroupRows];
         alignas(32) uint64_t scale8[kGroupRows], min8[kGroupRows];
         const __m128i halves_d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(column + group_half_offset(0, 0)));
