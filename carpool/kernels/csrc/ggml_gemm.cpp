@@ -479,7 +479,7 @@ struct Panel {
   int64_t K, width;
   bool interleaved;
   int64_t step;
-  std::vector<int8_t> w;       // [width][K] or [K / 4][width][4]
+  std::vector<int8_t> w;       // [width][K] or [K / 4][width][4] (none with nibbles)
   std::vector<int32_t> sc;     // [width][K / kSub]
   std::vector<int32_t> bias;   // [width][K / kW]
   std::vector<float> d;        // [width][K / kW]
@@ -488,8 +488,8 @@ struct Panel {
   std::vector<float> negdmin;  // [width][K / kW] (K-quants)
   std::vector<const uint8_t*> groups;  // [width / kGroupRows]: each group in place (nibble tiles: kNibbleTiles)
 
-  Panel(int64_t K, int64_t width, bool interleaved)
-      : K(K), width(width), interleaved(interleaved), step(interleaved ? 4 * width : 4), w(width * K),
+  Panel(int64_t K, int64_t width, bool interleaved, bool nibbles)
+      : K(K), width(width), interleaved(interleaved), step(interleaved ? 4 * width : 4), w(nibbles ? 0 : width * K),
         sc(width * K / L::kSub), bias(width * K / kW), d(width * K / kW),
         negdm(L::kMinGroups && !L::kIntegerMins ? width * K / 32 : 0),
         min_pairs(L::kIntegerMins ? width * K / 64 : 0), negdmin(L::kIntegerMins ? width * K / kW : 0) {}
@@ -510,7 +510,8 @@ struct Panel {
   void unpack(RowReader<QT>& rows, Layout layout, int64_t n0, int64_t columns) {
     const int64_t blocks = K / kW;
     if (columns < width) {  // past the last column: zeros, whose outputs are dropped
-      std::fill_n(w.begin() + (interleaved ? 0 : columns * K), interleaved ? width * K : (width - columns) * K, 0);
+      if (!w.empty())
+        std::fill_n(w.begin() + (interleaved ? 0 : columns * K), interleaved ? width * K : (width - columns) * K, 0);
       std::fill(sc.begin() + columns * K / L::kSub, sc.end(), 0);
       std::fill(bias.begin() + columns * blocks, bias.end(), 0);
       std::fill(d.begin() + columns * blocks, d.end(), 0.0f);
@@ -874,7 +875,7 @@ void int8_gemm_tiles(const InterleavedRows& q, const uint8_t* weight, Layout lay
   const int64_t run_width = chunk * width;
   std::atomic<int64_t> next_panel{0};
   auto run_panels = [&] {
-    Panel<QT> panel(K, width, interleaved);
+    Panel<QT> panel(K, width, interleaved, nibbles);
     RowReader<QT> rows(weight, row_bytes, layout);
     alignas(64) float out[NR * RV * V::kLanes];
     std::vector<Y> staged(M * run_width);
