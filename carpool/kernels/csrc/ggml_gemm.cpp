@@ -590,14 +590,25 @@ struct Panel {
             store256(low + 8 * at_step, _mm256_and_si256(_mm256_srli_epi16(nibbles, 4), bytes(0x0F)));
           }
       } else {  // Q6_K, as its row-group GEMV reads it (ggml_dot.cpp)
-        __m256i scale_pairs[16];  // sub-block s's scale in both int16 halves of each row's lane, for the sums
-        __m256i scale_total = _mm256_setzero_si256(), sums = _mm256_setzero_si256();
+        // Sub-block s's scale in each row's lane for the sums: with VNNI in all four bytes (one vpdpbusd of u8 q
+        // by it per word, where vpmaddubsw, vpmaddwd and vpaddd took three), else in both int16 halves. Zen 4, the
+        // 1.5B's Q6_K LM head at 32 rows, one thread, alternating builds: 55.0-56.0 -> 53.1-53.4 ms; its 32-sequence
+        // step 1.01x. (One chain of vpdpbusd instead of four: 1.02x slower than before.)
+        __m256i scale_factors[16];
+        __m256i scale_total = _mm256_setzero_si256(), sums[4] = {};  // one chain per j: vpdpbusd's latency is 4
         if constexpr (kSums) {
           const __m256i scale_words[4] = {word(48), word(49), word(50), word(51)};
           for (int s = 0; s < 16; ++s) {
             const __m256i scale = q6_k_group_scale(scale_words, s);
             scale_total = _mm256_add_epi32(scale_total, scale);
-            scale_pairs[s] = int16_in_both_halves(scale);
+#ifdef CARPOOL_VNNI256
+            const int32_t pick = 0x01010101 * (s % 4);  // byte s % 4 of each lane's word, four times
+            scale_factors[s] = _mm256_shuffle_epi8(
+                scale_words[s / 4], _mm256_setr_epi32(pick, pick + 0x04040404, pick + 0x08080808, pick + 0x0C0C0C0C,
+                                                      pick, pick + 0x04040404, pick + 0x08080808, pick + 0x0C0C0C0C));
+#else
+            scale_factors[s] = int16_in_both_halves(scale);
+#endif
           }
         }
         for (int64_t r = 0; r < kGroupRows; ++r) {
@@ -618,15 +629,22 @@ struct Panel {
             q6_k_weights(word(16 * h + l), word(16 * h + 8 + l), word(32 + 8 * h + l), q);
             for (int j = 0; j < 4; ++j) {
               store256(at + (32 * h + l + 8 * j) * at_step, _mm256_sub_epi8(q[j], bytes(32)));
-              if constexpr (kSums)  // u8 q <= 63: pairs within int16, times the scale in both halves
-                sums = _mm256_add_epi32(sums, _mm256_madd_epi16(_mm256_maddubs_epi16(q[j], bytes(1)),
-                                                                 scale_pairs[8 * h + 2 * j + l / 4]));
+              if constexpr (kSums) {  // u8 q <= 63 (AVX2: pairs within int16, times the scale in both halves)
+                const __m256i factor = scale_factors[8 * h + 2 * j + l / 4];
+#ifdef CARPOOL_VNNI256
+                sums[j] = dpbusd256(sums[j], q[j], factor);
+#else
+                sums[j] = _mm256_add_epi32(sums[j], _mm256_madd_epi16(_mm256_maddubs_epi16(q[j], bytes(1)), factor));
+#endif
+              }
             }
           }
         if constexpr (kSums) {  // q - 32: minus 32 * 16 * sum_s sc_s
           alignas(32) int32_t row_bias[kGroupRows];
           _mm256_store_si256(reinterpret_cast<__m256i*>(row_bias),
-                             _mm256_sub_epi32(sums, _mm256_slli_epi32(scale_total, 9)));
+                             _mm256_sub_epi32(_mm256_add_epi32(_mm256_add_epi32(sums[0], sums[1]),
+                                                               _mm256_add_epi32(sums[2], sums[3])),
+                                              _mm256_slli_epi32(scale_total, 9)));
           for (int64_t r = 0; r < kGroupRows; ++r) bias[(n + r) * blocks + b] = row_bias[r];
         }
       }
