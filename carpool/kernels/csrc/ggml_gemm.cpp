@@ -323,7 +323,6 @@ struct Rows8 {
   static F fzero() { return _mm256_setzero_ps(); }
   static I iload(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
   static F fload(const float* p) { return _mm256_loadu_ps(p); }
-  static I and_bytes(I a, uint8_t mask) { return _mm256_and_si256(a, _mm256_set1_epi8(static_cast<char>(mask))); }
   static I mul(I a, int32_t s) { return _mm256_mullo_epi32(a, _mm256_set1_epi32(s)); }
   static I dot_pairs(I acc, I a, int32_t s) {  // as Rows16's
     return _mm256_add_epi32(acc, _mm256_madd_epi16(a, _mm256_set1_epi32(s)));
@@ -495,9 +494,12 @@ struct Panel {
         min_pairs(L::kIntegerMins ? width * K / 64 : 0), negdmin(L::kIntegerMins ? width * K / kW : 0) {}
 
   const int8_t* column(int64_t n) const { return w.data() + n * (interleaved ? 4 : K); }
-  // Column n's first nibble word in its row group (kNibbleTiles): its four bytes of each block's word 3.
+  // Column n in its row group (kNibbleTiles): its word t of block b lies group_word_offset(t, 0) on from here plus
+  // b blocks of the group.
   const int8_t* nibbles(int64_t n) const {
-    return reinterpret_cast<const int8_t*>(groups[n / kGroupRows] + group_word_offset<QT>(3, n % kGroupRows));
+    const int64_t r = n % kGroupRows;
+    return reinterpret_cast<const int8_t*>(groups[n / kGroupRows] + group_word_offset<QT>(0, r) -
+                                           group_word_offset<QT>(0, 0));
   }
   // Column n's block b: where its terms go.
   BlockTerms terms(int64_t n, int64_t b) {
@@ -685,10 +687,11 @@ inline void block_totals(const uint8_t* xu, int64_t vector_bytes, const int8_t* 
       }
       for (int n = 0; n < NR; ++n) {
         typename V::I wv;
-        if constexpr (kNibbles) {  // sub-block s's nibbles in its row group: see kNibbleTiles
-          constexpr int64_t kWordBytes = 4 * kGroupRows;
-          const int8_t* at = w[n] + b * kGroupRows * Format<QT>::kBytes + (s / 2 * 8 + kGroup / 4 * g) * kWordBytes;
-          wv = V::and_bytes(V::template weights<kGroup>(at, kWordBytes), s % 2 ? 0xF0 : 0x0F);
+        if constexpr (kNibbles) {  // sub-block s's nibbles in its row group (words 3 + 8 run + i): see kNibbleTiles
+          constexpr int64_t kWordStep = group_word_offset<QT>(1, 0) - group_word_offset<QT>(0, 0);
+          const int8_t* at = w[n] + b * kGroupRows * Format<QT>::kBytes +
+                             group_word_offset<QT>(3 + s / 2 * 8 + kGroup / 4 * g, 0);
+          wv = V::and_bytes(V::template weights<kGroup>(at, kWordStep), s % 2 ? 0xF0 : 0x0F);
         } else {
           wv = V::template weights<kGroup>(w[n] + (k0 + kGroup * g) / 4 * step, step);
         }
@@ -909,7 +912,7 @@ void int8_gemm_tiles(const InterleavedRows& q, const uint8_t* weight, Layout lay
       const int64_t n0 = p * width, columns = std::min<int64_t>(width, N - n0);
       Y* to = staged.data() + (p - run) * width;
       if constexpr (kNibbleTiles<QT, V>)
-        if (nibbles) panel.template unpack<false, true>(rows, layout, n0, columns);
+        if (nibbles) panel.template unpack<kXBias<QT, V> != 0, true>(rows, layout, n0, columns);
       if (!nibbles) panel.template unpack<kXBias<QT, V> != 0>(rows, layout, n0, columns);
       // The next panel's blocks (contiguous rows) on their way from memory while this one computes: unpacking is
       // where the weights first arrive, and it waited on them (40% of a 32-row Q4_K call, measured). Spread over
@@ -928,8 +931,7 @@ void int8_gemm_tiles(const InterleavedRows& q, const uint8_t* weight, Layout lay
       int64_t ahead_bytes = ahead ? std::max<int64_t>(0, ahead_end - ahead_row) * row_bytes : 0;
       const int64_t tiles = (columns + NR - 1) / NR;
       const int64_t slice = (ahead_bytes + tiles - 1) / tiles;
-      int64_t tile_ahead = 0;
-      auto tile = [&]<int kRV, int kGroup>(int64_t c0, int64_t v) {
+      auto tile = [&]<int kRV, int kGroup>(int64_t c0, int64_t v, int64_t tile_ahead) {
         if (nibbles)
           gemm_tile<QT, V, NR, kRV, kNibbleTiles<QT, V>, kGroup>(panel, c0, q, v, out, ahead, tile_ahead);
         else
@@ -939,23 +941,23 @@ void int8_gemm_tiles(const InterleavedRows& q, const uint8_t* weight, Layout lay
         const int64_t v1 = std::min(vectors, v0 + block_vectors), full_end = std::min(v1, full_vectors);
         for (int64_t c0 = 0; c0 < columns; c0 += NR) {
           const int64_t tile_columns = std::min<int64_t>(NR, columns - c0);
-          tile_ahead = std::min(slice, ahead_bytes);
+          int64_t tile_ahead = std::min(slice, ahead_bytes);
           ahead_bytes -= tile_ahead;
           for (int64_t v = v0; v < full_end; v += RV) {
             const int rv = static_cast<int>(std::min<int64_t>(RV, full_end - v));
             if (rv == RV)
-              tile.template operator()<RV, 4>(c0, v);
+              tile.template operator()<RV, 4>(c0, v, tile_ahead);
             else
-              tile.template operator()<1, 4>(c0, v);
+              tile.template operator()<1, 4>(c0, v, tile_ahead);
             tile_ahead = 0;
             store_tile<V::kLanes>(out, rv, static_cast<int>(tile_columns), v, M, to + c0, run_width);
           }
           if constexpr (RV > 1)
             if (full_end < v1) {  // the last vector, in its grouped layout
               if (q.tail_group == 8)
-                tile.template operator()<1, 8>(c0, full_end);
+                tile.template operator()<1, 8>(c0, full_end, tile_ahead);
               else
-                tile.template operator()<1, 16>(c0, full_end);
+                tile.template operator()<1, 16>(c0, full_end, tile_ahead);
               tile_ahead = 0;
               const int spread = q.tail_group / 4;  // each row's first lane into lane `row`, as store_tile reads
               for (int n = 0; n < NR; ++n)
