@@ -965,9 +965,11 @@ template void int8_gemv_rows<c10::BFloat16>(const Int8Rows&, const uint8_t*, int
 
 at::Tensor int8_dot_linear(const at::Tensor& x, const uint8_t* weight, int64_t qtype, int64_t N) {
   const int64_t M = x.size(0), K = x.size(1);
-  const at::Tensor wide = x.to(at::kFloat).contiguous();
   at::Tensor y = at::empty({M, N}, x.options());
-  if (M > int8_gemv_max_rows(qtype) && int8_gemm_linear(wide, weight, qtype, N, y)) return y;
+  // The batched kernel quantizes a bf16 x as it is (a float copy first was 1.3% of a 32-sequence step of the 1.5B).
+  const at::Tensor rows = x.scalar_type() == at::kBFloat16 ? x.contiguous() : x.to(at::kFloat).contiguous();
+  if (M > int8_gemv_max_rows(qtype) && int8_gemm_linear(rows, weight, qtype, N, y)) return y;
+  const at::Tensor wide = rows.to(at::kFloat);
   Int8Rows q;
   quantize_rows(wide.data_ptr<float>(), M, K, block_weights(qtype), q);
   // Each thread streams its share of the weights, and takes on what a slower one has not started (WorkShares), in

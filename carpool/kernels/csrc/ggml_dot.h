@@ -87,7 +87,7 @@ template <typename Y>
 void int8_gemv_rows(const Int8Rows& x, const uint8_t* weight, int64_t qtype, int64_t first, int64_t last, Y* y,
                     int64_t ldy);
 
-// The batched kernel: y[M, N] (float or bf16, allocated) from x (float, contiguous [M, K]). False, with y untouched,
+// The batched kernel: y[M, N] (float or bf16, allocated) from x (float or bf16, contiguous [M, K]). False, with y untouched,
 // where this build has none for `qtype` (the portable build; Q8_0 on AVX2).
 bool int8_gemm_linear(const at::Tensor& x, const uint8_t* weight, int64_t qtype, int64_t N, at::Tensor& y);
 

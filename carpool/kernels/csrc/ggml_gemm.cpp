@@ -26,6 +26,8 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "ggml_blocks.h"
@@ -365,7 +367,7 @@ struct InterleavedRows {
   // rows is contiguous: with [K / 4][rows][4], a 512-row prompt chunk put 2 KiB between a vector's consecutive loads,
   // a power-of-two stride that kept a row block in a few cache sets (1536x8960 Q4_1 at 512 rows: 1.05x the exact
   // path, 1.6x at 16 rows, forced AVX2).
-  std::vector<uint8_t> u;      // x_q + bias (kXBias)
+  std::unique_ptr<uint8_t[]> u;  // x_q + bias (kXBias); lanes no row writes hold the bias
   std::vector<float> d;        // [K / block][rows], by lane
   std::vector<float> sums;     // [K / 32][rows], by lane: d * sum of x_q over each 32 values (Q4_1)
   std::vector<int16_t> qsum_pairs;  // [K / 64][rows][2], by lane: sums of x_q over each 32 values (the K-quants)
@@ -401,27 +403,40 @@ void copy_run(const Y* staged, int64_t run_width, int64_t M, Y* y, int64_t ldy, 
 }
 
 // Symmetric int8 per `block` values, as ggml_dot.cpp's GEMV quantizes: d = max|x| / 127, q = round-half-even(x / d).
-InterleavedRows quantize_interleaved(const float* x, int64_t M, int64_t K, int64_t block, int lanes, int32_t bias,
+// x is float or bf16, widened a block at a time in L1: a float copy of a bf16 x first, and filling all of x_q with the
+// bias on the calling thread while the others waited, were 2.2% of a 32-sequence step of the 1.5B (Zen 4, perf).
+template <typename T>
+InterleavedRows quantize_interleaved(const T* x, int64_t M, int64_t K, int64_t block, int lanes, int32_t bias,
                                      XSums with_sums) {
   InterleavedRows out;
   out.rows = (M + lanes - 1) / lanes * lanes;
   out.tail_group = M > lanes ? tail_group(M, lanes) : 4;  // int8_gemm_tiles' one-vector tile takes no groups
-  out.u.assign(K * out.rows, static_cast<uint8_t>(bias));
+  out.u = std::make_unique_for_overwrite<uint8_t[]>(K * out.rows);
+  const int64_t last_vector = out.rows - lanes;
+  if ((M - last_vector) * out.tail_group / 4 < lanes)  // lanes past the last row: the bias, as x_q = 0 would be
+    std::fill_n(out.u.get() + last_vector * K, lanes * K, static_cast<uint8_t>(bias));
   out.d.assign(K / block * out.rows, 0.0f);
   if (with_sums == XSums::kScaled) out.sums.assign(K / 32 * out.rows, 0.0f);
   if (with_sums == XSums::kInteger) out.qsum_pairs.assign(K / 32 * out.rows, 0);
-  const int64_t last_vector = out.rows - lanes;
-  // Rows split over the threads: a 512-row prompt chunk is 0.3-4.6 M values to quantize, every call.
-  at::parallel_for(0, M, 16, [&](int64_t first_row, int64_t last_row) {
+  // Split over the threads (a 512-row prompt chunk is 0.3-4.6 M values, every call) in units of one block of K for a
+  // vector's rows, the rows inside: the block's slice of the vector (4 KiB for the K-quants) takes every row's
+  // scattered 4-byte groups while it is in L1. Row by row over all of K, each row's stores went to every line of the
+  // vector (143 KiB at K = 8960) in L2, and quantizing was 3% of the step above. Both changes: the 1.5B's 32-sequence
+  // step 1.02-1.03x, 26 sequences 1.04x, a 1000-token prefill 1.02x (Zen 4, 2 threads, alternating in one process).
+  const int64_t blocks = K / block;
+  at::parallel_for(0, out.rows / lanes * blocks, 4, [&](int64_t first_unit, int64_t last_unit) {
     alignas(32) int8_t q[256];
-    for (int64_t m = first_row; m < last_row; ++m) {
-      const int64_t vector = m / lanes * lanes;
+    alignas(32) float wide[256];
+    for (int64_t unit = first_unit; unit < last_unit; ++unit) {
+      const int64_t vector = unit / blocks * lanes, b = unit % blocks;
       const int group = vector == last_vector ? out.tail_group : 4, spread = group / 4;
-      const int64_t lane = vector + m % lanes * spread;  // its first lane
-      // Row m's groups of K, lanes * 4 bytes apart in its vector of rows.
-      uint8_t* groups = out.u.data() + vector * K + m % lanes * group;
-      for (int64_t b = 0; b < K / block; ++b) {
-        const float d = quantize_int8(x + m * K + b * block, block, q);
+      for (int64_t m = vector; m < std::min(M, vector + lanes); ++m) {
+        const int64_t lane = vector + m % lanes * spread;  // its first lane
+        // Row m's groups of K, lanes * 4 bytes apart in its vector of rows.
+        uint8_t* groups = out.u.get() + vector * K + m % lanes * group;
+        const T* from = x + m * K + b * block;
+        if constexpr (!std::is_same_v<T, float>) std::copy_n(from, block, wide);
+        const float d = quantize_int8(std::is_same_v<T, float> ? reinterpret_cast<const float*>(from) : wide, block, q);
         std::fill_n(out.d.begin() + b * out.rows + lane, spread, d);
         for (int64_t g = 0; g < block; g += 32) {
           const __m256i biased = _mm256_xor_si256(load256(reinterpret_cast<const uint8_t*>(q + g)), bytes(-128));
@@ -772,7 +787,7 @@ void gemm_tile(const Panel<QT>& panel, int64_t c0, const InterleavedRows& x, int
   using L = GemmLayout<QT>;
   constexpr int64_t kW = Format<QT>::kWeights;
   const int64_t K = panel.K, blocks = K / kW, vector_bytes = K * V::kLanes;
-  const uint8_t* xu = x.u.data() + first_vector * vector_bytes;
+  const uint8_t* xu = x.u.get() + first_vector * vector_bytes;
   const int8_t* w[NR];
   const int32_t* sc[NR];
   for (int n = 0; n < NR; ++n) {
@@ -978,8 +993,8 @@ void int8_gemm_tiles(const InterleavedRows& q, const uint8_t* weight, Layout lay
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) { run_panels(); });
 }
 
-template <int64_t QT, typename V, typename Y>
-void int8_gemm(const float* x, const uint8_t* weight, Layout layout, int64_t M, int64_t N, int64_t K, Y* y) {
+template <int64_t QT, typename V, typename X, typename Y>
+void int8_gemm(const X* x, const uint8_t* weight, Layout layout, int64_t M, int64_t N, int64_t K, Y* y) {
   const InterleavedRows q =
       quantize_interleaved(x, M, K, Format<QT>::kWeights, V::kLanes, kXBias<QT, V>, kXSums<QT>);
   if (q.rows == V::kLanes)
@@ -994,12 +1009,17 @@ bool int8_gemm_linear(const at::Tensor& x, const uint8_t* weight, int64_t qtype,
   const int64_t M = x.size(0), K = x.size(1);
   const RowFormat format = row_format(qtype);
   bool ran = false;
-  auto run = [&]<int64_t QT, typename V>() {
-    const float* xs = x.data_ptr<float>();
+  auto with_x = [&]<int64_t QT, typename V, typename X>(const X* xs) {
     if (y.scalar_type() == at::kFloat)
       int8_gemm<QT, V>(xs, weight, format.layout, M, N, K, y.data_ptr<float>());
     else
       int8_gemm<QT, V>(xs, weight, format.layout, M, N, K, y.data_ptr<c10::BFloat16>());
+  };
+  auto run = [&]<int64_t QT, typename V>() {
+    if (x.scalar_type() == at::kBFloat16)
+      with_x.template operator()<QT, V>(x.data_ptr<c10::BFloat16>());
+    else
+      with_x.template operator()<QT, V>(x.data_ptr<float>());
     ran = true;
   };
   auto lanes = [&]<int64_t QT>() {
