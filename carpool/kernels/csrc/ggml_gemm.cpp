@@ -683,7 +683,7 @@ inline void keep_in_register(T& v) {
 // folded its loads into every column's vpdpbusd (NR loads per vector instead of one; Q4_K at 32 rows 5% slower).
 // The totals build in a local array, copied out once per block: built in the caller's array (by reference), GCC
 // kept them on the stack, a load, add and store of each after every sub-block. Zen 4: the Q4_K tile on cached
-// operands 68-69% -> 73-74% of the vpdpbusd peak (scratch harness); the 1.5B's 32-sequence step 1.022-1.024x
+// operands 65-69% -> 73-75% of the vpdpbusd peak (scratch harness); the 1.5B's 32-sequence step 1.022-1.024x
 // (2 threads, alternating steps in one process).
 template <int64_t QT, typename V, int NR, int RV, int kGroup, bool kNibbles>
 inline void block_totals(const uint8_t* xu, int64_t vector_bytes, const int8_t* const* w, int64_t step,
