@@ -138,12 +138,6 @@ at::Tensor maybe_norm(const at::Tensor& x, const OptionalTensor& weight, double 
   return weight ? rms_norm(x, *weight, eps) : x;
 }
 
-// Thread `tid` of `threads`' contiguous share [first, last) of n items, cut at multiples of `align`.
-std::pair<int64_t, int64_t> share(int64_t n, int64_t align, int tid, int threads) {
-  const int64_t units = (n + align - 1) / align;
-  return {std::min(n, units * tid / threads * align), std::min(n, units * (tid + 1) / threads * align)};
-}
-
 int64_t total_rows(const Projection& projection) {
   int64_t rows = 0;
   for (const at::Tensor& weight : projection.weights) rows += weight.size(0);
@@ -453,6 +447,7 @@ class DecodeStack : public torch::CustomClassHolder {
     using Split = carpool::kernels::SplitDecodeAttention<T>;
     Split split;
     bool split_now = false;
+    carpool::kernels::ItemClaims claims;
     carpool::kernels::WorkShares shares(at::get_num_threads());
 
 #pragma omp parallel num_threads(at::get_num_threads())
@@ -479,6 +474,7 @@ class DecodeStack : public torch::CustomClassHolder {
         {
           for (int64_t t = 0; t < M; ++t)
             position_token(layer, group, qkv + t * qkv_width, t, position[t], cos, sin, eps);
+          claims.reset(runs, num_kv_heads_);
           split_now = Split::pays(runs * num_kv_heads_, threads, /*in_region=*/true) &&
                       split.prepare(qkv, qkv_width, layer.k_cache.data_ptr<T>(), layer.v_cache.data_ptr<T>(),
                                     group.tables, group.lens, group.runs.data(), runs, attended, num_heads_,
@@ -488,12 +484,11 @@ class DecodeStack : public torch::CustomClassHolder {
         if (split_now) {
           split.run_phases(tid, threads);
         } else {
-          const auto [first, last] = share(runs * num_kv_heads_, 1, tid, threads);
           carpool::kernels::decode_attention_items(qkv, qkv_width, layer.k_cache.data_ptr<T>(),
                                                    layer.v_cache.data_ptr<T>(), group.tables, group.lens,
                                                    group.runs.data(), attended,
                                                    num_heads_, num_kv_heads_, head_dim_, layer.k_cache.size(1),
-                                                   group.max_blocks, scale, layer.window, first, last);
+                                                   group.max_blocks, scale, layer.window, claims);
         }
 #pragma omp barrier
 #pragma omp single

@@ -398,11 +398,11 @@ template <typename T>
 void decode_attention_items(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,
                             const int64_t* block_tables, const int64_t* context_lens, const int64_t* runs, T* out,
                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                            int64_t max_blocks, float scale, int64_t window, int64_t first, int64_t last) {
+                            int64_t max_blocks, float scale, int64_t window, ItemClaims& claims) {
   const int64_t group = num_heads / num_kv_heads;
   std::vector<float> query, acc, scores, totals;
   std::vector<int64_t> offsets;
-  for (int64_t item = first; item < last; ++item) {
+  for (int64_t item = -1, end = -1; claims.next(item, end);) {
     const ItemKeys keys = item_keys(block_tables, context_lens, runs, num_kv_heads, max_blocks, window, item);
     query.resize(keys.rows * group * head_dim);
     scaled_queries(q, q_stride, keys, group, head_dim, scale, query.data());
@@ -513,10 +513,10 @@ template class SplitDecodeAttention<c10::BFloat16>;
 
 template void decode_attention_items(const float*, int64_t, const float*, const float*, const int64_t*,
                                      const int64_t*, const int64_t*, float*, int64_t, int64_t, int64_t, int64_t,
-                                     int64_t, float, int64_t, int64_t, int64_t);
+                                     int64_t, float, int64_t, ItemClaims&);
 template void decode_attention_items(const c10::BFloat16*, int64_t, const c10::BFloat16*, const c10::BFloat16*,
                                      const int64_t*, const int64_t*, const int64_t*, c10::BFloat16*, int64_t, int64_t,
-                                     int64_t, int64_t, int64_t, float, int64_t, int64_t, int64_t);
+                                     int64_t, int64_t, int64_t, float, int64_t, ItemClaims&);
 
 namespace {
 
@@ -536,9 +536,11 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int6
       return;
     }
   }
-  at::parallel_for(0, num_runs * num_kv_heads, 1, [&](int64_t first, int64_t last) {
+  ItemClaims claims;
+  claims.reset(num_runs, num_kv_heads);
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     decode_attention_items(q, num_heads * head_dim, k_cache, v_cache, block_tables, context_lens, runs.data(), out,
-                           num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale, window, first, last);
+                           num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale, window, claims);
   });
 }
 
