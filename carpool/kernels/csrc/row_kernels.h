@@ -153,9 +153,9 @@ class ItemClaims {
 
 // Paged decode attention for the items of runs x kv_heads that the calling thread takes from `claims`: item
 // r * num_kv_heads + h is run r's rows (runs from shared_context_runs) with KV head h and its group of query heads,
-// each K/V vector read once for all of them. q: row b's heads at q + b * q_stride ([heads, head_dim]); out: [batch, heads, head_dim]; block_tables
-// [batch, max_blocks]; context_lens checked by the caller (>= 1, within the table). Each row's output is what it
-// would be in a run of its own, to the bit.
+// each K/V vector read once for all of them. q: row b's heads at q + b * q_stride ([heads, head_dim]); out:
+// [batch, heads, head_dim]; block_tables [batch, max_blocks]; context_lens checked by the caller (>= 1, within the
+// table). Each row's output is what it would be in a run of its own, to the bit.
 template <typename T>
 void decode_attention_items(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,
                             const int64_t* block_tables, const int64_t* context_lens, const int64_t* runs, T* out,
