@@ -1,7 +1,7 @@
 // Each row's first maximum, as torch.max(dim=-1).indices finds it (the first of equal maxima, the first NaN where
-// a row has one, -0.0 equal to 0.0): greedy sampling straight from the model's bf16 logits. The sampler used to
-// widen them to fp32 and reduce that: the 1.5B's 32 x 151,936 logits 2.8 ms at 2 threads, here 0.12 ms (Zen 4); its
-// 32-sequence step 208.9 -> 206.2 ms (steps alternating in one process).
+// a row has one, -0.0 equal to 0.0): greedy sampling straight from the model's bf16 logits. Widening the 1.5B's 32 x
+// 151,936 logits to fp32 and reducing that took 2.8 ms at 2 threads, here 0.12 ms (Zen 4); its 32-sequence step ran
+// 208.9 -> 206.2 ms for the reduction alone (steps alternating in one process).
 //
 // Values compare as integer keys: a float's bits with a negative's magnitude negated order as the floats do (-0.0
 // and 0.0 are both 0), and a NaN's magnitude is above infinity's. Integer max and equality vectorize on every build
