@@ -294,8 +294,9 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The rows' logits in the head's output dtype: the sampler widens only the rows that need fp32 (greedy
-        rows take their argmax from bf16 as it is). Widening the 1.5B's 32 x 151,936 took 0.63 ms at 2 threads; its
-        32-sequence step 214.1 -> 213.3 ms without it (Zen 4, medians of 60, alternating in one process)."""
+        rows take their argmax from bf16 as it is). Widening the 1.5B's 32 x 151,936 took 0.2-0.6 ms at 2 threads
+        (`python -m carpool.bench.greedy`); its 32-sequence step 214.1 -> 213.3 ms without it (Zen 4, medians of 60,
+        alternating in one process)."""
         return self.lm_head(hidden)
 
     def load_hf_weights(self, state: dict, dtype: torch.dtype) -> None:
