@@ -275,6 +275,12 @@ struct Rows16 {
     if constexpr (kGroup >= 16) t = _mm512_add_epi32(t, _mm512_shuffle_epi32(t, _MM_PERM_BADC));
     return t;
   }
+  // Steps of 4 weights, each broadcast, as one broadcast of kGroup (the weights<kGroup> of a grouped vector)
+  template <int kGroup>
+  static I spread(const I (&w)[kGroup / 4]) {
+    if constexpr (kGroup == 8) return _mm512_unpacklo_epi32(w[0], w[1]);
+    else return _mm512_unpacklo_epi64(_mm512_unpacklo_epi32(w[0], w[1]), _mm512_unpacklo_epi32(w[2], w[3]));
+  }
   static I and_bytes(I a, uint8_t mask) { return _mm512_and_si512(a, _mm512_set1_epi8(static_cast<char>(mask))); }
   static I mul(I a, int32_t s) { return _mm512_mullo_epi32(a, _mm512_set1_epi32(s)); }
   // acc + the int16 pairs of a times those of s, summed by pairs
@@ -314,6 +320,11 @@ struct Rows8 {
     if constexpr (kGroup == 4) return _mm256_set1_epi32(load4(p));
     else if constexpr (kGroup == 8) return _mm256_set1_epi64x(load_steps8(p, step));
     else return _mm256_broadcastsi128_si256(load_steps16(p, step));
+  }
+  template <int kGroup>  // as Rows16's
+  static I spread(const I (&w)[kGroup / 4]) {
+    if constexpr (kGroup == 8) return _mm256_unpacklo_epi32(w[0], w[1]);
+    else return _mm256_unpacklo_epi64(_mm256_unpacklo_epi32(w[0], w[1]), _mm256_unpacklo_epi32(w[2], w[3]));
   }
   template <int kGroup>  // as Rows16's
   static I row_totals(I t) {
@@ -382,10 +393,15 @@ constexpr XSums kXSums = !GemmLayout<QT>::kMinGroups   ? XSums::kNone
 
 // The widest group (fewest lanes per row of the last vector) that still holds its rows, from 4 bytes (every lane a
 // row) to 16: a step of 16 bytes stays inside Q6_K's sub-block of 16 weights, whose scale multiplies whole lanes.
-inline int tail_group(int64_t M, int lanes) {
-  const int64_t last = M - (M - 1) / lanes * lanes;
+// None (4) where the vectors before the last do not fill whole tiles of tile_vectors (the int16-pairs tiles, whose
+// vectors share one group): the odd one would run a tile of one vector beside the grouped last one's, two passes over
+// the panel, where the last vector padded with zeros makes one whole tile (forced avx2 on Zen 4, the 1.5B's decode
+// step at 12 rows 1.05x, steps alternating in one process). VNNI tiles take a grouped last vector beside whole ones
+// (block_totals), so they pass 1.
+inline int tail_group(int64_t M, int lanes, int tile_vectors) {
+  const int64_t full_vectors = (M - 1) / lanes, last = M - full_vectors * lanes;
   int group = 4;
-  while (group < 16 && last <= lanes * 2 / group) group *= 2;
+  while (full_vectors % tile_vectors == 0 && group < 16 && last <= lanes * 2 / group) group *= 2;
   return group;
 }
 
@@ -407,10 +423,11 @@ void copy_run(const Y* staged, int64_t run_width, int64_t M, Y* y, int64_t ldy, 
 // bias on the calling thread while the others waited, were 2.2% of a 32-sequence step of the 1.5B (Zen 4, perf).
 template <typename T>
 InterleavedRows quantize_interleaved(const T* x, int64_t M, int64_t K, int64_t block, int lanes, int32_t bias,
-                                     XSums with_sums) {
+                                     XSums with_sums, int tile_vectors) {
   InterleavedRows out;
   out.rows = (M + lanes - 1) / lanes * lanes;
-  out.tail_group = M > lanes ? tail_group(M, lanes) : 4;  // int8_gemm_tiles' one-vector tile takes no groups
+  // int8_gemm_tiles' one-vector tile takes no groups
+  out.tail_group = M > lanes ? tail_group(M, lanes, tile_vectors) : 4;
   out.u = std::make_unique_for_overwrite<uint8_t[]>(K * out.rows);
   const int64_t last_vector = out.rows - lanes;
   if ((M - last_vector) * out.tail_group / 4 < lanes)  // lanes past the last row: the bias, as x_q = 0 would be
@@ -677,7 +694,13 @@ inline void keep_in_register(T& v) {
   asm("" : "+x"(v));
 }
 
-// One block's integer sums for NR columns x RV row vectors: total = sum_s sc_s sum_s((x_q + kXBias) w).
+// One block's integer sums for NR columns x RV row vectors: total = sum_s sc_s sum_s((x_q + kXBias) w). The last
+// vector's rows may be grouped (kGroup bytes of K per row and step, InterleavedRows), the others' are not: per kGroup
+// weights a column takes kGroup / 4 broadcasts of 4 for them, and the last vector their shuffle into one (V::spread;
+// free beside vpdpbusd in a scratch loop on Zen 4, where a broadcast of kGroup built from two or four loads was not).
+// So 17-24 rows cost 1.25-1.5 vectors' multiplies, not 2. Zen 4, the 1.5B's decode step at 20 / 24 rows, steps
+// alternating in one process: 173.9 / 183.0 ms, against 195.0 / 200.2 with the last vector padded to a whole tile and
+// 204.8 / 231.6 as two tiles of one vector (before); 32 rows take 190-200.
 // VNNI: vpdpbusd into a partial sum per sub-block, times its scale (vpmulld) for the K-quants. Unsigned weights are
 // its unsigned operand and x the signed one, which an instruction may take from memory: x held in registers, or GCC
 // folded its loads into every column's vpdpbusd (NR loads per vector instead of one; Q4_K at 32 rows 5% slower).
@@ -691,35 +714,54 @@ inline void block_totals(const uint8_t* xu, int64_t vector_bytes, const int8_t* 
   using L = GemmLayout<QT>;
   constexpr int64_t kW = Format<QT>::kWeights;
   constexpr int64_t stride = V::kLanes * 4;
+  constexpr int kSteps = kGroup / 4;  // steps of 4 weights per step of the last vector
+  // Column n's `group` weights from weight k on, broadcast (nibbles: sub-block s's in its row group, words 3 + 8 run
+  // + i: see kNibbleTiles).
+  const auto weights = [&]<int group>(int n, int s, int64_t k) {
+    if constexpr (kNibbles) {
+      constexpr int64_t kWordStep = group_word_offset<QT>(1, 0) - group_word_offset<QT>(0, 0);
+      const int8_t* at = w[n] + b * kGroupRows * Format<QT>::kBytes +
+                         group_word_offset<QT>(3 + s / 2 * 8 + (k % L::kSub) / 4, 0);
+      return V::and_bytes(V::template weights<group>(at, kWordStep), s % 2 ? 0xF0 : 0x0F);
+    } else {
+      return V::template weights<group>(w[n] + k / 4 * step, step);
+    }
+  };
+  const auto dot = [](typename V::I acc, typename V::I x, typename V::I wv) {
+    if constexpr (L::kUnsignedWeights)
+      return V::dot_unsigned(acc, x, wv);
+    else
+      return V::dot(acc, x, wv);
+  };
   typename V::I total[NR][RV];
   for (int s = 0; s < kW / L::kSub; ++s) {
     const int64_t k0 = b * kW + s * L::kSub;
     typename V::I part[NR][RV];
     for (int n = 0; n < NR; ++n)
       for (int r = 0; r < RV; ++r) part[n][r] = V::izero();
-    const uint8_t* xp = xu + k0 / kGroup * stride;
 #pragma GCC unroll 8
-    for (int g = 0; g < L::kSub / kGroup; ++g, xp += stride) {
-      typename V::I xv[RV];
-      for (int r = 0; r < RV; ++r) {
-        xv[r] = V::iload(xp + r * vector_bytes);
-        if constexpr (L::kUnsignedWeights) keep_in_register(xv[r]);
-      }
+    for (int g = 0; g < L::kSub / kGroup; ++g) {
+      const int64_t k = k0 + kGroup * g;
+      typename V::I xv[RV][kSteps];
+      for (int r = 0; r + 1 < RV; ++r)
+        for (int j = 0; j < kSteps; ++j) xv[r][j] = V::iload(xu + r * vector_bytes + (k / 4 + j) * stride);
+      xv[RV - 1][0] = V::iload(xu + (RV - 1) * vector_bytes + k / kGroup * stride);
+      if constexpr (L::kUnsignedWeights)
+        for (int r = 0; r < RV; ++r)
+          for (int j = 0; j < (r + 1 < RV ? kSteps : 1); ++j) keep_in_register(xv[r][j]);
       for (int n = 0; n < NR; ++n) {
-        typename V::I wv;
-        if constexpr (kNibbles) {  // sub-block s's nibbles in its row group (words 3 + 8 run + i): see kNibbleTiles
-          constexpr int64_t kWordStep = group_word_offset<QT>(1, 0) - group_word_offset<QT>(0, 0);
-          const int8_t* at = w[n] + b * kGroupRows * Format<QT>::kBytes +
-                             group_word_offset<QT>(3 + s / 2 * 8 + kGroup / 4 * g, 0);
-          wv = V::and_bytes(V::template weights<kGroup>(at, kWordStep), s % 2 ? 0xF0 : 0x0F);
+        if constexpr (kGroup == 4) {
+          const typename V::I wv = weights.template operator()<4>(n, s, k);
+          for (int r = 0; r < RV; ++r) part[n][r] = dot(part[n][r], xv[r][0], wv);
+        } else if constexpr (RV > 1) {
+          typename V::I wv[kSteps];
+          for (int j = 0; j < kSteps; ++j) {
+            wv[j] = weights.template operator()<4>(n, s, k + 4 * j);
+            for (int r = 0; r + 1 < RV; ++r) part[n][r] = dot(part[n][r], xv[r][j], wv[j]);
+          }
+          part[n][RV - 1] = dot(part[n][RV - 1], xv[RV - 1][0], V::template spread<kGroup>(wv));
         } else {
-          wv = V::template weights<kGroup>(w[n] + (k0 + kGroup * g) / 4 * step, step);
-        }
-        for (int r = 0; r < RV; ++r) {
-          if constexpr (L::kUnsignedWeights)
-            part[n][r] = V::dot_unsigned(part[n][r], xv[r], wv);
-          else
-            part[n][r] = V::dot(part[n][r], xv[r], wv);
+          part[n][0] = dot(part[n][0], xv[0][0], weights.template operator()<kGroup>(n, s, k));
         }
       }
     }
@@ -817,8 +859,7 @@ void gemm_tile(const Panel<QT>& panel, int64_t c0, const InterleavedRows& x, int
       block_totals<QT, V, NR, RV, kGroup, kNibbles>(xu, vector_bytes, w, panel.step, sc, b, total);
     }
     if constexpr (kGroup > 4)
-      for (int n = 0; n < NR; ++n)
-        for (int r = 0; r < RV; ++r) total[n][r] = V::template row_totals<kGroup>(total[n][r]);
+      for (int n = 0; n < NR; ++n) total[n][RV - 1] = V::template row_totals<kGroup>(total[n][RV - 1]);
     for (int r = 0; r < RV; ++r) {
       const typename V::F xd = V::fload(x.d.data() + b * x.rows + (first_vector + r) * V::kLanes);
       for (int n = 0; n < NR; ++n) {
@@ -965,28 +1006,35 @@ void int8_gemm_tiles(const InterleavedRows& q, const uint8_t* weight, Layout lay
           const int64_t tile_columns = std::min<int64_t>(NR, columns - c0);
           int64_t tile_ahead = std::min(slice, ahead_bytes);
           ahead_bytes -= tile_ahead;
-          for (int64_t v = v0; v < full_end; v += RV) {
-            const int rv = static_cast<int>(std::min<int64_t>(RV, full_end - v));
-            if (rv == RV)
-              tile.template operator()<RV, 4>(c0, v, tile_ahead);
-            else
+          int64_t v = v0;
+          for (; v + RV <= full_end; v += RV) {
+            tile.template operator()<RV, 4>(c0, v, tile_ahead);
+            tile_ahead = 0;
+            store_tile<V::kLanes>(out, RV, static_cast<int>(tile_columns), v, M, to + c0, run_width);
+          }
+          if (v < v1) {  // fewer than RV vectors left, the last of them maybe grouped: one tile of them all
+            const int rv = static_cast<int>(v1 - v);
+            if (full_end == v1) {
               tile.template operator()<1, 4>(c0, v, tile_ahead);
+            } else if constexpr (RV > 1) {
+              const auto grouped = [&]<int kRV>() {
+                if (q.tail_group == 8)
+                  tile.template operator()<kRV, 8>(c0, v, tile_ahead);
+                else
+                  tile.template operator()<kRV, 16>(c0, v, tile_ahead);
+                const int spread = q.tail_group / 4;  // each row's first lane into lane `row`, as store_tile reads
+                for (int n = 0; n < NR; ++n) {
+                  float* last = out + (n * kRV + kRV - 1) * V::kLanes;
+                  for (int row = 1; row < V::kLanes / spread; ++row) last[row] = last[row * spread];
+                }
+              };
+              if constexpr (RV > 1 && !V::kInt16Pairs)
+                if (rv == 2) grouped.template operator()<2>();
+              if (rv == 1) grouped.template operator()<1>();
+            }
             tile_ahead = 0;
             store_tile<V::kLanes>(out, rv, static_cast<int>(tile_columns), v, M, to + c0, run_width);
           }
-          if constexpr (RV > 1)
-            if (full_end < v1) {  // the last vector, in its grouped layout
-              if (q.tail_group == 8)
-                tile.template operator()<1, 8>(c0, full_end, tile_ahead);
-              else
-                tile.template operator()<1, 16>(c0, full_end, tile_ahead);
-              tile_ahead = 0;
-              const int spread = q.tail_group / 4;  // each row's first lane into lane `row`, as store_tile reads
-              for (int n = 0; n < NR; ++n)
-                for (int row = 1; row < V::kLanes / spread; ++row)
-                  out[n * V::kLanes + row] = out[n * V::kLanes + row * spread];
-              store_tile<V::kLanes>(out, 1, static_cast<int>(tile_columns), full_end, M, to + c0, run_width);
-            }
           ahead += slice;
         }
       }
@@ -1003,7 +1051,8 @@ void int8_gemm_tiles(const InterleavedRows& q, const uint8_t* weight, Layout lay
 template <int64_t QT, typename V, typename X, typename Y>
 void int8_gemm(const X* x, const uint8_t* weight, Layout layout, int64_t M, int64_t N, int64_t K, Y* y) {
   const InterleavedRows q =
-      quantize_interleaved(x, M, K, Format<QT>::kWeights, V::kLanes, kXBias<QT, V>, kXSums<QT>);
+      quantize_interleaved(x, M, K, Format<QT>::kWeights, V::kLanes, kXBias<QT, V>, kXSums<QT>,
+                           V::kInt16Pairs ? kTileVectors : 1);  // see tail_group
   if (q.rows == V::kLanes)
     int8_gemm_tiles<QT, V, kOneVectorColumns, 1>(q, weight, layout, M, N, K, y);
   else
