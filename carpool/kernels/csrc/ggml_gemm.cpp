@@ -396,8 +396,8 @@ constexpr XSums kXSums = !GemmLayout<QT>::kMinGroups   ? XSums::kNone
 // None (4) where the vectors before the last do not fill whole tiles of tile_vectors (the int16-pairs tiles, whose
 // vectors share one group): the odd one would run a tile of one vector beside the grouped last one's, two passes over
 // the panel, where the last vector padded with zeros makes one whole tile (forced avx2 on Zen 4, the 1.5B's decode
-// step at 12 rows 1.05x, steps alternating in one process). VNNI tiles take a grouped last vector beside whole ones
-// (block_totals), so they pass 1.
+// step at 12 rows 1.05x, steps alternating in one process). VNNI tiles take a grouped last vector beside a whole one
+// (block_totals): their calls pass tile_vectors 1.
 inline int tail_group(int64_t M, int lanes, int tile_vectors) {
   const int64_t full_vectors = (M - 1) / lanes, last = M - full_vectors * lanes;
   int group = 4;
@@ -1028,9 +1028,10 @@ void int8_gemm_tiles(const InterleavedRows& q, const uint8_t* weight, Layout lay
                   for (int row = 1; row < V::kLanes / spread; ++row) last[row] = last[row * spread];
                 }
               };
-              if constexpr (RV > 1 && !V::kInt16Pairs)
-                if (rv == 2) grouped.template operator()<2>();
-              if (rv == 1) grouped.template operator()<1>();
+              if (rv == 1)
+                grouped.template operator()<1>();
+              else if constexpr (!V::kInt16Pairs)  // int16-pairs calls pad the last vector here instead (tail_group)
+                grouped.template operator()<2>();
             }
             tile_ahead = 0;
             store_tile<V::kLanes>(out, rv, static_cast<int>(tile_columns), v, M, to + c0, run_width);
