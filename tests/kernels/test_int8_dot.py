@@ -14,7 +14,8 @@ from carpool.kernels import kernel_path
 EXACT, INT8_DOT = 0, 1
 GEMV_ROWS = 5  # kInt8GemvMaxRows (a pass of four rows and one): more rows take the batched kernel
 # Row counts across the batched kernel's shapes: 8-row and 16-row vectors, one and two vectors a tile, partial ones;
-# a grouped last vector beside a whole one (17: a row over four lanes, 23: seven over two) and after whole tiles (40).
+# on 16-row vectors, a grouped last vector beside a whole one (17: a row over four lanes, 23: seven over two) and
+# after whole tiles (40).
 BATCH_ROWS = (6, 8, 17, 23, 40, 64)
 
 

@@ -16,7 +16,7 @@ WIDTHS = (256, 1536)  # one block a row; the 1.5B's hidden size (six)
 # The GEMV (1-8 rows for row groups, kRowGroupGemvMaxRows: passes of four), the batched int8 kernel (9-64), prompt
 # sizes (exact, and fp32 above kFp32FusedMaxRows through a dequantized copy).
 GEMV_ROWS = (1, 2, 3, 4, 5, 8)
-OTHER_ROWS = (9, 17, 23, 64, 200)
+OTHER_ROWS = (9, 17, 23, 34, 64, 200)
 
 
 def row_groups(blocks: torch.Tensor, qtype) -> torch.Tensor:

@@ -426,7 +426,7 @@ InterleavedRows quantize_interleaved(const T* x, int64_t M, int64_t K, int64_t b
                                      XSums with_sums, int tile_vectors) {
   InterleavedRows out;
   out.rows = (M + lanes - 1) / lanes * lanes;
-  // int8_gemm_tiles' one-vector tile takes no groups
+  // a call of one vector takes no groups (int8_gemm_tiles' one-vector tile)
   out.tail_group = M > lanes ? tail_group(M, lanes, tile_vectors) : 4;
   out.u = std::make_unique_for_overwrite<uint8_t[]>(K * out.rows);
   const int64_t last_vector = out.rows - lanes;
@@ -696,11 +696,12 @@ inline void keep_in_register(T& v) {
 
 // One block's integer sums for NR columns x RV row vectors: total = sum_s sc_s sum_s((x_q + kXBias) w). The last
 // vector's rows may be grouped (kGroup bytes of K per row and step, InterleavedRows), the others' are not: per kGroup
-// weights a column takes kGroup / 4 broadcasts of 4 for them, and the last vector their shuffle into one (V::spread;
-// free beside vpdpbusd in a scratch loop on Zen 4, where a broadcast of kGroup built from two or four loads was not).
-// So 17-24 rows cost 1.25-1.5 vectors' multiplies, not 2. Zen 4, the 1.5B's decode step at 20 / 24 rows, steps
-// alternating in one process: 173.9 / 183.0 ms, against 195.0 / 200.2 with the last vector padded to a whole tile and
-// 204.8 / 231.6 as two tiles of one vector (before); 32 rows take 190-200.
+// weights a column takes kGroup / 4 broadcasts of 4 for them, and the last vector their shuffle into one (V::spread,
+// free beside vpdpbusd in a scratch loop on Zen 4), so 17-24 rows cost 1.25-1.5 vectors' multiplies, not 2. Zen 4,
+// the 1.5B's decode step at 20 / 24 rows, steps alternating in one process: 173.9 / 183.0 ms against 195.0 / 200.2
+// with the last vector padded to a whole tile (which, in its own pairing, ran 1.04x / 1.17x the two one-vector tiles
+// before it). A broadcast of kGroup built from two or four loads, as a grouped vector alone takes it, made this tile
+// slower than padding (24 rows: 221 vs 204 ms).
 // VNNI: vpdpbusd into a partial sum per sub-block, times its scale (vpmulld) for the K-quants. Unsigned weights are
 // its unsigned operand and x the signed one, which an instruction may take from memory: x held in registers, or GCC
 // folded its loads into every column's vpdpbusd (NR loads per vector instead of one; Q4_K at 32 rows 5% slower).
@@ -933,6 +934,8 @@ void int8_gemm_tiles(const InterleavedRows& q, const uint8_t* weight, Layout lay
   const int64_t row_bytes = gguf_row_bytes<QT>(K), vectors = q.rows / V::kLanes;
   // Vectors with every lane a row (quantize_interleaved never groups a call of one vector, whose tile has RV 1).
   const int64_t full_vectors = q.tail_group > 4 ? vectors - 1 : vectors;
+  TORCH_CHECK(!V::kInt16Pairs || q.tail_group == 4 || full_vectors % RV == 0, "int8 GEMM: a grouped last vector after ",
+              full_vectors, " whole ones, which int16-pairs tiles cannot take beside one (tail_group pads it)");
   const int64_t block_vectors = std::max<int64_t>(RV, kRowBlockBytes / (K * V::kLanes) / RV * RV);
   // Row groups unpack in place into panels of whole groups (Panel) where a tile's columns divide a group or groups
   // divide them. AVX2's 3-column tiles would need 24-column panels, 36 KiB of weights for a row of 1536, past L1
