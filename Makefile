@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: serve test venv dev scale chromium postgres models peers peers-avx2 peers-avxvnni clean
+.PHONY: serve test lint venv dev scale chromium postgres models peers peers-avx2 peers-avxvnni clean
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -54,8 +54,13 @@ postgres:
 serve: $(VENV)/.runtime
 	$(BIN)/carpool serve --host $(HOST) --port $(PORT)
 
-test: $(VENV)/.dev chromium postgres
+test: $(VENV)/.dev chromium postgres lint
 	$(BIN)/python -m pytest -q
+
+# Ruff's lint and its formatter (line length 120, pyproject.toml): the whole tree clean, or `make test` stops here.
+lint: $(VENV)/.dev
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 # llama.cpp's server, built from source (about 15 minutes on 2 cores), for side-by-side benchmarks only.
 # Not GGML_NATIVE: -march=native turns AMX on wherever CPUID lists it, and llama.cpp's AMX kernels die on one of our

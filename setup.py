@@ -36,7 +36,9 @@ if os.environ.get(ISAS_ENV, "").strip():
     chosen = [name.strip() for name in os.environ[ISAS_ENV].split(",") if name.strip()]
     unknown = [name for name in chosen if name not in ISA_FLAGS]
     if unknown:
-        raise ValueError(f"{ISAS_ENV}: unknown kernel path(s) {', '.join(unknown)} (choose from {', '.join(ISA_FLAGS)})")
+        raise ValueError(
+            f"{ISAS_ENV}: unknown kernel path(s) {', '.join(unknown)} (choose from {', '.join(ISA_FLAGS)})"
+        )
     ISA_FLAGS = {isa: flags for isa, flags in ISA_FLAGS.items() if isa in chosen}
 
 # -ffp-contract=off: no silent FMA contraction, so the portable loops round where gguf-py and torch round.

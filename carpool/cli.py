@@ -3,13 +3,13 @@
 import argparse
 import sys
 
+from carpool.bench.cascade_cli import add_cascade_parser
 from carpool.bench.cli import add_bench_parser
 from carpool.economics.cli import add_cost_parser, add_keys_parser
 from carpool.engine.args import add_engine_args, engine_config
 from carpool.kernels.probe import add_info_parser
 from carpool.models.cli import add_models_parser
 from carpool.server.batch.cli import add_batch_parser
-from carpool.bench.cascade_cli import add_cascade_parser
 from carpool.server.cli import add_serve_parser
 from carpool.server.compression.cli import add_compress_parser
 

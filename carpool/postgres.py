@@ -15,6 +15,7 @@ import re
 import select
 import threading
 from pathlib import Path
+from typing import Self
 from urllib.parse import urlsplit, urlunsplit
 
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
@@ -49,8 +50,10 @@ def _psycopg():
     try:
         import psycopg
     except ImportError:
-        raise PostgresUnusable("a postgresql:// database needs psycopg 3, which is not installed; run `make scale` "
-                               "(pip install -r requirements-scale.txt)") from None
+        raise PostgresUnusable(
+            "a postgresql:// database needs psycopg 3, which is not installed; run `make scale` "
+            "(pip install -r requirements-scale.txt)"
+        ) from None
     return psycopg
 
 
@@ -98,8 +101,13 @@ class PostgresConnection:
             # Added to the URL's own options (a search_path, say), which a plain options= would replace.
             given = conninfo_to_dict(self.url)
             options = f"{given.get('options', '')} -c lock_timeout={LOCK_TIMEOUT}".strip()
-            return psycopg.connect(self.url, autocommit=True, row_factory=_row_factory, options=options,
-                                   connect_timeout=given.get("connect_timeout", CONNECT_TIMEOUT))
+            return psycopg.connect(
+                self.url,
+                autocommit=True,
+                row_factory=_row_factory,
+                options=options,
+                connect_timeout=given.get("connect_timeout", CONNECT_TIMEOUT),
+            )
         except psycopg.Error as error:
             raise PostgresUnusable(f"{redacted(self.url)}: {cause(error)}") from None
 
@@ -123,7 +131,7 @@ class PostgresConnection:
         with self._conn.cursor() as cursor:
             cursor.executemany(_placeholders(sql), rows)
 
-    def __enter__(self) -> "PostgresConnection":
+    def __enter__(self) -> Self:
         self._heal()
         transaction = self._conn.transaction()
         transaction.__enter__()
@@ -168,8 +176,10 @@ def migrate(conn: PostgresConnection) -> list[int]:
     applied_now = []
     conn.execute("SELECT pg_advisory_lock(?)", (_MIGRATION_LOCK,))
     try:
-        conn.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER PRIMARY KEY, name TEXT NOT NULL, "
-                     "applied_at TIMESTAMPTZ NOT NULL DEFAULT now())")
+        conn.execute(
+            "CREATE TABLE IF NOT EXISTS schema_version (version INTEGER PRIMARY KEY, name TEXT NOT NULL, "
+            "applied_at TIMESTAMPTZ NOT NULL DEFAULT now())"
+        )
         done = {row[0] for row in conn.execute("SELECT version FROM schema_version")}
         for version, name, sql in migrations():
             if version in done:

@@ -24,7 +24,10 @@ def check_block_invariants(engine):
     _check_group(manager, lambda seq: seq.block_table, scheduler.running, scheduler.waiting)
     if manager.sliding:
         _check_group(
-            manager.sliding, lambda seq: seq.sliding_block_table, scheduler.running, scheduler.waiting,
+            manager.sliding,
+            lambda seq: seq.sliding_block_table,
+            scheduler.running,
+            scheduler.waiting,
             manager.sliding.null_block,
         )
         for seq in scheduler.running:

@@ -20,7 +20,8 @@ def fill_disk(monkeypatch) -> type[DiskFull]:
     """From now on, ledger writers opened in this test write through DiskFull (full until told otherwise) and
     retry every 50 ms. Set `DiskFull.full = False` to free the disk."""
     monkeypatch.setattr(DiskFull, "full", True)
-    monkeypatch.setattr(ledger, "connect", lambda path: sqlite3.connect(path, factory=DiskFull,
-                                                                        check_same_thread=False))
+    monkeypatch.setattr(
+        ledger, "connect", lambda path: sqlite3.connect(path, factory=DiskFull, check_same_thread=False)
+    )
     monkeypatch.setattr(ledger, "RETRY_SECONDS", 0.05)
     return DiskFull

@@ -29,13 +29,28 @@ class LiveServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         keys = ["--api-key", api_key] if api_key else []
-        env = {**os.environ, "CARPOOL_DB": os.path.join(self.home, "carpool.db"),
-               "CARPOOL_BATCH_DIR": os.path.join(self.home, "batches")}
+        env = {
+            **os.environ,
+            "CARPOOL_DB": os.path.join(self.home, "carpool.db"),
+            "CARPOOL_BATCH_DIR": os.path.join(self.home, "batches"),
+        }
         self.log = tempfile.NamedTemporaryFile("w+", prefix="carpool-serve-", suffix=".log")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "carpool.cli", "serve", "--port", str(self.port), "--log-level", "warning",
-             *keys, *args],
-            stdout=self.log, stderr=subprocess.STDOUT, env=env,
+            [
+                sys.executable,
+                "-m",
+                "carpool.cli",
+                "serve",
+                "--port",
+                str(self.port),
+                "--log-level",
+                "warning",
+                *keys,
+                *args,
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=env,
         )
         self._wait_ready()
 

@@ -54,8 +54,9 @@ class PostgresServer:
         self._run("initdb", "-D", str(self.data), "-A", "trust", "-U", self.superuser, "--no-sync", "-E", "UTF8")
         # fsync off: a test server's data need not survive a power cut, and it makes commits ~10x faster here.
         options = f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.root} -c fsync=off -c max_connections=200"
-        self._run("pg_ctl", "-D", str(self.data), "-o", options, "-l", str(self.root / "log"), "-w", "-t", "30",
-                  "start")
+        self._run(
+            "pg_ctl", "-D", str(self.data), "-o", options, "-l", str(self.root / "log"), "-w", "-t", "30", "start"
+        )
         return self
 
     def url(self, database: str = "postgres") -> str:

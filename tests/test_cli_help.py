@@ -5,7 +5,6 @@ import argparse
 from carpool.cli import build_parser
 
 
-
 def walk(parser: argparse.ArgumentParser, path: str):
     """(command path, parser, action) for every action of `parser` and of every subcommand below it."""
     for action in parser._actions:

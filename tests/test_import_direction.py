@@ -22,8 +22,11 @@ def imports(path: Path) -> set[str]:
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             found.add(node.module)
-            found.update(f"{node.module}.{alias.name}" for alias in node.names
-                         if (PACKAGE.parent / node.module.replace(".", "/") / f"{alias.name}.py").exists())
+            found.update(
+                f"{node.module}.{alias.name}"
+                for alias in node.names
+                if (PACKAGE.parent / node.module.replace(".", "/") / f"{alias.name}.py").exists()
+            )
     return {name for name in found if name == "carpool" or name.startswith("carpool.")}
 
 
@@ -36,9 +39,12 @@ def inside(name: str, package: str) -> bool:
 
 
 def offences(package: str, forbidden: tuple[str, ...], allowed: tuple[str, ...] = ()) -> list[str]:
-    return [f"{path.relative_to(PACKAGE.parent)} imports {name}"
-            for path in modules(package) for name in sorted(imports(path))
-            if any(inside(name, bad) for bad in forbidden) and not any(inside(name, ok) for ok in allowed)]
+    return [
+        f"{path.relative_to(PACKAGE.parent)} imports {name}"
+        for path in modules(package)
+        for name in sorted(imports(path))
+        if any(inside(name, bad) for bad in forbidden) and not any(inside(name, ok) for ok in allowed)
+    ]
 
 
 def test_the_walk_sees_imports_inside_functions(tmp_path):
@@ -68,8 +74,14 @@ ABOVE = {
     "engine": ("carpool.server", "carpool.economics", "carpool.bench", "carpool.cli", "carpool.llm"),
     # The model runner (engine) sets attention metadata that models read: attention lives with the models.
     "models": ("carpool.engine", "carpool.server", "carpool.economics", "carpool.bench", "carpool.llm"),
-    "kernels": ("carpool.models", "carpool.engine", "carpool.server", "carpool.economics", "carpool.bench",
-                "carpool.llm"),
+    "kernels": (
+        "carpool.models",
+        "carpool.engine",
+        "carpool.server",
+        "carpool.economics",
+        "carpool.bench",
+        "carpool.llm",
+    ),
 }
 
 

@@ -31,8 +31,9 @@ def test_the_table_is_consistent():
     assert BY_NAME[DEFAULT_TIER].live and not BY_NAME[BATCH_TIER].live and BY_NAME[BATCH_TIER].background
 
 
-@pytest.mark.parametrize("request_model, body", [(ChatCompletionRequest, {"messages": MESSAGES}),
-                                                 (CompletionRequest, {"prompt": "hi"})])
+@pytest.mark.parametrize(
+    "request_model, body", [(ChatCompletionRequest, {"messages": MESSAGES}), (CompletionRequest, {"prompt": "hi"})]
+)
 def test_the_api_offers_exactly_the_live_tiers(request_model, body):
     for tier in TIERS:
         if tier.live:
@@ -44,8 +45,11 @@ def test_the_api_offers_exactly_the_live_tiers(request_model, body):
                 request_model(**body, service_tier=tier.name)
             with pytest.raises(pydantic.ValidationError):
                 request_model(**body, priority=tier.priority)
-    assert requested_tier(request_model(**body)) == requested_tier(request_model(**body, service_tier="auto")) \
+    assert (
+        requested_tier(request_model(**body))
+        == requested_tier(request_model(**body, service_tier="auto"))
         == DEFAULT_TIER
+    )
 
 
 def test_the_price_sheet_and_key_store_know_every_tier(tmp_path):

@@ -50,8 +50,9 @@ def add_parser(modes) -> None:
     parser.add_argument("--num-prompts", type=int, default=500, help="requests in each batch")
     parser.add_argument("--max-tokens", type=int, default=64, help="output tokens per batch request")
     parser.add_argument("--clients", type=int, default=4, help="interactive clients, each one request at a time")
-    parser.add_argument("--interactive-requests", type=int, default=16,
-                        help="requests per client in the interactive-alone phase")
+    parser.add_argument(
+        "--interactive-requests", type=int, default=16, help="requests per client in the interactive-alone phase"
+    )
     parser.add_argument("--interactive-max-tokens", type=int, default=16, help="output tokens per interactive request")
     parser.add_argument("--max-prompt-chars", type=int, default=2000, help="skip longer prompts")
     parser.add_argument("--out", default="bench-results/batch.json", help="where the JSON report goes")
@@ -65,8 +66,10 @@ def main(args: argparse.Namespace, config) -> int:
     for name in ("num_prompts", "max_tokens", "clients", "interactive_requests", "interactive_max_tokens"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive")
-    with tempfile.TemporaryDirectory(prefix="carpool-bench-batch-") as workdir, \
-            LocalServer(config, Path(workdir)) as server:
+    with (
+        tempfile.TemporaryDirectory(prefix="carpool-bench-batch-") as workdir,
+        LocalServer(config, Path(workdir)) as server,
+    ):
         report = asyncio.run(run(args, server))
         report["cost_per_1m_tokens"] = {row.group: row.cost_per_1k_tokens * 1000 for row in server.gate.usage("tier")}
     report["engine"] = asdict(config)
@@ -106,8 +109,9 @@ async def run(args: argparse.Namespace, server) -> dict:
     finally:
         finished.set()
     mixed = await loop
-    print(f"together: TTFT p99 {_ms(mixed.ttft_p99_s)} ms, batch {batch_mixed.output_tokens_per_s:.1f} tok/s",
-          flush=True)
+    print(
+        f"together: TTFT p99 {_ms(mixed.ttft_p99_s)} ms, batch {batch_mixed.output_tokens_per_s:.1f} tok/s", flush=True
+    )
     return {
         "model": server.model,
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -133,8 +137,12 @@ class Interactive:
     async def request(self) -> float | None:
         start = time.perf_counter()
         stream = await self.client.chat.completions.create(
-            model=self.model, messages=[{"role": "user", "content": self.next_prompt()}],
-            max_tokens=self.max_tokens, temperature=0, stream=True, service_tier="priority",
+            model=self.model,
+            messages=[{"role": "user", "content": self.next_prompt()}],
+            max_tokens=self.max_tokens,
+            temperature=0,
+            stream=True,
+            service_tier="priority",
             extra_body={"ignore_eos": True},
         )
         ttft = None
@@ -166,16 +174,26 @@ class Interactive:
 
 async def run_batch(client, model: str, args: argparse.Namespace, next_prompt) -> BatchReport:
     lines = [
-        {"custom_id": f"p{i}", "method": "POST", "url": "/v1/chat/completions",
-         "body": {"model": model, "messages": [{"role": "user", "content": next_prompt()}],
-                  "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True}}
+        {
+            "custom_id": f"p{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": model,
+                "messages": [{"role": "user", "content": next_prompt()}],
+                "max_tokens": args.max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+        }
         for i in range(args.num_prompts)
     ]
     data = "".join(json.dumps(line) + "\n" for line in lines).encode()
     start = time.perf_counter()
     uploaded = await client.files.create(file=("bench.jsonl", data), purpose="batch")
-    batch = await client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
-                                        completion_window="24h")
+    batch = await client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
     while batch.status not in ("completed", "failed", "expired", "cancelled"):
         await asyncio.sleep(POLL_SECONDS)
         batch = await client.batches.retrieve(batch.id)
@@ -203,17 +221,25 @@ def table(report: dict) -> str:
     batch_alone, batch_mixed = report["batch_alone"], report["batch_with_interactive"]
     kept = report["batch_throughput_kept"]
     lines = [
-        f"{report['model']}: batch of {report['num_prompts']} x {report['max_tokens']} tokens, "
-        f"{report['clients']} priority clients x {report['interactive_max_tokens']} tokens",
+        (
+            f"{report['model']}: batch of {report['num_prompts']} x {report['max_tokens']} tokens, "
+            f"{report['clients']} priority clients x {report['interactive_max_tokens']} tokens"
+        ),
         f"{'':<26}{'requests':>9}{'TTFT p50':>10}{'TTFT p99':>10}   (ms)",
-        *(f"{name:<26}{phase['requests']:>9}{_ms(phase['ttft_p50_s']):>10}{_ms(phase['ttft_p99_s']):>10}"
-          for name, phase in (("interactive alone", alone), ("interactive + batch", mixed))),
+        *(
+            f"{name:<26}{phase['requests']:>9}{_ms(phase['ttft_p50_s']):>10}{_ms(phase['ttft_p99_s']):>10}"
+            for name, phase in (("interactive alone", alone), ("interactive + batch", mixed))
+        ),
         f"TTFT p99 rise: {_percent(report['ttft_p99_rise'])} (target <= +{TTFT_P99_RISE_TARGET:.0%})",
         f"{'':<26}{'requests':>9}{'seconds':>10}{'out tok/s':>10}",
-        f"{'batch alone':<26}{batch_alone['requests']:>9}{batch_alone['seconds']:>10.1f}"
-        f"{batch_alone['output_tokens_per_s']:>10.1f}",
-        f"{'batch + interactive':<26}{batch_mixed['requests']:>9}{batch_mixed['seconds']:>10.1f}"
-        f"{batch_mixed['output_tokens_per_s']:>10.1f}",
+        (
+            f"{'batch alone':<26}{batch_alone['requests']:>9}{batch_alone['seconds']:>10.1f}"
+            f"{batch_alone['output_tokens_per_s']:>10.1f}"
+        ),
+        (
+            f"{'batch + interactive':<26}{batch_mixed['requests']:>9}{batch_mixed['seconds']:>10.1f}"
+            f"{batch_mixed['output_tokens_per_s']:>10.1f}"
+        ),
         f"batch throughput kept: {'-' if kept is None else f'{kept:.0%}'} (target >= {BATCH_THROUGHPUT_TARGET:.0%})",
         "cost per 1M tokens (ledger): "
         + ", ".join(f"{tier} ${cost:.4f}" for tier, cost in sorted(report["cost_per_1m_tokens"].items())),

@@ -55,14 +55,23 @@ def run(model: str, sizes: list[int], steps: int, threads: int, context: int) ->
         rows.append({"size": size, "step_ms": median, "ms_per_sequence": median / size})
     for request_id in list(engine.seqs):
         engine.abort(request_id)
-    return {"model": model, "kernel_path": kernel_path(), "matmul": engine.config.matmul, "threads": threads,
-            "context": context, "steps": steps, "sizes": rows}
+    return {
+        "model": model,
+        "kernel_path": kernel_path(),
+        "matmul": engine.config.matmul,
+        "threads": threads,
+        "context": context,
+        "steps": steps,
+        "sizes": rows,
+    }
 
 
 def main(args: argparse.Namespace) -> None:
     report = run(args.model, [int(s) for s in args.sizes.split(",")], args.steps, args.threads, args.context)
-    print(f"{report['model']}, kernel path {report['kernel_path']}, matmul {report['matmul']}, "
-          f"{report['threads']} threads, ~{report['context']}-token contexts; median of {report['steps']} steps")
+    print(
+        f"{report['model']}, kernel path {report['kernel_path']}, matmul {report['matmul']}, "
+        f"{report['threads']} threads, ~{report['context']}-token contexts; median of {report['steps']} steps"
+    )
     print(f"{'sequences':>9} {'step ms':>9} {'ms/seq':>8}")
     for row in report["sizes"]:
         print(f"{row['size']:>9} {row['step_ms']:>9.1f} {row['ms_per_sequence']:>8.2f}")

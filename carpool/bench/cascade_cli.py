@@ -12,22 +12,31 @@ from carpool.server.cascade.scorers import KINDS, Scorer
 # Reasoning, but short: with "solve it step by step, briefly", 13 of 20 answers of the 0.5B ran past 256 tokens
 # (mostly LaTeX) and a cut answer has no final number; with "write only the key calculations" it skipped the
 # reasoning (9 tokens an answer) and got 1 of 20 right.
-GSM8K_SUFFIX = ("\nThink step by step in plain text (no LaTeX), one short line per step, then end with: The answer "
-                "is <number>.")
+GSM8K_SUFFIX = (
+    "\nThink step by step in plain text (no LaTeX), one short line per step, then end with: The answer is <number>."
+)
 
 
 def add_cascade_parser(subparsers) -> None:
     parser = subparsers.add_parser("cascade", help="fit and evaluate model cascades (carpool serve --cascades)")
     commands = parser.add_subparsers(dest="cascade_command", required=True)
-    calibrate = commands.add_parser("calibrate", help="fit the cheapest thresholds that meet a target; write them "
-                                                      "to the TOML")
+    calibrate = commands.add_parser(
+        "calibrate", help="fit the cheapest thresholds that meet a target; write them to the TOML"
+    )
     _common_args(calibrate)
     target = calibrate.add_mutually_exclusive_group(required=True)
     target.add_argument("--target-accuracy", type=float, help="share of answers matching the data's `answer`")
-    target.add_argument("--target-agreement", type=float,
-                        help="share of answers matching the last (strongest) model's: for data without answers")
-    calibrate.add_argument("--scorer", choices=KINDS, default=None,
-                           help="use this scorer on every step but the last (default: each step's own in the TOML)")
+    target.add_argument(
+        "--target-agreement",
+        type=float,
+        help="share of answers matching the last (strongest) model's: for data without answers",
+    )
+    calibrate.add_argument(
+        "--scorer",
+        choices=KINDS,
+        default=None,
+        help="use this scorer on every step but the last (default: each step's own in the TOML)",
+    )
     calibrate.set_defaults(func=_calibrate)
     evaluate = commands.add_parser("evaluate", help="accuracy and cost of each model alone and of the cascade")
     _common_args(evaluate)
@@ -43,11 +52,13 @@ def _common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--offset", type=int, default=0, help="skip this many lines (disjoint splits)")
     parser.add_argument("--limit", type=int, default=None, help="use at most this many lines")
     parser.add_argument("--suffix", default="", help="appended to every prompt (--gsm8k sets a default)")
-    parser.add_argument("--gsm8k", action="store_true",
-                        help=f"append the GSM8K answer instruction to every prompt: {GSM8K_SUFFIX!r}")
+    parser.add_argument(
+        "--gsm8k", action="store_true", help=f"append the GSM8K answer instruction to every prompt: {GSM8K_SUFFIX!r}"
+    )
     parser.add_argument("--max-tokens", type=int, default=256, help="output tokens per answer at most")
-    parser.add_argument("--runs", default=None,
-                        help="folder caching each model's answers (<model>.jsonl), reused when prompts match")
+    parser.add_argument(
+        "--runs", default=None, help="folder caching each model's answers (<model>.jsonl), reused when prompts match"
+    )
     parser.add_argument("--plot", default=None, help="draw the cost-vs-accuracy curve to this PNG")
     parser.add_argument("--prices", default=None, help="price sheet TOML (default: the shipped one)")
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads for the models")
@@ -63,14 +74,18 @@ def _scored(args: argparse.Namespace):
         raise ValueError(f"--cascade: {args.cascade!r} is not in {args.cascades} ({', '.join(cascades)})")
     examples = load_examples(args.data, args.offset, args.limit, args.suffix + (GSM8K_SUFFIX if args.gsm8k else ""))
     cost = load_price_sheet(args.prices).cost
-    attempts = [cached_runs(args.runs, model, examples, args.max_tokens, cost, args.num_threads)
-                for model in cascades[args.cascade].models]
+    attempts = [
+        cached_runs(args.runs, model, examples, args.max_tokens, cost, args.num_threads)
+        for model in cascades[args.cascade].models
+    ]
     return cascades, examples, attempts
 
 
 def _singles(cascade, data) -> dict[str, tuple[float, float]]:
-    return {model: (sum(data.costs[s]) / data.size, sum(data.right[s]) / data.size)
-            for s, model in enumerate(cascade.models)}
+    return {
+        model: (sum(data.costs[s]) / data.size, sum(data.right[s]) / data.size)
+        for s, model in enumerate(cascade.models)
+    }
 
 
 def _calibrate(args: argparse.Namespace) -> int:
@@ -81,8 +96,13 @@ def _calibrate(args: argparse.Namespace) -> int:
     cascades, examples, attempts = _scored(args)
     cascade = cascades[args.cascade]
     if args.scorer is not None:
-        steps = [replace(step, scorer=Scorer(args.scorer, weights=(0.0,) * 5) if args.scorer == "logistic"
-                         else Scorer(args.scorer)) for step in cascade.steps[:-1]]
+        steps = [
+            replace(
+                step,
+                scorer=Scorer(args.scorer, weights=(0.0,) * 5) if args.scorer == "logistic" else Scorer(args.scorer),
+            )
+            for step in cascade.steps[:-1]
+        ]
         cascade = replace(cascade, steps=(*steps, cascade.steps[-1]))
     agreement = args.target_agreement is not None
     target = args.target_agreement if agreement else args.target_accuracy
@@ -95,8 +115,14 @@ def _calibrate(args: argparse.Namespace) -> int:
     Path(args.cascades).write_text(dump_cascades(cascades), encoding="utf-8")
     metric = "agreement with the last model" if agreement else "accuracy"
     if args.plot:
-        draw_curve(args.plot, f"{cascade.name}: {data.size} examples (calibration)", outcomes,
-                   _singles(cascade, data), chosen, metric)
+        draw_curve(
+            args.plot,
+            f"{cascade.name}: {data.size} examples (calibration)",
+            outcomes,
+            _singles(cascade, data),
+            chosen,
+            metric,
+        )
     print(_summary(cascade, data, chosen, metric))
     print(f"thresholds written to {args.cascades}")
     return 0
@@ -113,11 +139,25 @@ def _evaluate(args: argparse.Namespace) -> int:
     outcome = calibrate.replay(data, tuple(step.threshold for step in cascade.steps[:-1]))
     metric = "agreement with the last model" if args.agreement else "accuracy"
     if args.plot:
-        draw_curve(args.plot, f"{cascade.name}: {data.size} examples (held out)", calibrate.sweep(data),
-                   _singles(cascade, data), outcome, metric)
+        draw_curve(
+            args.plot,
+            f"{cascade.name}: {data.size} examples (held out)",
+            calibrate.sweep(data),
+            _singles(cascade, data),
+            outcome,
+            metric,
+        )
     if args.json:
-        print(json.dumps({"examples": data.size, "singles": _singles(cascade, data), "cascade": {
-            "accuracy": outcome.accuracy, "cost": outcome.cost, "shares": outcome.shares}}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "examples": data.size,
+                    "singles": _singles(cascade, data),
+                    "cascade": {"accuracy": outcome.accuracy, "cost": outcome.cost, "shares": outcome.shares},
+                },
+                indent=2,
+            )
+        )
     else:
         print(_summary(cascade, data, outcome, metric))
     return 0
@@ -130,10 +170,14 @@ def _summary(cascade, data, outcome, metric: str) -> str:
     lines = [f"{'':28}{metric[:12]:>12}  {'$/1k req':>9}  {'vs last':>7}"]
     for model, (cost, accuracy) in singles.items():
         lines.append(f"{model + ' alone':28}{accuracy:12.1%}  {cost * 1000:9.4f}  {cost / last_cost:7.1%}")
-    shares = ", ".join(f"step {s} ({m}) {share:.0%}" for s, (m, share) in enumerate(zip(cascade.models,
-                                                                                          outcome.shares)))
-    lines.append(f"{'cascade ' + cascade.name:28}{outcome.accuracy:12.1%}  {outcome.cost * 1000:9.4f}  "
-                 f"{outcome.cost / last_cost:7.1%}")
-    lines.append(f"answered by: {shares}; thresholds {', '.join(f'{t:.4g}' for t in outcome.thresholds)} "
-                 f"({data.size} examples)")
+    shares = ", ".join(
+        f"step {s} ({m}) {share:.0%}" for s, (m, share) in enumerate(zip(cascade.models, outcome.shares))
+    )
+    lines.append(
+        f"{'cascade ' + cascade.name:28}{outcome.accuracy:12.1%}  {outcome.cost * 1000:9.4f}  "
+        f"{outcome.cost / last_cost:7.1%}"
+    )
+    lines.append(
+        f"answered by: {shares}; thresholds {', '.join(f'{t:.4g}' for t in outcome.thresholds)} ({data.size} examples)"
+    )
     return "\n".join(lines)

@@ -14,9 +14,19 @@ from carpool.bench import (
     trace,
 )
 
-MODES = (offline.add_parser, serve.add_parser, prefill.add_parser, prefix.add_parser, batch.add_parser,
-         structured.add_parser, spec.add_parser, trace.add_parser, compression.add_parser, replicas.add_parser,
-         simulate.add_parser)
+MODES = (
+    offline.add_parser,
+    serve.add_parser,
+    prefill.add_parser,
+    prefix.add_parser,
+    batch.add_parser,
+    structured.add_parser,
+    spec.add_parser,
+    trace.add_parser,
+    compression.add_parser,
+    replicas.add_parser,
+    simulate.add_parser,
+)
 
 
 def add_bench_parser(subparsers) -> None:

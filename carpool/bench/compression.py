@@ -36,12 +36,19 @@ QA_SYSTEM = "Answer the question about the meeting transcript in one or two sent
 
 def add_parser(modes) -> None:
     parser = modes.add_parser("compression", help="prompt compression: accuracy, agreement, TTFT and cost per rate")
-    parser.add_argument("--workloads", nargs="+", default=["gsm8k", "qa"], choices=["gsm8k", "qa"],
-                        help="gsm8k: 8-shot chain-of-thought accuracy; qa: transcript answers vs the full prompt's")
+    parser.add_argument(
+        "--workloads",
+        nargs="+",
+        default=["gsm8k", "qa"],
+        choices=["gsm8k", "qa"],
+        help="gsm8k: 8-shot chain-of-thought accuracy; qa: transcript answers vs the full prompt's",
+    )
     parser.add_argument("--rates", type=int, nargs="+", default=list(RATES), help="compression factors (1 = none)")
     parser.add_argument("--gsm8k-model", default="qwen2.5-coder-1.5b", help="the model answering GSM8K")
     parser.add_argument("--qa-model", default="qwen2.5-coder-1.5b", help="the model answering the transcripts")
-    parser.add_argument("--scorer", default="smollm2-135m", help="the served model scoring tokens (LLMLingua's small LM)")
+    parser.add_argument(
+        "--scorer", default="smollm2-135m", help="the served model scoring tokens (LLMLingua's small LM)"
+    )
     parser.add_argument("--problems", type=int, default=50, help="GSM8K problems scored")
     parser.add_argument("--docs", type=int, default=20, help="transcripts asked")
     parser.add_argument("--gsm8k-max-tokens", type=int, default=200, help="chain-of-thought tokens at most")
@@ -56,8 +63,11 @@ def add_parser(modes) -> None:
 def main(args: argparse.Namespace) -> int:
     path = Path(args.out)
     earlier = json.loads(path.read_text()) if path.exists() else {}
-    kept = {workload: earlier[workload] for workload in ("gsm8k", "qa")
-            if workload in earlier and workload not in args.workloads}
+    kept = {
+        workload: earlier[workload]
+        for workload in ("gsm8k", "qa")
+        if workload in earlier and workload not in args.workloads
+    }
 
     def save(report: dict) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -81,16 +91,21 @@ async def run(args: argparse.Namespace, save=lambda report: None) -> dict:
 
     models = dict.fromkeys([args.scorer] + [getattr(args, f"{w}_model") for w in args.workloads])
     loop = EngineLoop()
-    engines = {name: AsyncEngine(EngineConfig(model=name, num_threads=args.num_threads, max_num_seqs=16),
-                                 engine_loop=loop, warmup=False) for name in models}
+    engines = {
+        name: AsyncEngine(
+            EngineConfig(model=name, num_threads=args.num_threads, max_num_seqs=16), engine_loop=loop, warmup=False
+        )
+        for name in models
+    }
     gate = RecordingGate()
     app = create_app(engines, gate, compression_model=args.scorer)
     for engine in engines.values():
         engine.start()
     report = {"scorer": args.scorer, "rates": args.rates, "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     try:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://carpool",
-                                     timeout=None) as client:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://carpool", timeout=None
+        ) as client:
             for workload, run_workload in (("gsm8k", run_gsm8k), ("qa", run_qa)):
                 if workload in args.workloads:
                     report[workload] = []
@@ -111,8 +126,9 @@ def cot_answer(answer: str) -> str:
 
 
 def gsm8k_prompt(demos: list[dict], question: str) -> str:
-    shots = "\n\n".join(f"Question: {d['question']}\nLet's think step by step\n{cot_answer(d['answer'])}"
-                        for d in demos)
+    shots = "\n\n".join(
+        f"Question: {d['question']}\nLet's think step by step\n{cot_answer(d['answer'])}" for d in demos
+    )
     return f"{shots}\n\nQuestion: {question}\nLet's think step by step\n"
 
 
@@ -137,8 +153,13 @@ async def run_gsm8k(client, gate: RecordingGate, args: argparse.Namespace, rows:
         limit = asyncio.Semaphore(args.concurrency)
 
         async def ask(problem):
-            body = {"model": args.gsm8k_model, "prompt": gsm8k_prompt(demos, problem["question"]),
-                    "max_tokens": args.gsm8k_max_tokens, "temperature": 0, "stop": ["\n\nQuestion:", "\nQuestion:"]}
+            body = {
+                "model": args.gsm8k_model,
+                "prompt": gsm8k_prompt(demos, problem["question"]),
+                "max_tokens": args.gsm8k_max_tokens,
+                "temperature": 0,
+                "stop": ["\n\nQuestion:", "\nQuestion:"],
+            }
             if rate > 1:
                 body["prompt_compression"] = {"rate": 1 / rate}
             async with limit:
@@ -152,19 +173,29 @@ async def run_gsm8k(client, gate: RecordingGate, args: argparse.Namespace, rows:
         results = await asyncio.gather(*(ask(p) for p in scored))
         usage = [u for _, u in results]
         scorer_rows = [r for r in gate.records[first_row:] if r.purpose == "compression"]
-        row = {"rate": rate, "problems": len(scored), "accuracy": sum(ok for ok, _ in results) / len(results),
-               "prompt_tokens": sum(u["prompt_tokens"] for u in usage) / len(usage),
-               "original_prompt_tokens": sum(u["prompt_tokens_details"].get("original_prompt_tokens", u["prompt_tokens"])
-                                             for u in usage) / len(usage),
-               "completion_tokens": sum(u["completion_tokens"] for u in usage) / len(usage),
-               "cost_per_request": _cost(gate.records[first_row:]) / len(usage),
-               # What the scorer read per request, and how much of it came from its prefix cache.
-               "scorer_prompt_tokens": sum(r.prompt_tokens for r in scorer_rows) / len(usage),
-               "scorer_cached_tokens": sum(r.cached_tokens for r in scorer_rows) / len(usage),
-               "seconds": time.monotonic() - start, "load_average": os.getloadavg()[0]}  # what the seconds ran beside
-        print(f"gsm8k {rate:>3}x: accuracy {row['accuracy']:.3f}, prompt {row['prompt_tokens']:.0f} of "
-              f"{row['original_prompt_tokens']:.0f} tokens, ${row['cost_per_request']:.7f}/request, "
-              f"{row['seconds']:.0f} s", flush=True)
+        row = {
+            "rate": rate,
+            "problems": len(scored),
+            "accuracy": sum(ok for ok, _ in results) / len(results),
+            "prompt_tokens": sum(u["prompt_tokens"] for u in usage) / len(usage),
+            "original_prompt_tokens": sum(
+                u["prompt_tokens_details"].get("original_prompt_tokens", u["prompt_tokens"]) for u in usage
+            )
+            / len(usage),
+            "completion_tokens": sum(u["completion_tokens"] for u in usage) / len(usage),
+            "cost_per_request": _cost(gate.records[first_row:]) / len(usage),
+            # What the scorer read per request, and how much of it came from its prefix cache.
+            "scorer_prompt_tokens": sum(r.prompt_tokens for r in scorer_rows) / len(usage),
+            "scorer_cached_tokens": sum(r.cached_tokens for r in scorer_rows) / len(usage),
+            "seconds": time.monotonic() - start,
+            "load_average": os.getloadavg()[0],
+        }  # what the seconds ran beside
+        print(
+            f"gsm8k {rate:>3}x: accuracy {row['accuracy']:.3f}, prompt {row['prompt_tokens']:.0f} of "
+            f"{row['original_prompt_tokens']:.0f} tokens, ${row['cost_per_request']:.7f}/request, "
+            f"{row['seconds']:.0f} s",
+            flush=True,
+        )
         rows.append(row)
         saved()
 
@@ -188,10 +219,15 @@ async def run_qa(client, gate: RecordingGate, args: argparse.Namespace, rows: li
     for rate in args.rates:
         ttft, agreement, reference_f1, cost, prompt, original = [], [], [], [], [], []
         for doc in docs:
-            body = {"model": args.qa_model, "max_tokens": args.qa_max_tokens, "temperature": 0,
-                    "messages": [{"role": "system", "content": QA_SYSTEM},
-                                 {"role": "user", "content": f"{doc['document']}\n\n"
-                                                             f"Question: {doc['question_or_instruction']}"}]}
+            body = {
+                "model": args.qa_model,
+                "max_tokens": args.qa_max_tokens,
+                "temperature": 0,
+                "messages": [
+                    {"role": "system", "content": QA_SYSTEM},
+                    {"role": "user", "content": f"{doc['document']}\n\nQuestion: {doc['question_or_instruction']}"},
+                ],
+            }
             if rate > 1:
                 body["prompt_compression"] = {"rate": 1 / rate}
             first_row = len(gate.records)
@@ -211,15 +247,27 @@ async def run_qa(client, gate: RecordingGate, args: argparse.Namespace, rows: li
             agreement.append(unigram_f1(text, full_answers.get(doc["id"], text)))
             reference_f1.append(unigram_f1(text, doc["reference"]))
             prompt.append(answer["usage"]["prompt_tokens"])
-            original.append(answer["usage"]["prompt_tokens_details"].get("original_prompt_tokens",
-                                                                           answer["usage"]["prompt_tokens"]))
+            original.append(
+                answer["usage"]["prompt_tokens_details"].get("original_prompt_tokens", answer["usage"]["prompt_tokens"])
+            )
         n = len(docs)
-        row = {"rate": rate, "docs": n, "agreement_f1": sum(agreement) / n, "reference_f1": sum(reference_f1) / n,
-               "ttft_mean_s": sum(ttft) / n, "ttft_p50_s": sorted(ttft)[n // 2], "cost_per_request": sum(cost) / n,
-               "prompt_tokens": sum(prompt) / n, "original_prompt_tokens": sum(original) / n}
-        print(f"qa    {rate:>3}x: agreement F1 {row['agreement_f1']:.3f}, reference F1 {row['reference_f1']:.3f}, "
-              f"TTFT {row['ttft_mean_s']:.2f} s, prompt {row['prompt_tokens']:.0f} of {row['original_prompt_tokens']:.0f}"
-              f" tokens, ${row['cost_per_request']:.7f}/request", flush=True)
+        row = {
+            "rate": rate,
+            "docs": n,
+            "agreement_f1": sum(agreement) / n,
+            "reference_f1": sum(reference_f1) / n,
+            "ttft_mean_s": sum(ttft) / n,
+            "ttft_p50_s": sorted(ttft)[n // 2],
+            "cost_per_request": sum(cost) / n,
+            "prompt_tokens": sum(prompt) / n,
+            "original_prompt_tokens": sum(original) / n,
+        }
+        print(
+            f"qa    {rate:>3}x: agreement F1 {row['agreement_f1']:.3f}, reference F1 {row['reference_f1']:.3f}, "
+            f"TTFT {row['ttft_mean_s']:.2f} s, prompt {row['prompt_tokens']:.0f} of {row['original_prompt_tokens']:.0f}"
+            f" tokens, ${row['cost_per_request']:.7f}/request",
+            flush=True,
+        )
         rows.append(row)
         saved()
 
@@ -238,8 +286,9 @@ def plot(report: dict, path: str) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     rates = set()
     for workload, key, style, label in (
-            ("gsm8k", "accuracy", "o-", "GSM8K 8-shot accuracy ({n} problems)"),
-            ("qa", "agreement_f1", "s-", "transcript QA: agreement with full prompt (F1, {n} transcripts)")):
+        ("gsm8k", "accuracy", "o-", "GSM8K 8-shot accuracy ({n} problems)"),
+        ("qa", "agreement_f1", "s-", "transcript QA: agreement with full prompt (F1, {n} transcripts)"),
+    ):
         rows = sorted(report.get(workload, []), key=lambda r: r["rate"])  # the rates may have run in any order
         if rows:
             count = rows[0]["problems" if workload == "gsm8k" else "docs"]

@@ -55,8 +55,10 @@ def context_prompt(llm: LLM, tokens: int) -> list[int]:
 
 
 def projections(model) -> list:
-    per_layer = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-                 for layer in model.layers]
+    per_layer = [
+        (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        for layer in model.layers
+    ]
     return [module for modules in per_layer for module in modules] + [model.lm_head]
 
 
@@ -135,7 +137,7 @@ def run(model_name: str, rounds: int, steps: int, threads: int, bandwidth_gbs: f
     buffer = torch.ones(STREAM_BYTES // 4)
     for _ in range(rounds):
         bandwidths.append(stream_gbs(buffer))
-        for mode in samples:
+        for mode, runs in samples.items():
             model.fused_decode = mode != "python"
             model.decode_stack().set_one_region(mode == "fused")
             engine.step()
@@ -143,7 +145,7 @@ def run(model_name: str, rounds: int, steps: int, threads: int, bandwidth_gbs: f
             for _ in range(steps):
                 engine.step()
             wall, cpu = (time.perf_counter() - wall) * 1000 / steps, (time.process_time() - cpu) * 1000 / steps
-            samples[mode].append((wall, cpu))
+            runs.append((wall, cpu))
         attention.append(attention_ms(engine, dtype, 3))
     ops = {}
     for mode in samples:
@@ -160,33 +162,55 @@ def run(model_name: str, rounds: int, steps: int, threads: int, bandwidth_gbs: f
     floor = (weights + keys_values) / (bandwidth_gbs * 1e9) * 1000
     measured_gbs = statistics.median(bandwidths)
     measured_floor = (weights + keys_values) / (measured_gbs * 1e9) * 1000
-    report = {"model": model_name, "threads": threads, "dtype": str(dtype), "steps_per_round": steps, "rounds": rounds,
-              "context": context, "mean_context": mean_context, "matmuls_ms": matmuls, "attention_ms": attend,
-              "weight_bytes": weights, "kv_bytes": keys_values, "floor_ms": floor, "bandwidth_gbs": bandwidth_gbs,
-              "measured_bandwidth_gbs": measured_gbs, "measured_floor_ms": measured_floor}
+    report = {
+        "model": model_name,
+        "threads": threads,
+        "dtype": str(dtype),
+        "steps_per_round": steps,
+        "rounds": rounds,
+        "context": context,
+        "mean_context": mean_context,
+        "matmuls_ms": matmuls,
+        "attention_ms": attend,
+        "weight_bytes": weights,
+        "kv_bytes": keys_values,
+        "floor_ms": floor,
+        "bandwidth_gbs": bandwidth_gbs,
+        "measured_bandwidth_gbs": measured_gbs,
+        "measured_floor_ms": measured_floor,
+    }
     for mode, values in samples.items():
         wall, cpu = statistics.median(v[0] for v in values), statistics.median(v[1] for v in values)
-        report[mode] = {"wall_ms": wall, "cpu_ms": cpu, "overhead_wall_ms": wall - matmuls[0] - attend[0],
-                        "overhead_cpu_ms": cpu - matmuls[1] - attend[1], "x_floor": wall / floor,
-                        "x_measured_floor": wall / measured_floor,
-                        "ops_per_step": ops[mode]}
+        report[mode] = {
+            "wall_ms": wall,
+            "cpu_ms": cpu,
+            "overhead_wall_ms": wall - matmuls[0] - attend[0],
+            "overhead_cpu_ms": cpu - matmuls[1] - attend[1],
+            "x_floor": wall / floor,
+            "x_measured_floor": wall / measured_floor,
+            "ops_per_step": ops[mode],
+        }
     return report
 
 
 def main(args: argparse.Namespace) -> None:
     report = run(args.model, args.rounds, args.steps, args.threads, args.bandwidth_gbs, args.context)
     (matmul_wall, matmul_cpu), (attention_wall, attention_cpu) = report["matmuls_ms"], report["attention_ms"]
-    print(f"{report['model']} ({report['dtype']}, {report['threads']} threads): matmuls alone "
-          f"{matmul_wall:.2f} ms ({matmul_cpu:.2f} CPU), attention alone {attention_wall:.2f} ms "
-          f"({attention_cpu:.2f} CPU) at {report['mean_context']} tokens of context, floor {report['floor_ms']:.2f} ms "
-          f"({report['weight_bytes'] / 1e6:.0f} MB of weights + {report['kv_bytes'] / 1e6:.1f} MB of keys and values "
-          f"at {args.bandwidth_gbs} GB/s); measured between rounds {report['measured_bandwidth_gbs']:.1f} GB/s, "
-          f"floor {report['measured_floor_ms']:.2f} ms")
+    print(
+        f"{report['model']} ({report['dtype']}, {report['threads']} threads): matmuls alone "
+        f"{matmul_wall:.2f} ms ({matmul_cpu:.2f} CPU), attention alone {attention_wall:.2f} ms "
+        f"({attention_cpu:.2f} CPU) at {report['mean_context']} tokens of context, floor {report['floor_ms']:.2f} ms "
+        f"({report['weight_bytes'] / 1e6:.0f} MB of weights + {report['kv_bytes'] / 1e6:.1f} MB of keys and values "
+        f"at {args.bandwidth_gbs} GB/s); measured between rounds {report['measured_bandwidth_gbs']:.1f} GB/s, "
+        f"floor {report['measured_floor_ms']:.2f} ms"
+    )
     for mode in ("python", "fused-ops", "fused"):
         r = report[mode]
-        print(f"  {mode:9s} layers: {r['wall_ms']:.2f} ms/step ({r['cpu_ms']:.2f} CPU), overhead "
-              f"{r['overhead_wall_ms']:.2f} ms ({r['overhead_cpu_ms']:.2f} CPU), {r['x_floor']:.2f}x the floor, "
-              f"{r['x_measured_floor']:.2f}x the measured floor, {r['ops_per_step']} operator calls")
+        print(
+            f"  {mode:9s} layers: {r['wall_ms']:.2f} ms/step ({r['cpu_ms']:.2f} CPU), overhead "
+            f"{r['overhead_wall_ms']:.2f} ms ({r['overhead_cpu_ms']:.2f} CPU), {r['x_floor']:.2f}x the floor, "
+            f"{r['x_measured_floor']:.2f}x the measured floor, {r['ops_per_step']} operator calls"
+        )
     if args.out:
         write_report(args.out, report)
 

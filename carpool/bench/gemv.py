@@ -99,14 +99,17 @@ def cycled_linear(mode: str, x: torch.Tensor, copies: list[GGMLWeight]):
     def call():
         weight = next(turn)
         return linear(mode, x, weight.data, weight.kernel_qtype)
+
     return call
 
 
 def compare_layouts(blocks: dict, args, clock) -> None:
     """Each format carpool rearranges (Q4_0/Q4_1 octet-major, Q4_K and Q6_K in row groups) in GGUF's layout against
     its arrangement, each mode's two layouts taking turns."""
-    print("| format | shape | threads | rows | mode | GGUF | rearranged | speed-up |\n"
-          "| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print(
+        "| format | shape | threads | rows | mode | GGUF | rearranged | speed-up |\n"
+        "| --- | --- | --- | --- | --- | --- | --- | --- |"
+    )
     for qtype in sorted(set(blocks) & set(ARRANGEMENTS)):
         gguf_rows = [GGMLWeight(qtype, blocks[qtype].clone()) for _ in range(args.copies)]
         rearranged = [w.arranged(ARRANGEMENTS[qtype]) for w in gguf_rows]
@@ -116,11 +119,16 @@ def compare_layouts(blocks: dict, args, clock) -> None:
             torch.set_num_threads(threads)
             for rows, mode in itertools.product(args.rows, COMPARED):
                 x = torch.randn(rows, cols).to(getattr(torch, args.dtype))
-                times = seconds_per_call({"gguf": cycled_linear(mode, x, gguf_rows),
-                                          "rearranged": cycled_linear(mode, x, rearranged)}, clock=clock)
+                times = seconds_per_call(
+                    {"gguf": cycled_linear(mode, x, gguf_rows), "rearranged": cycled_linear(mode, x, rearranged)},
+                    clock=clock,
+                )
                 cells = " | ".join(f"{blocks[qtype].numel() / t / 1e9:.1f} ({t * 1e3:.3f})" for t in times.values())
-                print(f"| {name} | {out_features}x{cols} | {threads} | {rows} | {mode} | {cells} | "
-                      f"{times['gguf'] / times['rearranged']:.2f}x |", flush=True)
+                print(
+                    f"| {name} | {out_features}x{cols} | {threads} | {rows} | {mode} | {cells} | "
+                    f"{times['gguf'] / times['rearranged']:.2f}x |",
+                    flush=True,
+                )
     set_matmul_mode("exact")
 
 
@@ -135,8 +143,10 @@ def main() -> None:
     parser.add_argument("--copies", type=int, default=1, help="with --layouts: copies of each matrix, cycled")
     args = parser.parse_args()
     clock = time.thread_time if args.cpu_time else time.perf_counter
-    print(f"kernel path {kernel_path()}, {args.dtype} activations, {'CPU' if args.cpu_time else 'wall'} time; "
-          "GB/s of weight blocks (ms per call)")
+    print(
+        f"kernel path {kernel_path()}, {args.dtype} activations, {'CPU' if args.cpu_time else 'wall'} time; "
+        "GB/s of weight blocks (ms per call)"
+    )
     if args.layouts:
         return compare_layouts(weights(args.model), args, clock)
     blocks = {qtype: GGMLWeight(qtype, data).for_kernels() for qtype, data in weights(args.model).items()}
@@ -150,21 +160,30 @@ def main() -> None:
             for rows in args.rows:
                 x = torch.randn(rows, cols).to(getattr(torch, args.dtype))
                 default = "int8" if rows <= torch.ops.carpool.int8_dot_max_rows(int(qtype)) else "exact"
-                times = seconds_per_call({mode: functools.partial(linear, mode, x, data, weight.kernel_qtype)
-                                          for mode in COMPARED}, clock=clock)
+                times = seconds_per_call(
+                    {mode: functools.partial(linear, mode, x, data, weight.kernel_qtype) for mode in COMPARED},
+                    clock=clock,
+                )
                 cells = " | ".join(f"{data.numel() / t / 1e9:.1f} ({t * 1e3:.3f})" for t in times.values())
-                print(f"| {name} | {data.shape[0]}x{cols} | {threads} | {rows} | {cells} | "
-                      f"{times['exact'] / times['int8-dot-all']:.2f}x | {default} |", flush=True)
-    print("\nint8 against exact, fp32 rows of N(0, 1) activations (1 row: the GEMV, 32 and 512: the batched kernel): "
-          "max |error| / max |y|, rms error / rms y")
+                print(
+                    f"| {name} | {data.shape[0]}x{cols} | {threads} | {rows} | {cells} | "
+                    f"{times['exact'] / times['int8-dot-all']:.2f}x | {default} |",
+                    flush=True,
+                )
+    print(
+        "\nint8 against exact, fp32 rows of N(0, 1) activations (1 row: the GEMV, 32 and 512: the batched kernel): "
+        "max |error| / max |y|, rms error / rms y"
+    )
     print("| format | rows | max | rms |\n| --- | --- | --- | --- |")
     for qtype, weight in sorted(blocks.items()):
         for rows in (1, 32, 512):
             x = torch.randn(rows, weight.shape[1])
             exact, fast = (linear(mode, x, weight.data, weight.kernel_qtype) for mode in COMPARED)
             error = fast - exact
-            print(f"| {qtype.name} | {rows} | {(error.abs().max() / exact.abs().max()).item():.2e} | "
-                  f"{(error.norm() / exact.norm()).item():.2e} |")
+            print(
+                f"| {qtype.name} | {rows} | {(error.abs().max() / exact.abs().max()).item():.2e} | "
+                f"{(error.norm() / exact.norm()).item():.2e} |"
+            )
     set_matmul_mode("exact")
 
 

@@ -29,14 +29,19 @@ def main(argv: list[str] | None = None) -> None:
             logits = torch.randn(rows, args.vocab).bfloat16()
             if not torch.equal(torch.ops.carpool.row_argmax(logits), logits.float().max(dim=-1).indices):
                 raise RuntimeError(f"row_argmax disagrees with max's indices at {rows} rows, {threads} threads")
-            times = seconds_per_call({
-                "widen + max": lambda: logits.float().max(dim=-1).indices,
-                "row_argmax": lambda: torch.ops.carpool.row_argmax(logits),
-                "widen": logits.float,
-            })
+            times = seconds_per_call(
+                {
+                    "widen + max": lambda: logits.float().max(dim=-1).indices,
+                    "row_argmax": lambda: torch.ops.carpool.row_argmax(logits),
+                    "widen": logits.float,
+                }
+            )
             ms = {name: t * 1e3 for name, t in times.items()}
-            print(f"| {threads} | {rows} | {ms['widen + max']:.3f} | {ms['row_argmax']:.3f} | "
-                  f"{ms['widen + max'] / ms['row_argmax']:.1f}x | {ms['widen']:.3f} |", flush=True)
+            print(
+                f"| {threads} | {rows} | {ms['widen + max']:.3f} | {ms['row_argmax']:.3f} | "
+                f"{ms['widen + max'] / ms['row_argmax']:.1f}x | {ms['widen']:.3f} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import Self
 
 import httpx
 import uvicorn
@@ -30,7 +31,7 @@ class LocalServer:
         self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
         self._thread = threading.Thread(target=self._server.run, name="carpool-bench-server", daemon=True)
 
-    def __enter__(self) -> "LocalServer":
+    def __enter__(self) -> Self:
         self._thread.start()
         deadline = time.monotonic() + STARTUP_SECONDS
         while not self._server.started:

@@ -22,8 +22,17 @@ from carpool.engine.sampling_params import SamplingParams
 def next_token_logprobs(model: str, matmul: str, token_ids: list[int], dtype: str, prefill: bool) -> torch.Tensor:
     """[positions, vocab] log-probabilities after each prefix: one token a step, or every position of one prefill."""
     step_tokens = len(token_ids) if prefill else 1
-    engine = LLMEngine(EngineConfig(model=model, matmul=matmul, dtype=dtype, max_num_batched_tokens=step_tokens,
-                                    max_num_seqs=1, enable_prefix_caching=False, num_kv_blocks=64))
+    engine = LLMEngine(
+        EngineConfig(
+            model=model,
+            matmul=matmul,
+            dtype=dtype,
+            max_num_batched_tokens=step_tokens,
+            max_num_seqs=1,
+            enable_prefix_caching=False,
+            num_kv_blocks=64,
+        )
+    )
     rows = []
 
     def keep_positions(module, inputs, hidden):
@@ -56,9 +65,11 @@ def main() -> None:
     kl = (exact.exp() * (exact - fast)).sum(-1)
     agree = (exact.argmax(-1) == fast.argmax(-1)).float().mean().item()
     how = f"one {len(token_ids)}-token prefill" if args.prefill else "one token a step"
-    print(f"{args.model} ({args.dtype}), {fast_mode} against exact, {len(token_ids)} positions of long_docs.jsonl's "
-          f"first document, {how}: top-1 agreement {agree:.1%}, mean KL {kl.mean().item():.2e} nats "
-          f"(max {kl.max().item():.2e})")
+    print(
+        f"{args.model} ({args.dtype}), {fast_mode} against exact, {len(token_ids)} positions of long_docs.jsonl's "
+        f"first document, {how}: top-1 agreement {agree:.1%}, mean KL {kl.mean().item():.2e} nats "
+        f"(max {kl.max().item():.2e})"
+    )
 
 
 if __name__ == "__main__":

@@ -25,15 +25,25 @@ from carpool.models.quantization import QUANTIZATION_MODES
 
 def add_parser(modes) -> None:
     parser = modes.add_parser("offline", help="offline throughput: carpool vs transformers generate")
-    parser.add_argument("--num-prompts", type=int, nargs="+", default=[1, 64],
-                        help="batch sizes to run, each a batch of that many prompts at once")
+    parser.add_argument(
+        "--num-prompts",
+        type=int,
+        nargs="+",
+        default=[1, 64],
+        help="batch sizes to run, each a batch of that many prompts at once",
+    )
     parser.add_argument("--max-tokens", type=int, default=128, help="output tokens per prompt at most")
     parser.add_argument("--max-prompt-chars", type=int, default=2000, help="skip longer prompts")
     parser.add_argument("--skip-transformers", action="store_true", help="run carpool only, without the comparison")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                        help="for both carpool and transformers")
-    parser.add_argument("--quantization", default="auto", choices=list(QUANTIZATION_MODES),
-                        help="carpool's weight format (transformers always runs dense weights)")
+    parser.add_argument(
+        "--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="for both carpool and transformers"
+    )
+    parser.add_argument(
+        "--quantization",
+        default="auto",
+        choices=list(QUANTIZATION_MODES),
+        help="carpool's weight format (transformers always runs dense weights)",
+    )
     parser.add_argument("--out", default="bench-results/offline.json", help="where the JSON report goes")
     parser.set_defaults(func=main)
 
@@ -99,9 +109,14 @@ def run_transformers(model, tokenizer, prompts: list[str], max_tokens: int) -> d
 
 
 def main(args: argparse.Namespace) -> int:
-    engine = LLMEngine(EngineConfig(
-        max_num_seqs=max(args.num_prompts), enable_prefix_caching=False, dtype=args.dtype, quantization=args.quantization
-    ))
+    engine = LLMEngine(
+        EngineConfig(
+            max_num_seqs=max(args.num_prompts),
+            enable_prefix_caching=False,
+            dtype=args.dtype,
+            quantization=args.quantization,
+        )
+    )
     texts = first_human_turns(max(args.num_prompts), max_chars=args.max_prompt_chars)
     chats = [engine.tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
     hf = None if args.skip_transformers else load_transformers_model(engine.dtype)
@@ -112,15 +127,22 @@ def main(args: argparse.Namespace) -> int:
             row["transformers"] = run_transformers(*hf, chats[:n], args.max_tokens)
             row["output_speedup"] = row["carpool"]["output_tokens_per_s"] / row["transformers"]["output_tokens_per_s"]
             if row["transformers"]["decode_tokens_per_s"] and row["carpool"]["decode_tokens_per_s"]:
-                row["decode_speedup"] = row["carpool"]["decode_tokens_per_s"] / row["transformers"]["decode_tokens_per_s"]
+                row["decode_speedup"] = (
+                    row["carpool"]["decode_tokens_per_s"] / row["transformers"]["decode_tokens_per_s"]
+                )
         results.append(row)
         print(_format_row(row), flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     # "phases": the largest run's engine time split, which `carpool cost model --bench` prices.
-    summary = {"max_tokens": args.max_tokens, "dtype": str(engine.dtype), "quantization": args.quantization,
-               "threads": torch.get_num_threads(),
-               "phases": results[-1]["carpool"]["phases"], "results": results}
+    summary = {
+        "max_tokens": args.max_tokens,
+        "dtype": str(engine.dtype),
+        "quantization": args.quantization,
+        "threads": torch.get_num_threads(),
+        "phases": results[-1]["carpool"]["phases"],
+        "results": results,
+    }
     out.write_text(json.dumps(summary, indent=2))
     print(f"wrote {out}")
     return 0
@@ -128,7 +150,7 @@ def main(args: argparse.Namespace) -> int:
 
 def _format_row(row: dict) -> str:
     c = row["carpool"]
-    fmt = lambda v: f"{v:.1f}" if v else "-"  # noqa: E731
+    fmt = lambda v: f"{v:.1f}" if v else "-"
     line = (
         f"N={row['num_prompts']:>3}  carpool {c['output_tokens_per_s']:.1f} out tok/s "
         f"(prefill {fmt(c['prefill_tokens_per_s'])} tok/s, decode {fmt(c['decode_tokens_per_s'])} tok/s)"

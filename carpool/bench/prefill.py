@@ -25,8 +25,12 @@ from carpool.bench.serve import checked_labels, file_stem
 
 def add_parser(modes) -> None:
     parser = modes.add_parser("prefill", help="prompt tok/s on long prompts (prefill), servers side by side")
-    parser.add_argument("--url", action="append", required=True,
-                        help="a server's base URL; repeat to compare servers side by side in one run")
+    parser.add_argument(
+        "--url",
+        action="append",
+        required=True,
+        help="a server's base URL; repeat to compare servers side by side in one run",
+    )
     parser.add_argument("--label", action="append", default=None, help="each server's name, in --url order")
     parser.add_argument("--prompts", type=int, default=5, help="timed prompts per server, after one warm-up")
     parser.add_argument("--prompt-chars", type=int, default=8400, help="characters of each transcript sent")
@@ -51,8 +55,9 @@ def distinct_documents(count: int, chars: int) -> list[str]:
 def prefill(client: httpx.Client, model: str, prompt: str) -> tuple[int, float]:
     """(prompt tokens the server counted, seconds) for one prompt and one output token."""
     start = time.perf_counter()
-    response = client.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 1,
-                                                    "temperature": 0})
+    response = client.post(
+        "/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0}
+    )
     seconds = time.perf_counter() - start
     response.raise_for_status()
     return response.json()["usage"]["prompt_tokens"], seconds
@@ -62,13 +67,14 @@ def main(args: argparse.Namespace) -> int:
     if args.prompts < 1:
         raise ValueError("prompts: must be at least 1")
     labels = checked_labels(args.url, args.label)
-    labels = labels + args.url[len(labels):]
+    labels = labels + args.url[len(labels) :]
     prompts = distinct_documents(1 + args.prompts, args.prompt_chars)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     clients = [httpx.Client(base_url=url, headers=headers, timeout=600.0) for url in args.url]
     try:
-        models = [args.model or client.get("/v1/models").raise_for_status().json()["data"][0]["id"]
-                  for client in clients]
+        models = [
+            args.model or client.get("/v1/models").raise_for_status().json()["data"][0]["id"] for client in clients
+        ]
         samples: list[list[tuple[int, float]]] = [[] for _ in clients]
         for i, prompt in enumerate(prompts):
             for client, model, kept in zip(clients, models, samples):
@@ -102,9 +108,13 @@ def report(label: str, url: str, model: str, samples: list[tuple[int, float]]) -
 
 def table(reports: list[dict]) -> str:
     first = reports[0]["prompt_tokens_per_s"]
-    lines = ["| server | prompts | prompt tokens | seconds (median) | prompt tok/s (median) | first / this |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| server | prompts | prompt tokens | seconds (median) | prompt tok/s (median) | first / this |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for r in reports:
-        lines.append(f"| {r['label']} | {r['prompts']} | {r['prompt_tokens_median']:.0f} | {r['seconds_median']:.3f} "
-                     f"| {r['prompt_tokens_per_s']:.1f} | {first / r['prompt_tokens_per_s']:.2f}x |")
+        lines.append(
+            f"| {r['label']} | {r['prompts']} | {r['prompt_tokens_median']:.0f} | {r['seconds_median']:.3f} "
+            f"| {r['prompt_tokens_per_s']:.1f} | {first / r['prompt_tokens_per_s']:.2f}x |"
+        )
     return "\n".join(lines)

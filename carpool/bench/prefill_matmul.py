@@ -16,9 +16,18 @@ from carpool.models.quantization import MATMUL_MODES
 
 def run(model: str, tokens: int, modes: list[str], rounds: int) -> dict:
     """{"tokens": the prompt's length, "seconds": {mode: best CPU seconds of one prefill}}."""
-    engines = {mode: LLM(model, matmul=mode, num_threads=1, max_num_seqs=1, enable_prefix_caching=False,
-                         max_num_batched_tokens=max(512, tokens), num_kv_blocks=tokens // 16 + 8)
-               for mode in modes}
+    engines = {
+        mode: LLM(
+            model,
+            matmul=mode,
+            num_threads=1,
+            max_num_seqs=1,
+            enable_prefix_caching=False,
+            max_num_batched_tokens=max(512, tokens),
+            num_kv_blocks=tokens // 16 + 8,
+        )
+        for mode in modes
+    }
     prompt = engines[modes[0]].tokenizer.encode(next(long_docs())["document"])[:tokens]
     one_token = SamplingParams(max_tokens=1, temperature=0)
     best = dict.fromkeys(modes, float("inf"))
@@ -39,8 +48,10 @@ def main() -> None:
     args = parser.parse_args()
     report = run(args.model, args.tokens, args.modes, args.rounds)
     best, first = report["seconds"], args.modes[0]
-    print(f"{args.model}, kernel path {kernel_path()}, a {report['tokens']}-token prompt, 1 thread, CPU seconds: " +
-          ", ".join(f"{mode} {seconds:.3f} ({best[first] / seconds:.2f}x {first})" for mode, seconds in best.items()))
+    print(
+        f"{args.model}, kernel path {kernel_path()}, a {report['tokens']}-token prompt, 1 thread, CPU seconds: "
+        + ", ".join(f"{mode} {seconds:.3f} ({best[first] / seconds:.2f}x {first})" for mode, seconds in best.items())
+    )
 
 
 if __name__ == "__main__":

@@ -26,13 +26,14 @@ FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0)
 def add_parser(modes) -> None:
     parser = modes.add_parser("prefix", help="prefix caching on vs off: TTFT and prompt tokens computed")
     parser.add_argument("--conversations", type=int, default=12, help="multi-turn chats in the chat workload")
-    parser.add_argument("--system-tokens", type=int, default=1200,
-                        help="length of the system prompt every chat shares")
-    parser.add_argument("--meetings", type=int, default=4,
-                        help="transcripts in the docs workload, each asked its questions")
+    parser.add_argument("--system-tokens", type=int, default=1200, help="length of the system prompt every chat shares")
+    parser.add_argument(
+        "--meetings", type=int, default=4, help="transcripts in the docs workload, each asked its questions"
+    )
     parser.add_argument("--max-doc-words", type=int, default=1500, help="skip longer transcripts")
-    parser.add_argument("--cached-prefix-tokens", type=int, default=2000,
-                        help="the long cached prefix whose TTFT is compared")
+    parser.add_argument(
+        "--cached-prefix-tokens", type=int, default=2000, help="the long cached prefix whose TTFT is compared"
+    )
     parser.add_argument("--out", default="bench-results/prefix.json", help="where the JSON report goes")
     parser.set_defaults(func=main)
 
@@ -116,7 +117,11 @@ def main(args: argparse.Namespace) -> int:
             flush=True,
         )
     report["cached_prefix"] = cached_prefix_ttft(engines, args.cached_prefix_tokens)
-    print("{tokens}-token cached prefix: TTFT off {off:.3f}s on {on:.3f}s (x{speedup:.1f})".format(**report["cached_prefix"]))
+    print(
+        "{tokens}-token cached prefix: TTFT off {off:.3f}s on {on:.3f}s (x{speedup:.1f})".format(
+            **report["cached_prefix"]
+        )
+    )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
@@ -128,9 +133,16 @@ def cached_prefix_ttft(engines: dict[str, LLMEngine], num_tokens: int, repeats: 
     """TTFT of a short question behind a long prefix that the cache already holds (median of repeats)."""
     engine = engines["on"]
     prefix = engine.tokenizer.encode(shared_system_prompt(engine, num_tokens))[:num_tokens]
-    questions = [engine.tokenizer.encode(f"\nQuestion {i}: who spoke first, and about what?") for i in range(repeats + 1)]
+    questions = [
+        engine.tokenizer.encode(f"\nQuestion {i}: who spoke first, and about what?") for i in range(repeats + 1)
+    ]
     results = {}
     for mode, eng in engines.items():
         replay(eng, [prefix + questions[0]])  # warm: the prefix is now in the cache (when it is on)
         results[mode] = replay(eng, [prefix + q for q in questions[1:]])["ttft_p50_s"]
-    return {"tokens": len(prefix), "off": results["off"], "on": results["on"], "speedup": results["off"] / results["on"]}
+    return {
+        "tokens": len(prefix),
+        "off": results["off"],
+        "on": results["on"],
+        "speedup": results["off"] / results["on"],
+    }

@@ -23,6 +23,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Self
 
 import httpx
 
@@ -36,24 +37,39 @@ from carpool.models.loader import resolve_model_dir
 
 
 def add_parser(modes) -> None:
-    parser = modes.add_parser("replicas", help="replicas on Ray Serve: prefix vs round-robin routing, N x 1 "
-                                               "thread vs 1 x N threads, and the simulator against both")
+    parser = modes.add_parser(
+        "replicas",
+        help="replicas on Ray Serve: prefix vs round-robin routing, N x 1 "
+        "thread vs 1 x N threads, and the simulator against both",
+    )
     parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
     parser.add_argument("--replicas", type=int, default=2, help="engine replicas (each one thread)")
-    parser.add_argument("--routing", nargs="+", default=["prefix", "round-robin"],
-                        help="routing policies to replay, in turn: prefix, least-loaded, round-robin")
+    parser.add_argument(
+        "--routing",
+        nargs="+",
+        default=["prefix", "round-robin"],
+        help="routing policies to replay, in turn: prefix, least-loaded, round-robin",
+    )
     parser.add_argument("--meetings", type=int, default=6, help="transcripts in the document QA workload")
     parser.add_argument("--max-doc-words", type=int, default=900, help="skip longer transcripts")
     parser.add_argument("--chats", type=int, default=6, help="multi-turn conversations in the chat workload")
     parser.add_argument("--tenants", type=int, default=3, help="API keys the sessions are spread over")
     parser.add_argument("--rate", type=float, default=1.0, help="sessions started a second")
     parser.add_argument("--max-tokens", type=int, default=16, help="output tokens a request")
-    parser.add_argument("--num-kv-blocks", type=int, default=None,
-                        help="KV pool of each of the N replicas (the 1-replica run gets N times as many): below the "
-                             "workload's working set, as a busy deployment's cache is (default: the server's)")
+    parser.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=None,
+        help="KV pool of each of the N replicas (the 1-replica run gets N times as many): below the "
+        "workload's working set, as a busy deployment's cache is (default: the server's)",
+    )
     parser.add_argument("--skip-throughput", action="store_true", help="no 1 replica x N threads run")
-    parser.add_argument("--hourly-price", type=float, default=0.10,
-                        help="dollars an hour one replica's share of the machine costs, for the simulator's cost")
+    parser.add_argument(
+        "--hourly-price",
+        type=float,
+        default=0.10,
+        help="dollars an hour one replica's share of the machine costs, for the simulator's cost",
+    )
     parser.add_argument("--out", default="bench-results/replicas.json", help="where the JSON results go")
     parser.set_defaults(func=main)
 
@@ -69,15 +85,21 @@ class Measured:
     seconds: float = 0.0
 
     def summary(self) -> dict:
-        return {"requests": len(self.ttft), "errors": len(self.errors),
-                "hit_rate": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
-                "ttft_p50_s": percentile(self.ttft, 50), "ttft_p99_s": percentile(self.ttft, 99),
-                "itl_p50_s": percentile(self.itl, 50), "itl_p99_s": percentile(self.itl, 99),
-                "output_tokens_per_s": self.output_tokens / self.seconds if self.seconds else 0.0}
+        return {
+            "requests": len(self.ttft),
+            "errors": len(self.errors),
+            "hit_rate": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
+            "ttft_p50_s": percentile(self.ttft, 50),
+            "ttft_p99_s": percentile(self.ttft, 99),
+            "itl_p50_s": percentile(self.itl, 50),
+            "itl_p99_s": percentile(self.itl, 99),
+            "output_tokens_per_s": self.output_tokens / self.seconds if self.seconds else 0.0,
+        }
 
 
-def workload(tokenizer: Tokenizer, meetings: int, max_doc_words: int, chats: int, tenants: int,
-             max_tokens: int, seed: int = 0) -> list[Session]:
+def workload(
+    tokenizer: Tokenizer, meetings: int, max_doc_words: int, chats: int, tenants: int, max_tokens: int, seed: int = 0
+) -> list[Session]:
     """Document questions and chat conversations as sessions, shuffled so documents interleave."""
     by_meeting = defaultdict(list)
     for record in long_docs():
@@ -121,8 +143,15 @@ async def replay(url: str, sessions: list[Session], arrivals: list[float]) -> Me
 
 
 async def _one(client: httpx.AsyncClient, turn: Turn, user: str, measured: Measured) -> None:
-    body = {"prompt": turn.prompt_token_ids, "max_tokens": turn.output_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}, "user": user}
+    body = {
+        "prompt": turn.prompt_token_ids,
+        "max_tokens": turn.output_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "user": user,
+    }
     sent, last = time.perf_counter(), None
     async with client.stream("POST", "/v1/completions", json=body) as response:
         if response.status_code != 200:
@@ -156,11 +185,14 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "CARPOOL_DB": f"{self.home}/carpool.db", "CARPOOL_BATCH_DIR": f"{self.home}/batches"}
         self.log = open(f"{self.home}/serve.log", "w")
-        self.process = subprocess.Popen([sys.executable, "-m", "carpool.cli", "serve", "--port", str(self.port),
-                                         "--log-level", "warning", *flags], stdout=self.log, stderr=subprocess.STDOUT,
-                                        env=env)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "carpool.cli", "serve", "--port", str(self.port), "--log-level", "warning", *flags],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
 
-    def __enter__(self) -> "Server":
+    def __enter__(self) -> Self:
         if not wait_healthy(self.url, self.process, 600):
             self.__exit__()
             raise RuntimeError(f"carpool serve did not start; see {self.home}/serve.log")
@@ -182,32 +214,66 @@ def main(args: argparse.Namespace) -> int:
     threads = os.cpu_count() or 1
     per_replica = max(1, threads // args.replicas)
     model = ["--model", args.model] if args.model else []
-    def pool(replicas: int) -> list[str]:
-        return [] if args.num_kv_blocks is None else ["--num-kv-blocks", str(args.num_kv_blocks * args.replicas
-                                                                             // replicas)]
 
-    runs = [(f"{args.replicas}x{per_replica} {routing}", args.replicas, per_replica, routing,
-             ["--replicas", str(args.replicas), "--num-threads", str(per_replica), "--routing", routing,
-              *pool(args.replicas)]) for routing in args.routing]
+    def pool(replicas: int) -> list[str]:
+        return (
+            []
+            if args.num_kv_blocks is None
+            else ["--num-kv-blocks", str(args.num_kv_blocks * args.replicas // replicas)]
+        )
+
+    runs = [
+        (
+            f"{args.replicas}x{per_replica} {routing}",
+            args.replicas,
+            per_replica,
+            routing,
+            [
+                "--replicas",
+                str(args.replicas),
+                "--num-threads",
+                str(per_replica),
+                "--routing",
+                routing,
+                *pool(args.replicas),
+            ],
+        )
+        for routing in args.routing
+    ]
     if not args.skip_throughput:
         runs.append((f"1x{threads}", 1, threads, "prefix", ["--num-threads", str(threads), *pool(1)]))
-    report = {"cpu": _cpu_name(), "cpus": threads, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "command": " ".join(["carpool", "bench", "replicas", *sys.argv[3:]]), "sessions": len(sessions),
-              "requests": sum(len(s.turns) for s in sessions), "rate": args.rate, "runs": {}}
+    report = {
+        "cpu": _cpu_name(),
+        "cpus": threads,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "command": " ".join(["carpool", "bench", "replicas", *sys.argv[3:]]),
+        "sessions": len(sessions),
+        "requests": sum(len(s.turns) for s in sessions),
+        "rate": args.rate,
+        "runs": {},
+    }
     step_models = {}
     for label, replicas, replica_threads, routing, flags in runs:
         with Server(*model, *flags) as server:
             measured = asyncio.run(replay(server.url, sessions, arrivals))
         if replica_threads not in step_models:  # after the server: the fit's engine runs alone
-            step_models[replica_threads] = measure_step_model(EngineConfig(model=args.model,
-                                                                           num_threads=replica_threads))
+            step_models[replica_threads] = measure_step_model(
+                EngineConfig(model=args.model, num_threads=replica_threads)
+            )
         step = step_models[replica_threads]
         blocks = int(pool(replicas)[1]) if args.num_kv_blocks else ReplicaSpec().num_blocks
         predicted = simulate(sessions, arrivals, replicas, routing, step, ReplicaSpec(num_blocks=blocks))
-        report["runs"][label] = {"measured": measured.summary(), "simulated": predicted.summary(args.hourly_price),
-                                 "step_model": vars(step), "errors": sorted(set(measured.errors))[:5]}
-        print(f"{label}: measured {_line(measured.summary())}\n{' ' * len(label)}  simulated "
-              f"{_line(predicted.summary(args.hourly_price))}", flush=True)
+        report["runs"][label] = {
+            "measured": measured.summary(),
+            "simulated": predicted.summary(args.hourly_price),
+            "step_model": vars(step),
+            "errors": sorted(set(measured.errors))[:5],
+        }
+        print(
+            f"{label}: measured {_line(measured.summary())}\n{' ' * len(label)}  simulated "
+            f"{_line(predicted.summary(args.hourly_price))}",
+            flush=True,
+        )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
@@ -219,9 +285,11 @@ def _line(summary: dict) -> str:
     def ms(value):
         return "-" if value is None else f"{value * 1e3:.0f} ms"
 
-    return (f"hit rate {summary['hit_rate']:.2f}, TTFT p50 {ms(summary['ttft_p50_s'])} p99 "
-            f"{ms(summary['ttft_p99_s'])}, ITL p50 {ms(summary['itl_p50_s'])}, "
-            f"{summary['output_tokens_per_s']:.1f} output tok/s")
+    return (
+        f"hit rate {summary['hit_rate']:.2f}, TTFT p50 {ms(summary['ttft_p50_s'])} p99 "
+        f"{ms(summary['ttft_p99_s'])}, ITL p50 {ms(summary['itl_p50_s'])}, "
+        f"{summary['output_tokens_per_s']:.1f} output tok/s"
+    )
 
 
 def _cpu_name() -> str:

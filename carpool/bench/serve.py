@@ -29,7 +29,6 @@ import numpy as np
 
 from carpool.bench.datasets import first_human_turns
 
-
 # Each API's path and how a streamed chunk carries its text.
 ENDPOINTS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
@@ -75,29 +74,57 @@ class LevelReport:
 
 def add_parser(modes) -> None:
     parser = modes.add_parser("serve", help="load-test an OpenAI-compatible server with streaming chat requests")
-    parser.add_argument("--url", action="append", default=None,
-                        help="a server's base URL; repeat to compare servers side by side in one run "
-                             "(default: http://127.0.0.1:8000)")
+    parser.add_argument(
+        "--url",
+        action="append",
+        default=None,
+        help="a server's base URL; repeat to compare servers side by side in one run (default: http://127.0.0.1:8000)",
+    )
     parser.add_argument("--concurrency", type=_int_list, default=[1, 8, 32], help="comma-separated stream counts")
-    parser.add_argument("--num-requests", type=int, default=None,
-                        help="requests per level (default: the larger of 8 and twice the concurrency)")
+    parser.add_argument(
+        "--num-requests",
+        type=int,
+        default=None,
+        help="requests per level (default: the larger of 8 and twice the concurrency)",
+    )
     parser.add_argument("--max-tokens", type=int, default=128, help="output tokens per request at most")
-    parser.add_argument("--max-prompt-chars", type=int, default=None,
-                        help="skip longer prompts (for servers with small per-slot contexts)")
+    parser.add_argument(
+        "--max-prompt-chars",
+        type=int,
+        default=None,
+        help="skip longer prompts (for servers with small per-slot contexts)",
+    )
     parser.add_argument("--model", default=None, help="default: the first model the server lists")
-    parser.add_argument("--api", choices=ENDPOINTS, default="chat",
-                        help="chat: /v1/chat/completions with the prompt as the user turn; completions: "
-                             "/v1/completions with the prompt as raw text (base models have no chat template)")
+    parser.add_argument(
+        "--api",
+        choices=ENDPOINTS,
+        default="chat",
+        help="chat: /v1/chat/completions with the prompt as the user turn; completions: "
+        "/v1/completions with the prompt as raw text (base models have no chat template)",
+    )
     parser.add_argument("--api-key", default=None, help="sent as the bearer token to every server")
-    parser.add_argument("--label", action="append", default=None,
-                        help="each server's name in the report, in --url order (default: the model)")
-    parser.add_argument("--out", default=None,
-                        help="path prefix of the .json and .png (default: bench-results/serve-LABELS)")
-    parser.add_argument("--ready-timeout", type=float, default=600.0,
-                        help="seconds to wait for every server's /health before measuring any")
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="measure the servers in turns this many times, the order reversed each round, each "
-                             "round on new prompts; the report pools them and gives each round's ratios")
+    parser.add_argument(
+        "--label",
+        action="append",
+        default=None,
+        help="each server's name in the report, in --url order (default: the model)",
+    )
+    parser.add_argument(
+        "--out", default=None, help="path prefix of the .json and .png (default: bench-results/serve-LABELS)"
+    )
+    parser.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=600.0,
+        help="seconds to wait for every server's /health before measuring any",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="measure the servers in turns this many times, the order reversed each round, each "
+        "round on new prompts; the report pools them and gives each round's ratios",
+    )
     parser.set_defaults(func=main)
 
 
@@ -157,9 +184,14 @@ def pooled(server_runs: list[dict]) -> dict:
     """One server's report: each level's requests of every round summarized together (tokens over the summed
     durations, percentiles over all requests), and with several rounds each round's own levels under "rounds"."""
     first = server_runs[0]
-    levels = [summarize(level["concurrency"], [r for run in server_runs for r in run["results"][i]],
-                        sum(run["durations"][i] for run in server_runs))
-              for i, level in enumerate(first["levels"])]
+    levels = [
+        summarize(
+            level["concurrency"],
+            [r for run in server_runs for r in run["results"][i]],
+            sum(run["durations"][i] for run in server_runs),
+        )
+        for i, level in enumerate(first["levels"])
+    ]
     report = {key: value for key, value in first.items() if key not in ("levels", "results", "durations")}
     report["levels"] = [asdict(level) for level in levels]
     if len(server_runs) > 1:
@@ -180,8 +212,10 @@ def comparison(reports: list[dict]) -> str:
         lines.append(f"{first['label']} / {other['label']}:")
         for i, (mine, theirs) in enumerate(zip(first["levels"], other["levels"])):
             ratio = {key: _ratio(mine, theirs, key) for key in ("output_tokens_per_s", "ttft_p50_s", "itl_p50_s")}
-            line = (f"  {mine['concurrency']:>3} streams: output tokens/s x{ratio['output_tokens_per_s']:.2f}, "
-                    f"TTFT p50 x{ratio['ttft_p50_s']:.2f}, ITL p50 x{ratio['itl_p50_s']:.2f}")
+            line = (
+                f"  {mine['concurrency']:>3} streams: output tokens/s x{ratio['output_tokens_per_s']:.2f}, "
+                f"TTFT p50 x{ratio['ttft_p50_s']:.2f}, ITL p50 x{ratio['itl_p50_s']:.2f}"
+            )
             if "rounds" in first:
                 by_round = [_ratio(a[i], b[i], "output_tokens_per_s") for a, b in zip(first["rounds"], other["rounds"])]
                 line += "; output tokens/s by round " + " ".join(f"x{r:.2f}" for r in by_round)
@@ -219,10 +253,9 @@ async def run(args: argparse.Namespace, url: str, label: str | None, round_index
     prompts = first_human_turns(needed, max_chars=args.max_prompt_chars)
     if len(prompts) < needed:
         raise ValueError(f"num-requests: only {len(prompts)} prompts available, {needed} needed")
-    prompts = prompts[per_round * round_index:]
+    prompts = prompts[per_round * round_index :]
     limits = httpx.Limits(max_connections=max(levels) + 1, max_keepalive_connections=max(levels) + 1)
-    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=httpx.Timeout(600.0),
-                                 limits=limits) as client:
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=httpx.Timeout(600.0), limits=limits) as client:
         model = args.model or await _first_model(client)
         warmup = await _one_request(client, model, prompts.pop(0), args.max_tokens, args.api)
         if not warmup.ok:
@@ -230,13 +263,17 @@ async def run(args: argparse.Namespace, url: str, label: str | None, round_index
         results, durations, summaries = [], [], []
         for concurrency, count in zip(levels, counts):
             level_prompts, prompts = prompts[:count], prompts[count:]
-            level_results, duration = await _run_level(client, model, level_prompts, concurrency, args.max_tokens,
-                                                       args.api)
+            level_results, duration = await _run_level(
+                client, model, level_prompts, concurrency, args.max_tokens, args.api
+            )
             results.append(level_results)
             durations.append(duration)
             summaries.append(summarize(concurrency, level_results, duration))
-            print(f"{label or model}, round {round_index + 1}, concurrency {concurrency}: "
-                  f"{summaries[-1].output_tokens_per_s:.1f} output tokens/s", flush=True)
+            print(
+                f"{label or model}, round {round_index + 1}, concurrency {concurrency}: "
+                f"{summaries[-1].output_tokens_per_s:.1f} output tokens/s",
+                flush=True,
+            )
     return {
         "url": url,
         "model": model,
@@ -256,8 +293,9 @@ async def _first_model(client: httpx.AsyncClient) -> str:
     return response.json()["data"][0]["id"]
 
 
-async def _run_level(client, model: str, prompts: list[str], concurrency: int, max_tokens: int,
-                     api: str) -> tuple[list[RequestResult], float]:
+async def _run_level(
+    client, model: str, prompts: list[str], concurrency: int, max_tokens: int, api: str
+) -> tuple[list[RequestResult], float]:
     """Every prompt sent by `concurrency` streams in a closed loop: the requests' results and the seconds taken."""
     pending = list(reversed(prompts))
     results: list[RequestResult] = []
@@ -275,8 +313,9 @@ def _chunk_text(choice: dict) -> str | None:
     return (choice.get("delta") or {}).get("content") if "delta" in choice else choice.get("text")
 
 
-async def _one_request(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int,
-                       api: str = "chat") -> RequestResult:
+async def _one_request(
+    client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int, api: str = "chat"
+) -> RequestResult:
     body = {
         "model": model,
         **({"messages": [{"role": "user", "content": prompt}]} if api == "chat" else {"prompt": prompt}),
@@ -301,8 +340,7 @@ async def _one_request(client: httpx.AsyncClient, model: str, prompt: str, max_t
     return result
 
 
-async def _stream_into(result: RequestResult, client: httpx.AsyncClient, path: str, body: dict,
-                       start: float) -> None:
+async def _stream_into(result: RequestResult, client: httpx.AsyncClient, path: str, body: dict, start: float) -> None:
     """One attempt at one request: TTFT and ITL count from `start`, the first attempt's send."""
     text_chunks, last = 0, None
     async with client.stream("POST", path, json=body) as response:
@@ -359,8 +397,10 @@ def table(report: dict) -> str:
 
     lines = [
         f"{report['label']} at {report['url']}, {report.get('api', 'chat')}, max_tokens {report['max_tokens']}, greedy",
-        f"{'streams':>7} {'requests':>8} {'errors':>6} {'resent':>6} {'out tok/s':>9} {'TTFT p50':>9} "
-        f"{'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8}   (latencies in ms)",
+        (
+            f"{'streams':>7} {'requests':>8} {'errors':>6} {'resent':>6} {'out tok/s':>9} {'TTFT p50':>9} "
+            f"{'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8}   (latencies in ms)"
+        ),
     ]
     for level in report["levels"]:
         lines.append(
@@ -401,7 +441,9 @@ def plot(reports: list[dict], path: Path) -> None:
         axis.set_xticks(x, [str(v) for v in x])
         axis.grid(alpha=0.3)
     labels = " vs ".join(r["label"] for r in reports)
-    figure.suptitle(f"{labels}: streaming {reports[0].get('api', 'chat')}, max_tokens {reports[0]['max_tokens']}, greedy")
+    figure.suptitle(
+        f"{labels}: streaming {reports[0].get('api', 'chat')}, max_tokens {reports[0]['max_tokens']}, greedy"
+    )
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)

@@ -38,8 +38,12 @@ class StepModel:
     per_context_token: float = 0.0
 
     def seconds(self, prefill_tokens: int, decode_seqs: int, context_tokens: int = 0) -> float:
-        return (self.base + self.per_prefill_token * prefill_tokens + self.per_decode_seq * decode_seqs
-                + self.per_context_token * context_tokens)
+        return (
+            self.base
+            + self.per_prefill_token * prefill_tokens
+            + self.per_decode_seq * decode_seqs
+            + self.per_context_token * context_tokens
+        )
 
     @classmethod
     def fit(cls, steps: list[tuple]) -> "StepModel":
@@ -90,10 +94,14 @@ class SimResult:
         tokens = self.prompt_tokens + self.output_tokens
         dollars = self.replicas * hourly_price_per_replica * self.makespan / 3600
         return {
-            "replicas": self.replicas, "routing": self.routing, "requests": len(self.ttft),
+            "replicas": self.replicas,
+            "routing": self.routing,
+            "requests": len(self.ttft),
             "hit_rate": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
-            "ttft_p50_s": _percentile(self.ttft, 50), "ttft_p99_s": _percentile(self.ttft, 99),
-            "itl_p50_s": _percentile(self.itl, 50), "itl_p99_s": _percentile(self.itl, 99),
+            "ttft_p50_s": _percentile(self.ttft, 50),
+            "ttft_p99_s": _percentile(self.ttft, 99),
+            "itl_p50_s": _percentile(self.itl, 50),
+            "itl_p99_s": _percentile(self.itl, 99),
             "output_tokens_per_s": self.output_tokens / self.makespan if self.makespan else 0.0,
             "usd_per_1m_tokens": dollars / tokens * 1e6 if tokens else 0.0,
             "usd_per_1m_output_tokens": dollars / self.output_tokens * 1e6 if self.output_tokens else 0.0,
@@ -142,7 +150,7 @@ class _Replica:
 
     def insert(self, request: EngineRequest, num_tokens: int) -> None:
         """The prompt's blocks computed so far (the engine caches each full block as its chunk is computed)."""
-        for block in _chain(request, self.spec.block_size)[:num_tokens // self.spec.block_size]:
+        for block in _chain(request, self.spec.block_size)[: num_tokens // self.spec.block_size]:
             self.cache[block] = None
             self.cache.move_to_end(block)
         while len(self.cache) > self.spec.num_blocks:
@@ -152,13 +160,14 @@ class _Replica:
 def _chain(request: EngineRequest, block_size: int) -> list[int]:
     tokens, chain, hashes = request.prompt_token_ids, hash(("salt", request.cache_salt)), []
     for start in range(0, len(tokens) // block_size * block_size, block_size):
-        chain = hash((chain, tuple(tokens[start:start + block_size])))
+        chain = hash((chain, tuple(tokens[start : start + block_size])))
         hashes.append(chain)
     return hashes
 
 
-def simulate(sessions: list[Session], arrivals: list[float], replicas: int, routing: str, step: StepModel,
-             spec: ReplicaSpec) -> SimResult:
+def simulate(
+    sessions: list[Session], arrivals: list[float], replicas: int, routing: str, step: StepModel, spec: ReplicaSpec
+) -> SimResult:
     """Run `sessions` (session i starts at arrivals[i]) on `replicas` replicas routed by `routing`."""
     if replicas < 1:
         raise ValueError("replicas must be at least 1")
@@ -179,9 +188,13 @@ def simulate(sessions: list[Session], arrivals: list[float], replicas: int, rout
             session_index, turn_index = payload
             session = sessions[session_index]
             turn = session.turns[turn_index]
-            request = EngineRequest(f"s{session_index}-{turn_index}", turn.prompt_token_ids,
-                                    SamplingParams(max_tokens=turn.output_tokens), cache_salt=session.salt,
-                                    arrival_time=now)
+            request = EngineRequest(
+                f"s{session_index}-{turn_index}",
+                turn.prompt_token_ids,
+                SamplingParams(max_tokens=turn.output_tokens),
+                cache_salt=session.salt,
+                arrival_time=now,
+            )
             seq = _Seq(request, session_index, turn_index, now)
             seq.replica = router.choose(request, loads)
             loads[seq.replica].in_flight += 1
@@ -261,8 +274,9 @@ def poisson_arrivals(count: int, rate: float, seed: int = 0) -> list[float]:
     return times
 
 
-def measure_step_model(config, prompt_lengths=(64, 256, 512), batch_sizes=(1, 8, 16), contexts=(16, 512),
-                       decode_steps=8) -> StepModel:
+def measure_step_model(
+    config, prompt_lengths=(64, 256, 512), batch_sizes=(1, 8, 16), contexts=(16, 512), decode_steps=8
+) -> StepModel:
     """Fit a StepModel to real steps of carpool's engine under `config` (an EngineConfig): prefill-only steps of
     several sizes, then decode steps at several batch sizes over short and long contexts (random token prompts;
     no prefix cache hits)."""
@@ -277,8 +291,9 @@ def measure_step_model(config, prompt_lengths=(64, 256, 512), batch_sizes=(1, 8,
     def run(prompts: list[int], max_tokens: int) -> None:
         for length in prompts:
             prompt = [rng.randrange(100, vocab) for _ in range(length)]
-            engine.add_request(f"fit-{next(ids)}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0,
-                                                                         ignore_eos=True))
+            engine.add_request(
+                f"fit-{next(ids)}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+            )
         while engine.has_unfinished_requests():
             context = sum(seq.num_computed_tokens for seq in engine.scheduler.running)  # KV the step will read
             engine.step()
@@ -297,21 +312,36 @@ def measure_step_model(config, prompt_lengths=(64, 256, 512), batch_sizes=(1, 8,
 
 
 def add_parser(modes) -> None:
-    parser = modes.add_parser("simulate", help="predict TTFT/ITL, hit rate and cost per 1M tokens for 1-64 "
-                                               "replicas from this machine's measured step times")
+    parser = modes.add_parser(
+        "simulate",
+        help="predict TTFT/ITL, hit rate and cost per 1M tokens for 1-64 "
+        "replicas from this machine's measured step times",
+    )
     parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
-    parser.add_argument("--replicas", type=lambda text: [int(v) for v in text.split(",")],
-                        default=[1, 2, 4, 8, 16, 32, 64], help="replica counts to simulate, comma-separated")
-    parser.add_argument("--routing", nargs="+", default=["prefix", "round-robin"],
-                        help="routing policies to simulate: prefix, least-loaded, round-robin")
+    parser.add_argument(
+        "--replicas",
+        type=lambda text: [int(v) for v in text.split(",")],
+        default=[1, 2, 4, 8, 16, 32, 64],
+        help="replica counts to simulate, comma-separated",
+    )
+    parser.add_argument(
+        "--routing",
+        nargs="+",
+        default=["prefix", "round-robin"],
+        help="routing policies to simulate: prefix, least-loaded, round-robin",
+    )
     parser.add_argument("--rate", type=float, default=0.15, help="sessions started a second, per replica")
     parser.add_argument("--meetings", type=int, default=4, help="a replica's worth of traffic: as bench replicas")
     parser.add_argument("--max-doc-words", type=int, default=700, help="skip longer transcripts")
     parser.add_argument("--chats", type=int, default=4, help="multi-turn conversations a replica")
     parser.add_argument("--tenants", type=int, default=3, help="tenants a replica's traffic comes from")
     parser.add_argument("--threads", type=int, default=1, help="torch threads a replica (the fitted step model's)")
-    parser.add_argument("--step", default=None, metavar="BASE,PER_PREFILL_TOKEN,PER_DECODE_SEQ[,PER_CONTEXT_TOKEN]",
-                        help="a step model in seconds instead of fitting one to this machine")
+    parser.add_argument(
+        "--step",
+        default=None,
+        metavar="BASE,PER_PREFILL_TOKEN,PER_DECODE_SEQ[,PER_CONTEXT_TOKEN]",
+        help="a step model in seconds instead of fitting one to this machine",
+    )
     parser.add_argument("--hourly-price", type=float, default=0.10, help="dollars an hour a replica costs")
     parser.add_argument("--max-tokens", type=int, default=16, help="output tokens a request")
     parser.add_argument("--num-kv-blocks", type=int, default=ReplicaSpec.num_blocks, help="each replica's KV pool")
@@ -339,20 +369,23 @@ def main(args) -> int:
     base = workload(tokenizer, args.meetings, args.max_doc_words, args.chats, args.tenants, args.max_tokens)
     rows = []
     for replicas in args.replicas:
-        sessions = [Session(session.turns, f"{session.salt}-copy{copy}") for copy in range(replicas)
-                    for session in base]
+        sessions = [
+            Session(session.turns, f"{session.salt}-copy{copy}") for copy in range(replicas) for session in base
+        ]
         random.Random(replicas).shuffle(sessions)
         arrivals = poisson_arrivals(len(sessions), args.rate * replicas, seed=replicas)
         for routing in args.routing:
             spec = ReplicaSpec(num_blocks=args.num_kv_blocks)
             row = simulate(sessions, arrivals, replicas, routing, step, spec).summary(args.hourly_price)
             rows.append(row)
-            print(f"{replicas:>3} replicas {routing:<13} hit {row['hit_rate']:.2f}  TTFT p50 "
-                  f"{row['ttft_p50_s'] * 1e3:7.0f} ms p99 {row['ttft_p99_s'] * 1e3:7.0f} ms  ITL p50 "
-                  f"{row['itl_p50_s'] * 1e3:5.1f} ms  ${row['usd_per_1m_tokens']:.3f}/1M tokens", flush=True)
+            print(
+                f"{replicas:>3} replicas {routing:<13} hit {row['hit_rate']:.2f}  TTFT p50 "
+                f"{row['ttft_p50_s'] * 1e3:7.0f} ms p99 {row['ttft_p99_s'] * 1e3:7.0f} ms  ITL p50 "
+                f"{row['itl_p50_s'] * 1e3:5.1f} ms  ${row['usd_per_1m_tokens']:.3f}/1M tokens",
+                flush=True,
+            )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"step_model": vars(step), "rate_per_replica": args.rate, "rows": rows}, indent=2)
-                   + "\n")
+    out.write_text(json.dumps({"step_model": vars(step), "rate_per_replica": args.rate, "rows": rows}, indent=2) + "\n")
     print(f"step model {step}; wrote {out}")
     return 0

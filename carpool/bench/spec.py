@@ -33,12 +33,28 @@ WORKLOADS = ("chat", "docs")
 def add_parser(modes) -> None:
     parser = modes.add_parser("spec", help="speculative decoding: tok/s with and without, per drafter and load")
     add_engine_args(parser)
-    parser.add_argument("--drafters", nargs="+", default=["ngram"],
-                        help="'ngram' and/or draft models (name or path) sharing --model's tokenizer")
-    parser.add_argument("--batch-sizes", "--streams", dest="streams", type=int, nargs="+", default=[1, 8, 32],
-                        help="requests in flight at once (the sweep: one row per value)")
-    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS,
-                        help="chat: opening prompts of chat_prompts.jsonl; docs: long_docs.jsonl document QA")
+    parser.add_argument(
+        "--drafters",
+        nargs="+",
+        default=["ngram"],
+        help="'ngram' and/or draft models (name or path) sharing --model's tokenizer",
+    )
+    parser.add_argument(
+        "--batch-sizes",
+        "--streams",
+        dest="streams",
+        type=int,
+        nargs="+",
+        default=[1, 8, 32],
+        help="requests in flight at once (the sweep: one row per value)",
+    )
+    parser.add_argument(
+        "--workloads",
+        nargs="+",
+        default=list(WORKLOADS),
+        choices=WORKLOADS,
+        help="chat: opening prompts of chat_prompts.jsonl; docs: long_docs.jsonl document QA",
+    )
     parser.add_argument("--requests-per-stream", type=int, default=2, help="each stream runs this many in turn")
     parser.add_argument("--max-tokens", type=int, default=128, help="output tokens per request at most")
     parser.add_argument("--max-doc-chars", type=int, default=6000, help="skip longer transcripts")
@@ -51,8 +67,11 @@ def prompts_for(workload: str, engine: LLMEngine, count: int, max_doc_chars: int
     if workload == "chat":
         texts = first_human_turns(count, max_chars=2000)
     else:
-        texts = [f"{doc['document']}\n\n{doc['question_or_instruction']} Quote the transcript where you can."
-                 for doc in long_docs() if len(doc["document"]) <= max_doc_chars][:count]
+        texts = [
+            f"{doc['document']}\n\n{doc['question_or_instruction']} Quote the transcript where you can."
+            for doc in long_docs()
+            if len(doc["document"]) <= max_doc_chars
+        ][:count]
     return [engine.tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
 
 
@@ -134,9 +153,20 @@ def main(args: argparse.Namespace) -> int:
     measured = {drafter: engine.speculator.policy.measured() for drafter, engine in engines.items()}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"model": args.model, "dtype": str(plain.dtype), "threads": torch.get_num_threads(),
-                               "num_speculative_tokens": args.num_speculative_tokens, "max_tokens": args.max_tokens,
-                               "results": rows, "policy_measured_vs_plain": measured}, indent=2))
+    out.write_text(
+        json.dumps(
+            {
+                "model": args.model,
+                "dtype": str(plain.dtype),
+                "threads": torch.get_num_threads(),
+                "num_speculative_tokens": args.num_speculative_tokens,
+                "max_tokens": args.max_tokens,
+                "results": rows,
+                "policy_measured_vs_plain": measured,
+            },
+            indent=2,
+        )
+    )
     print(f"wrote {out}")
     if args.plot:
         plot(rows, list(engines), args.model, Path(args.plot))
@@ -146,16 +176,20 @@ def main(args: argparse.Namespace) -> int:
 
 def _format_row(row: dict, drafters: list[str]) -> str:
     plain = row["plain"]
-    line = (f"{row['workload']:>4} N={row['streams']:>2}  plain {plain['output_tokens_per_s']:6.1f} tok/s "
-            f"(decode-only {plain['decode_tokens_per_s'] or 0:6.1f}, TTFT share {plain['ttft_share']:.0%})")
+    line = (
+        f"{row['workload']:>4} N={row['streams']:>2}  plain {plain['output_tokens_per_s']:6.1f} tok/s "
+        f"(decode-only {plain['decode_tokens_per_s'] or 0:6.1f}, TTFT share {plain['ttft_share']:.0%})"
+    )
     for drafter in drafters:
         r = row[drafter]
         rate = f"{r['acceptance_rate']:.2f}" if r["acceptance_rate"] is not None else "-"
         length = f"{r['mean_accepted_length']:.2f}" if r["mean_accepted_length"] is not None else "-"
         decode = r["decode_tokens_per_s"] or 0
-        line += (f" | {drafter} {r['output_tokens_per_s']:6.1f} tok/s x{r['speedup']:.2f} "
-                 f"(decode-only {decode:6.1f} x{decode / (plain['decode_tokens_per_s'] or 1):.2f}, "
-                 f"TTFT share {r['ttft_share']:.0%}, accept {rate}, mean accepted {length})")
+        line += (
+            f" | {drafter} {r['output_tokens_per_s']:6.1f} tok/s x{r['speedup']:.2f} "
+            f"(decode-only {decode:6.1f} x{decode / (plain['decode_tokens_per_s'] or 1):.2f}, "
+            f"TTFT share {r['ttft_share']:.0%}, accept {rate}, mean accepted {length})"
+        )
     return line
 
 
@@ -172,8 +206,12 @@ def plot(rows: list[dict], drafters: list[str], model: str, path: Path) -> None:
         mine = [row for row in rows if row["workload"] == workload]
         x = [row["streams"] for row in mine]
         for label in ["plain", *drafters]:
-            axis.plot(x, [row[label]["output_tokens_per_s"] for row in mine], marker="o",
-                      label=label if label == "plain" else f"{label} (adaptive)")
+            axis.plot(
+                x,
+                [row[label]["output_tokens_per_s"] for row in mine],
+                marker="o",
+                label=label if label == "plain" else f"{label} (adaptive)",
+            )
         axis.set(title=workload, xlabel="requests in flight (batch size)", ylabel="output tok/s")
         axis.set_xscale("log", base=2)
         axis.set_xticks(x, [str(v) for v in x])

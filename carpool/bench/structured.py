@@ -34,9 +34,22 @@ from carpool.models.tokenizer import Tokenizer
 REGEX = r"[A-Z][a-z]{1,8}, [0-9]{2} years"
 COLOURS = ["red", "green", "blue", "yellow"]
 VALIDITY_TIMEOUT_S = 3600
-LONG_LIST = {"type": "object", "additionalProperties": False, "required": ["people"], "properties": {"people": {
-    "type": "array", "items": {"type": "object", "additionalProperties": False, "required": ["name", "age"],
-                               "properties": {"name": {"type": "string", "maxLength": 16}, "age": {"type": "integer"}}}}}}
+LONG_LIST = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["people"],
+    "properties": {
+        "people": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["name", "age"],
+                "properties": {"name": {"type": "string", "maxLength": 16}, "age": {"type": "integer"}},
+            },
+        }
+    },
+}
 
 
 class Person(BaseModel):
@@ -45,15 +58,35 @@ class Person(BaseModel):
     city: str = Field(max_length=20)
 
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The current weather in a city",
-    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
-                   "properties": {"city": {"type": "string", "maxLength": 24},
-                                  "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}}}}
-SEARCH = {"type": "function", "function": {
-    "name": "search", "description": "Search the web",
-    "parameters": {"type": "object", "additionalProperties": False, "required": ["query"],
-                   "properties": {"query": {"type": "string", "maxLength": 40}}}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city",
+        "parameters": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["city", "unit"],
+            "properties": {
+                "city": {"type": "string", "maxLength": 24},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+        },
+    },
+}
+SEARCH = {
+    "type": "function",
+    "function": {
+        "name": "search",
+        "description": "Search the web",
+        "parameters": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["query"],
+            "properties": {"query": {"type": "string", "maxLength": 40}},
+        },
+    },
+}
 TOOL_ARGUMENTS = {"get_weather": ({"city", "unit"}, {"unit": ("celsius", "fahrenheit")}), "search": ({"query"}, {})}
 
 
@@ -65,14 +98,27 @@ def add_parser(modes) -> None:
     parser.add_argument("--skip-validity", action="store_true", help="run the overhead comparison only")
     parser.add_argument("--skip-overhead", action="store_true", help="skip the constrained vs free tok/s comparison")
     parser.add_argument("--validity-max-tokens", type=int, default=96, help="max_tokens of each validity request")
-    parser.add_argument("--validity-concurrency", type=int, default=8,
-                        help="validity requests in flight at once (the engine batches them)")
-    parser.add_argument("--formats", nargs="+", choices=list(FORMATS), default=None,
-                        help="validity formats to run, in this order")
-    parser.add_argument("--batch-lines", type=int, default=0,
-                        help="also run an extraction job of this many lines through the Batch API (0: none)")
-    parser.add_argument("--url", action="append", default=[],
-                        help="a server (no /v1; e.g. llama-server) to send the extraction schema to, repeatable")
+    parser.add_argument(
+        "--validity-concurrency",
+        type=int,
+        default=8,
+        help="validity requests in flight at once (the engine batches them)",
+    )
+    parser.add_argument(
+        "--formats", nargs="+", choices=list(FORMATS), default=None, help="validity formats to run, in this order"
+    )
+    parser.add_argument(
+        "--batch-lines",
+        type=int,
+        default=0,
+        help="also run an extraction job of this many lines through the Batch API (0: none)",
+    )
+    parser.add_argument(
+        "--url",
+        action="append",
+        default=[],
+        help="a server (no /v1; e.g. llama-server) to send the extraction schema to, repeatable",
+    )
     parser.add_argument("--server-requests", type=int, default=64, help="requests per --url server")
     parser.add_argument("--server-concurrency", type=int, default=8, help="requests in flight per --url server")
     parser.add_argument("--out", default="bench-results/structured.json", help="where the JSON report goes")
@@ -81,8 +127,14 @@ def add_parser(modes) -> None:
 
 
 def main(args: argparse.Namespace, config) -> int:
-    for name in ("requests", "max_tokens", "validity_max_tokens", "validity_concurrency", "server_requests",
-                 "server_concurrency"):
+    for name in (
+        "requests",
+        "max_tokens",
+        "validity_max_tokens",
+        "validity_concurrency",
+        "server_requests",
+        "server_concurrency",
+    ):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive")
     config.max_num_seqs = max(config.max_num_seqs, *args.streams)
@@ -91,20 +143,28 @@ def main(args: argparse.Namespace, config) -> int:
         report["validity"] = validity(args, config)
     if args.batch_lines > 0:
         job = report["batch_extraction"] = batch_extraction(config, args.batch_lines, args.validity_max_tokens)
-        print(f"batch extraction: {job['valid']}/{job['lines']} valid ({job['status']}), {job['seconds']:.0f} s, "
-              f"{job['output_tokens']} output tokens, cost ${job['cost']:.6f}", flush=True)
+        print(
+            f"batch extraction: {job['valid']}/{job['lines']} valid ({job['status']}), {job['seconds']:.0f} s, "
+            f"{job['output_tokens']} output tokens, cost ${job['cost']:.6f}",
+            flush=True,
+        )
     if args.url:
-        report["servers"] = compare_servers(args.url, args.server_requests, args.server_concurrency,
-                                            args.validity_max_tokens)
+        report["servers"] = compare_servers(
+            args.url, args.server_requests, args.server_concurrency, args.validity_max_tokens
+        )
         for row in report["servers"]:
-            print(f"{row['url']} ({row['model']}): {row['valid']}/{row['requests']} valid, {row['tok_s']:.1f} "
-                  f"output tok/s at {args.server_concurrency} in flight", flush=True)
+            print(
+                f"{row['url']} ({row['model']}): {row['valid']}/{row['requests']} valid, {row['tok_s']:.1f} "
+                f"output tok/s at {args.server_concurrency} in flight",
+                flush=True,
+            )
     if not args.skip_overhead:
         report["overhead"] = overhead(LLMEngine(config), args.streams, args.max_tokens)
         print(f"{'streams':>7} {'free tok/s':>11} {'json tok/s':>11} {'ratio':>6}")
         for row in report["overhead"]:
-            print(f"{row['streams']:>7} {row['free_tok_s']:>11.1f} {row['constrained_tok_s']:>11.1f} "
-                  f"{row['ratio']:>6.2f}")
+            print(
+                f"{row['streams']:>7} {row['free_tok_s']:>11.1f} {row['constrained_tok_s']:>11.1f} {row['ratio']:>6.2f}"
+            )
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2) + "\n")
@@ -120,8 +180,10 @@ def validity(args: argparse.Namespace, config) -> dict:
 
     from carpool.bench.local_server import LocalServer
 
-    with tempfile.TemporaryDirectory(prefix="carpool-bench-structured-") as workdir, \
-            LocalServer(config, Path(workdir)) as server:
+    with (
+        tempfile.TemporaryDirectory(prefix="carpool-bench-structured-") as workdir,
+        LocalServer(config, Path(workdir)) as server,
+    ):
         # A loaded machine can take minutes per request: the SDK's 10-minute default would end the run.
         client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=VALIDITY_TIMEOUT_S)
         formats = {name: FORMATS[name] for name in args.formats or FORMATS}
@@ -129,6 +191,7 @@ def validity(args: argparse.Namespace, config) -> dict:
             formats = {name: check for name, check in formats.items() if not name.startswith("tools")}
         report = {}
         for name, check in formats.items():
+
             def outcome(i: int, check=check) -> str:
                 try:
                     return "valid" if check(client, server.model, i, args.validity_max_tokens) else "invalid"
@@ -141,8 +204,11 @@ def validity(args: argparse.Namespace, config) -> dict:
                 outcomes = Counter(pool.map(outcome, range(args.requests)))
             valid = outcomes.pop("valid", 0)
             report[name] = {"requests": args.requests, "valid": valid, "invalid": dict(outcomes)}
-            print(f"{name:14} {valid}/{args.requests} valid ({100 * valid / args.requests:.1f}%)"
-                  f"{'; invalid: ' + json.dumps(dict(outcomes)) if outcomes else ''}", flush=True)
+            print(
+                f"{name:14} {valid}/{args.requests} valid ({100 * valid / args.requests:.1f}%)"
+                f"{'; invalid: ' + json.dumps(dict(outcomes)) if outcomes else ''}",
+                flush=True,
+            )
         return report
 
 
@@ -159,40 +225,66 @@ def _ask(i: int, what: str) -> list[dict]:
 
 
 def _create(client, model: str, i: int, max_tokens: int, what: str, **kwargs):
-    choice = client.chat.completions.create(model=model, messages=_ask(i, what), max_tokens=max_tokens,
-                                            temperature=0.7, seed=i, **kwargs).choices[0]
+    choice = client.chat.completions.create(
+        model=model, messages=_ask(i, what), max_tokens=max_tokens, temperature=0.7, seed=i, **kwargs
+    ).choices[0]
     if choice.finish_reason == "length":
         raise Cut(choice.message.content)
     return choice
 
 
 def check_parse(client, model: str, i: int, max_tokens: int) -> bool:
-    choice = client.chat.completions.parse(model=model, messages=_ask(i, "Invent a person and their city."),
-                                           response_format=Person, max_tokens=max_tokens, temperature=0.7,
-                                           seed=i).choices[0]
+    choice = client.chat.completions.parse(
+        model=model,
+        messages=_ask(i, "Invent a person and their city."),
+        response_format=Person,
+        max_tokens=max_tokens,
+        temperature=0.7,
+        seed=i,
+    ).choices[0]
     return isinstance(choice.message.parsed, Person)
 
 
 def check_json_object(client, model: str, i: int, max_tokens: int) -> bool:
-    return isinstance(json.loads(_create(client, model, i, max_tokens, "Describe a book as a JSON object.",
-                                         response_format={"type": "json_object"}).message.content), dict)
+    return isinstance(
+        json.loads(
+            _create(
+                client,
+                model,
+                i,
+                max_tokens,
+                "Describe a book as a JSON object.",
+                response_format={"type": "json_object"},
+            ).message.content
+        ),
+        dict,
+    )
 
 
 def check_regex(client, model: str, i: int, max_tokens: int) -> bool:
-    text = _create(client, model, i, max_tokens, "Name a person and their age.",
-                   extra_body={"guided_regex": REGEX}).message.content
+    text = _create(
+        client, model, i, max_tokens, "Name a person and their age.", extra_body={"guided_regex": REGEX}
+    ).message.content
     return re.fullmatch(REGEX, text) is not None
 
 
 def check_choice(client, model: str, i: int, max_tokens: int) -> bool:
-    text = _create(client, model, i, max_tokens, "Pick a colour.",
-                   extra_body={"guided_choice": COLOURS}).message.content
+    text = _create(
+        client, model, i, max_tokens, "Pick a colour.", extra_body={"guided_choice": COLOURS}
+    ).message.content
     return text in COLOURS
 
 
 def check_tools(client, model: str, i: int, max_tokens: int, tool_choice="required") -> bool:
-    choice = _create(client, model, i, max_tokens, "What is the weather in Rome, and what is new in Rome today?",
-                     tools=[WEATHER, SEARCH], tool_choice=tool_choice)
+    choice = _create(
+        client,
+        model,
+        i,
+        max_tokens,
+        "What is the weather in Rome, and what is new in Rome today?",
+        tools=[WEATHER, SEARCH],
+        tool_choice=tool_choice,
+    )
     calls = choice.message.tool_calls or []
     return choice.finish_reason == "tool_calls" and bool(calls) and all(_valid_call(call) for call in calls)
 
@@ -207,8 +299,14 @@ def _valid_call(call) -> bool:
     return set(arguments) == keys and all(arguments[k] in allowed for k, allowed in enums.items())
 
 
-FORMATS = {"parse_pydantic": check_parse, "json_object": check_json_object, "regex": check_regex,
-           "choice": check_choice, "tools_required": check_tools, "tools_named": check_named_tool}
+FORMATS = {
+    "parse_pydantic": check_parse,
+    "json_object": check_json_object,
+    "regex": check_regex,
+    "choice": check_choice,
+    "tools_required": check_tools,
+    "tools_named": check_named_tool,
+}
 
 
 # Overhead ------------------------------------------------------------------------------------------------
@@ -217,14 +315,21 @@ FORMATS = {"parse_pydantic": check_parse, "json_object": check_json_object, "reg
 def overhead(engine: LLMEngine, streams: list[int], max_tokens: int) -> list[dict]:
     prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": "List people and their ages as JSON."}])
     free = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    constrained = SamplingParams(max_tokens=max_tokens, temperature=0,
-                                 structured=StructuredOutput("json", LONG_LIST, "bench"))
+    constrained = SamplingParams(
+        max_tokens=max_tokens, temperature=0, structured=StructuredOutput("json", LONG_LIST, "bench")
+    )
     run(engine, [prompt], constrained)  # compiles the schema and builds the grammar's token table once
     rows = []
     for count in streams:
         free_rate, constrained_rate = run(engine, [prompt] * count, free), run(engine, [prompt] * count, constrained)
-        rows.append({"streams": count, "free_tok_s": free_rate, "constrained_tok_s": constrained_rate,
-                     "ratio": constrained_rate / free_rate})
+        rows.append(
+            {
+                "streams": count,
+                "free_tok_s": free_rate,
+                "constrained_tok_s": constrained_rate,
+                "ratio": constrained_rate / free_rate,
+            }
+        )
     return rows
 
 

@@ -65,25 +65,47 @@ class SliceReport:
 
 
 def add_parser(modes) -> None:
-    parser = modes.add_parser("trace", help="a compressed day (priority peak, batch valley): SLO controller vs "
-                                            "fixed step sizes, per-slice ITL p99, tok/s and cost")
-    parser.add_argument("--url", action="append", default=None, metavar="NAME=URL",
-                        help="replay against this running server (repeatable) instead of starting the three")
+    parser = modes.add_parser(
+        "trace",
+        help="a compressed day (priority peak, batch valley): SLO controller vs "
+        "fixed step sizes, per-slice ITL p99, tok/s and cost",
+    )
+    parser.add_argument(
+        "--url",
+        action="append",
+        default=None,
+        metavar="NAME=URL",
+        help="replay against this running server (repeatable) instead of starting the three",
+    )
     parser.add_argument("--model", default=None, help="model for the servers started here (default: SmolLM2-135M)")
     parser.add_argument("--slo-itl-ms", type=float, default=100.0, help="priority ITL SLO (default: 100)")
-    parser.add_argument("--small", default="64:16", metavar="TOKENS:SEQS",
-                        help="the fixed small step: token budget and max sequences (default: 64:16)")
-    parser.add_argument("--large", default="512:64", metavar="TOKENS:SEQS",
-                        help="the fixed large step, also the SLO controller's ceilings (default: 512:64)")
-    parser.add_argument("--users", default=",".join(map(str, DEFAULT_USERS)),
-                        help=f"priority chat users per slice, comma-separated (default: {DEFAULT_USERS})")
+    parser.add_argument(
+        "--small",
+        default="64:16",
+        metavar="TOKENS:SEQS",
+        help="the fixed small step: token budget and max sequences (default: 64:16)",
+    )
+    parser.add_argument(
+        "--large",
+        default="512:64",
+        metavar="TOKENS:SEQS",
+        help="the fixed large step, also the SLO controller's ceilings (default: 512:64)",
+    )
+    parser.add_argument(
+        "--users",
+        default=",".join(map(str, DEFAULT_USERS)),
+        help=f"priority chat users per slice, comma-separated (default: {DEFAULT_USERS})",
+    )
     parser.add_argument("--slice-seconds", type=float, default=20.0, help="one scaled 'minute' (default: 20)")
     parser.add_argument("--chat-max-tokens", type=int, default=64, help="output tokens per chat request")
     parser.add_argument("--batch-max-tokens", type=int, default=128, help="output tokens per batch line")
     parser.add_argument("--batch-lines", type=int, default=3000, help="lines in the batch job (default: 3000)")
-    parser.add_argument("--hourly-price", type=float, default=0.10,
-                        help="dollars per hour for the machine, for cost per 1M tokens (default: 0.10, a 2-vCPU "
-                             "cloud VM)")
+    parser.add_argument(
+        "--hourly-price",
+        type=float,
+        default=0.10,
+        help="dollars per hour for the machine, for cost per 1M tokens (default: 0.10, a 2-vCPU cloud VM)",
+    )
     parser.add_argument("--num-threads", type=int, default=None, help="the started servers' --num-threads")
     parser.add_argument("--out", default="bench-results/trace.json", help="where the JSON report goes")
     parser.add_argument("--plot-dir", default="docs/img", help="where trace-NAME.png goes")
@@ -146,12 +168,27 @@ def main(args: argparse.Namespace) -> int:
         slices = run_configuration(config, users, args)
         for row in slices:
             print(format_slice(row, args.slo_itl_ms), flush=True)
-        runs.append({"name": config.name, "serve_flags": config.serve_flags, "url": config.url,
-                     "slices": [asdict(s) for s in slices], "summary": summarize(slices)})
+        runs.append(
+            {
+                "name": config.name,
+                "serve_flags": config.serve_flags,
+                "url": config.url,
+                "slices": [asdict(s) for s in slices],
+                "summary": summarize(slices),
+            }
+        )
     compare(runs)
-    report = {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "model": args.model, "users": users,
-              "slice_seconds": args.slice_seconds, "slo_itl_ms": args.slo_itl_ms, "hourly_price": args.hourly_price,
-              "chat_max_tokens": args.chat_max_tokens, "batch_max_tokens": args.batch_max_tokens, "runs": runs}
+    report = {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "model": args.model,
+        "users": users,
+        "slice_seconds": args.slice_seconds,
+        "slo_itl_ms": args.slo_itl_ms,
+        "hourly_price": args.hourly_price,
+        "chat_max_tokens": args.chat_max_tokens,
+        "batch_max_tokens": args.batch_max_tokens,
+        "runs": runs,
+    }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
@@ -169,12 +206,21 @@ def run_configuration(config: Configuration, users: list[int], args: argparse.Na
         return asyncio.run(replay(config.url, users, args))
     port, home = free_port(), tempfile.mkdtemp(prefix="carpool-bench-trace-")
     url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "CARPOOL_DB": os.path.join(home, "carpool.db"),
-           "CARPOOL_BATCH_DIR": os.path.join(home, "batches")}
-    flags = [*config.serve_flags, *(["--model", args.model] if args.model else []),
-             *(["--num-threads", str(args.num_threads)] if args.num_threads else [])]
-    server = subprocess.Popen([sys.executable, "-m", "carpool.cli", "serve", "--port", str(port), "--log-level",
-                               "warning", *flags], env=env, stdout=subprocess.DEVNULL)
+    env = {
+        **os.environ,
+        "CARPOOL_DB": os.path.join(home, "carpool.db"),
+        "CARPOOL_BATCH_DIR": os.path.join(home, "batches"),
+    }
+    flags = [
+        *config.serve_flags,
+        *(["--model", args.model] if args.model else []),
+        *(["--num-threads", str(args.num_threads)] if args.num_threads else []),
+    ]
+    server = subprocess.Popen(
+        [sys.executable, "-m", "carpool.cli", "serve", "--port", str(port), "--log-level", "warning", *flags],
+        env=env,
+        stdout=subprocess.DEVNULL,
+    )
     try:
         if not wait_healthy(url, server, STARTUP_SECONDS):
             raise RuntimeError(f"carpool serve {' '.join(flags)} did not become healthy")
@@ -235,10 +281,18 @@ async def replay(url: str, users: list[int], args: argparse.Namespace) -> list[S
     return slice_reports(users, args.slice_seconds, gaps, samples, args.slo_itl_ms, args.hourly_price)
 
 
-async def chat_request(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int,
-                       gaps: list, start: float) -> None:
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "service_tier": "priority", "ignore_eos": True}
+async def chat_request(
+    client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int, gaps: list, start: float
+) -> None:
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "service_tier": "priority",
+        "ignore_eos": True,
+    }
     last = None
     async with client.stream("POST", "/v1/chat/completions", json=body) as response:
         if response.status_code != 200:
@@ -253,15 +307,30 @@ async def chat_request(client: httpx.AsyncClient, model: str, prompt: str, max_t
 
 
 async def submit_batch(client: httpx.AsyncClient, model: str, next_prompt, lines: int, max_tokens: int) -> str:
-    data = "".join(json.dumps({
-        "custom_id": f"trace-{i}", "method": "POST", "url": "/v1/chat/completions",
-        "body": {"model": model, "messages": [{"role": "user", "content": next_prompt()}], "max_tokens": max_tokens,
-                 "temperature": 0, "ignore_eos": True},
-    }) + "\n" for i in range(lines)).encode()
+    data = "".join(
+        json.dumps(
+            {
+                "custom_id": f"trace-{i}",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": {
+                    "model": model,
+                    "messages": [{"role": "user", "content": next_prompt()}],
+                    "max_tokens": max_tokens,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                },
+            }
+        )
+        + "\n"
+        for i in range(lines)
+    ).encode()
     uploaded = await client.post("/v1/files", files={"file": ("trace.jsonl", data)}, data={"purpose": "batch"})
     uploaded.raise_for_status()
-    batch = await client.post("/v1/batches", json={"input_file_id": uploaded.json()["id"],
-                                                   "endpoint": "/v1/chat/completions", "completion_window": "24h"})
+    batch = await client.post(
+        "/v1/batches",
+        json={"input_file_id": uploaded.json()["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"},
+    )
     batch.raise_for_status()
     return batch.json()["id"]
 
@@ -273,22 +342,31 @@ async def scrape(client: httpx.AsyncClient) -> dict:
 def metric_values(text: str) -> dict:
     """Output tokens so far (all tiers, and priority), the step token budget and the SLO controller's gauges, from
     Prometheus text."""
-    values = {"tokens": 0.0, "priority_tokens": 0.0, "step_token_budget": None, "step_itl_p99_seconds": None,
-              "step_target_factor": None}
+    values = {
+        "tokens": 0.0,
+        "priority_tokens": 0.0,
+        "step_token_budget": None,
+        "step_itl_p99_seconds": None,
+        "step_target_factor": None,
+    }
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == "carpool:generation_tokens_total":
                 values["tokens"] += sample.value
                 if sample.labels.get("tier") == "priority":
                     values["priority_tokens"] += sample.value
-            elif sample.name in ("carpool:step_token_budget", "carpool:step_itl_p99_seconds",
-                                 "carpool:step_target_factor"):
+            elif sample.name in (
+                "carpool:step_token_budget",
+                "carpool:step_itl_p99_seconds",
+                "carpool:step_target_factor",
+            ):
                 values[sample.name.removeprefix("carpool:")] = sample.value
     return values
 
 
-def slice_reports(users: list[int], slice_seconds: float, gaps: list, samples: list, slo_ms: float,
-                  hourly_price: float) -> list[SliceReport]:
+def slice_reports(
+    users: list[int], slice_seconds: float, gaps: list, samples: list, slo_ms: float, hourly_price: float
+) -> list[SliceReport]:
     reports = []
     for index, count_ in enumerate(users):
         begin, end = index * slice_seconds, (index + 1) * slice_seconds
@@ -301,16 +379,21 @@ def slice_reports(users: list[int], slice_seconds: float, gaps: list, samples: l
         engine_p99s = [v["step_itl_p99_seconds"] * 1000 for v in in_slice if v.get("step_itl_p99_seconds")]
         factors = [v["step_target_factor"] for v in in_slice if v.get("step_target_factor")]
         p99 = percentile(itls, 99)
-        reports.append(SliceReport(
-            index=index, users=count_, itl_p50_ms=percentile(itls, 50), itl_p99_ms=p99,
-            within_slo=None if p99 is None else p99 <= slo_ms,
-            output_tokens_per_s=tok_s,
-            priority_tokens_per_s=(last[1]["priority_tokens"] - first[1]["priority_tokens"]) / seconds,
-            cost_per_1m_tokens=hourly_price / 3600 / tok_s * 1e6 if tok_s > 0 else None,
-            mean_step_token_budget=sum(budgets) / len(budgets) if budgets else None,
-            engine_itl_p99_ms=sum(engine_p99s) / len(engine_p99s) if engine_p99s else None,
-            mean_target_factor=sum(factors) / len(factors) if factors else None,
-        ))
+        reports.append(
+            SliceReport(
+                index=index,
+                users=count_,
+                itl_p50_ms=percentile(itls, 50),
+                itl_p99_ms=p99,
+                within_slo=None if p99 is None else p99 <= slo_ms,
+                output_tokens_per_s=tok_s,
+                priority_tokens_per_s=(last[1]["priority_tokens"] - first[1]["priority_tokens"]) / seconds,
+                cost_per_1m_tokens=hourly_price / 3600 / tok_s * 1e6 if tok_s > 0 else None,
+                mean_step_token_budget=sum(budgets) / len(budgets) if budgets else None,
+                engine_itl_p99_ms=sum(engine_p99s) / len(engine_p99s) if engine_p99s else None,
+                mean_target_factor=sum(factors) / len(factors) if factors else None,
+            )
+        )
     return reports
 
 
@@ -333,8 +416,9 @@ def summarize(slices: list[SliceReport]) -> dict:
 def compare(runs: list[dict]) -> None:
     """Each run's throughput against the best fixed configuration's (the others, when none is fixed)."""
     for run in runs:
-        others = [r for r in runs if r is not run and r["name"].startswith("fixed")] or \
-                 [r for r in runs if r is not run]
+        others = [r for r in runs if r is not run and r["name"].startswith("fixed")] or [
+            r for r in runs if r is not run
+        ]
         best = max((r["summary"]["mean_output_tokens_per_s"] for r in others), default=None)
         run["summary"]["throughput_vs_best_other"] = run["summary"]["mean_output_tokens_per_s"] / best if best else None
 
@@ -346,19 +430,27 @@ def format_slice(s: SliceReport, slo_ms: float) -> str:
     verdict = "" if s.within_slo is None else ("ok" if s.within_slo else f"over {slo_ms:g}")
     cost = "-" if s.cost_per_1m_tokens is None else f"${s.cost_per_1m_tokens:.3f}"
     budget = "-" if s.mean_step_token_budget is None else f"{s.mean_step_token_budget:.0f}"
-    controller = "" if s.engine_itl_p99_ms is None else \
-        f"  engine p99 {s.engine_itl_p99_ms:.0f} ms factor {s.mean_target_factor or 1:.2f}"
-    return (f"  min {s.index:>2} users {s.users:>2}  ITL p50 {ms(s.itl_p50_ms):>4} p99 {ms(s.itl_p99_ms):>5} ms "
-            f"{verdict:<9} out {s.output_tokens_per_s:6.1f} tok/s (priority {s.priority_tokens_per_s:5.1f})  "
-            f"{cost}/1M  step budget {budget}{controller}")
+    controller = (
+        ""
+        if s.engine_itl_p99_ms is None
+        else f"  engine p99 {s.engine_itl_p99_ms:.0f} ms factor {s.mean_target_factor or 1:.2f}"
+    )
+    return (
+        f"  min {s.index:>2} users {s.users:>2}  ITL p50 {ms(s.itl_p50_ms):>4} p99 {ms(s.itl_p99_ms):>5} ms "
+        f"{verdict:<9} out {s.output_tokens_per_s:6.1f} tok/s (priority {s.priority_tokens_per_s:5.1f})  "
+        f"{cost}/1M  step budget {budget}{controller}"
+    )
 
 
 def comparison_table(runs: list[dict]) -> str:
     lines = [f"{'configuration':<14}{'peak min in SLO':>16}{'mean out tok/s':>16}{'vs best other':>14}"]
     for run in runs:
         s = run["summary"]
-        share = "-" if s["peak_share_within_slo"] is None else \
-            f"{s['peak_slices_within_slo']}/{s['peak_slices']} ({s['peak_share_within_slo']:.0%})"
+        share = (
+            "-"
+            if s["peak_share_within_slo"] is None
+            else f"{s['peak_slices_within_slo']}/{s['peak_slices']} ({s['peak_share_within_slo']:.0%})"
+        )
         ratio = "-" if s["throughput_vs_best_other"] is None else f"{s['throughput_vs_best_other']:.2f}x"
         lines.append(f"{run['name']:<14}{share:>16}{s['mean_output_tokens_per_s']:>16.1f}{ratio:>14}")
     return "\n".join(lines)
@@ -379,11 +471,21 @@ def plot(run: dict, report: dict, runs: list[dict], path: Path) -> None:
     itl.plot(x, [s["itl_p99_ms"] for s in run["slices"]], marker="o", color="C3", label="priority ITL p99")
     engine = [s.get("engine_itl_p99_ms") for s in run["slices"]]
     if any(value is not None for value in engine):
-        itl.plot(x, [math.nan if value is None else value for value in engine], marker=".", linestyle=":",
-                 color="C2", label="engine-side p99 (controller's window)")
+        itl.plot(
+            x,
+            [math.nan if value is None else value for value in engine],
+            marker=".",
+            linestyle=":",
+            color="C2",
+            label="engine-side p99 (controller's window)",
+        )
     itl.axhline(report["slo_itl_ms"], linestyle="--", color="k", label=f"SLO {report['slo_itl_ms']:g} ms")
-    itl.set(ylabel="ms (log)", yscale="log", ylim=(5, itl_top),
-            title=f"{run['name']}: {' '.join(run['serve_flags']) or run['url']}")
+    itl.set(
+        ylabel="ms (log)",
+        yscale="log",
+        ylim=(5, itl_top),
+        title=f"{run['name']}: {' '.join(run['serve_flags']) or run['url']}",
+    )
     users = itl.twinx()
     users.step(x, [s["users"] for s in run["slices"]], where="mid", color="C7", alpha=0.5, label="priority users")
     users.set(ylabel="priority users", ylim=(0, max(report["users"]) * 1.2 or 1))

@@ -49,8 +49,9 @@ def run(model_name: str, contexts: list[int], rows: list[int], seqs: list[int], 
     torch.set_num_threads(1)
     block_size = 16
     blocks_per_seq = -(-max(contexts) // block_size)
-    llm = LLM(model=model_name, max_num_seqs=max(seqs), num_kv_blocks=max(seqs) * blocks_per_seq + 1,
-              block_size=block_size)
+    llm = LLM(
+        model=model_name, max_num_seqs=max(seqs), num_kv_blocks=max(seqs) * blocks_per_seq + 1, block_size=block_size
+    )
     engine, model = llm.engine, llm.engine.model
     config, dtype = model.config, model.norm.weight.dtype
     generator = torch.Generator().manual_seed(0)
@@ -78,9 +79,18 @@ def run(model_name: str, contexts: list[int], rows: list[int], seqs: list[int], 
         attend()
         step_ms, attention_ms = _median_cpu_ms(step, repeats), _median_cpu_ms(attend, repeats)
         kv_bytes = n_seqs * context * 2 * config.num_kv_heads * config.head_dim * dtype.itemsize * len(model.layers)
-        cases.append({"context": context, "seqs": n_seqs, "rows": n_rows, "step_cpu_ms": step_ms,
-                      "attention_cpu_ms": attention_ms, "rest_cpu_ms": step_ms - attention_ms, "kv_bytes": kv_bytes,
-                      "attention_gbs": kv_bytes / attention_ms / 1e6})
+        cases.append(
+            {
+                "context": context,
+                "seqs": n_seqs,
+                "rows": n_rows,
+                "step_cpu_ms": step_ms,
+                "attention_cpu_ms": attention_ms,
+                "rest_cpu_ms": step_ms - attention_ms,
+                "kv_bytes": kv_bytes,
+                "attention_gbs": kv_bytes / attention_ms / 1e6,
+            }
+        )
     return {"model": model_name, "matmul": engine.config.matmul, "dtype": str(dtype), "cases": cases}
 
 
@@ -88,9 +98,11 @@ def main(args: argparse.Namespace) -> None:
     report = run(args.model, args.contexts, args.rows, args.seqs, args.repeats)
     print(f"{report['model']} ({report['dtype']}, matmul {report['matmul']}, 1 thread, CPU ms, medians)")
     for c in report["cases"]:
-        print(f"  context {c['context']:5d}, {c['seqs']} seq x {c['rows']} rows: step {c['step_cpu_ms']:7.2f}, "
-              f"attention {c['attention_cpu_ms']:6.2f} ({c['attention_cpu_ms'] / c['step_cpu_ms']:4.0%}), rest "
-              f"{c['rest_cpu_ms']:6.2f}; KV {c['kv_bytes'] / 1e6:6.1f} MB at {c['attention_gbs']:5.1f} GB/s")
+        print(
+            f"  context {c['context']:5d}, {c['seqs']} seq x {c['rows']} rows: step {c['step_cpu_ms']:7.2f}, "
+            f"attention {c['attention_cpu_ms']:6.2f} ({c['attention_cpu_ms'] / c['step_cpu_ms']:4.0%}), rest "
+            f"{c['rest_cpu_ms']:6.2f}; KV {c['kv_bytes'] / 1e6:6.1f} MB at {c['attention_gbs']:5.1f} GB/s"
+        )
 
 
 if __name__ == "__main__":

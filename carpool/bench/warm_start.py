@@ -37,11 +37,18 @@ def time_to_first_token(url: str, model: str) -> float:
 def trial(serve_flags: list[str]) -> dict:
     port, home = free_port(), tempfile.mkdtemp(prefix="carpool-warm-start-")
     url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "CARPOOL_DB": os.path.join(home, "carpool.db"),
-           "CARPOOL_BATCH_DIR": os.path.join(home, "batches")}
+    env = {
+        **os.environ,
+        "CARPOOL_DB": os.path.join(home, "carpool.db"),
+        "CARPOOL_BATCH_DIR": os.path.join(home, "batches"),
+    }
     start = time.monotonic()
-    server = subprocess.Popen([sys.executable, "-m", "carpool.cli", "serve", "--port", str(port), "--log-level",
-                               "warning", *serve_flags], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "carpool.cli", "serve", "--port", str(port), "--log-level", "warning", *serve_flags],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         if not wait_healthy(url, server, STARTUP_SECONDS):
             raise RuntimeError(f"carpool serve {' '.join(serve_flags)} did not become healthy")
@@ -52,8 +59,7 @@ def trial(serve_flags: list[str]) -> dict:
         server.terminate()
         server.wait(30)
     steady = statistics.median(times[2:])
-    return {"ready_s": ready, "first_s": times[0], "second_s": times[1], "steady_s": steady,
-            "ratio": times[0] / steady}
+    return {"ready_s": ready, "first_s": times[0], "second_s": times[1], "steady_s": steady, "ratio": times[0] / steady}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,12 +73,17 @@ def main(argv: list[str] | None = None) -> int:
         for mode, flags in (("warm-up", []), ("--no-warmup", ["--no-warmup"])):
             row = trial([*flags, *args.serve_flags])
             results[mode].append(row)
-            print(f"{mode:12s} ready {row['ready_s']:6.1f} s  first {1000 * row['first_s']:7.1f} ms  second "
-                  f"{1000 * row['second_s']:7.1f} ms  steady {1000 * row['steady_s']:7.1f} ms  first/steady "
-                  f"{row['ratio']:5.2f}", flush=True)
+            print(
+                f"{mode:12s} ready {row['ready_s']:6.1f} s  first {1000 * row['first_s']:7.1f} ms  second "
+                f"{1000 * row['second_s']:7.1f} ms  steady {1000 * row['steady_s']:7.1f} ms  first/steady "
+                f"{row['ratio']:5.2f}",
+                flush=True,
+            )
     for mode, rows in results.items():
-        print(f"{mode:12s} median first/steady {statistics.median(r['ratio'] for r in rows):.2f}, median ready "
-              f"{statistics.median(r['ready_s'] for r in rows):.1f} s")
+        print(
+            f"{mode:12s} median first/steady {statistics.median(r['ratio'] for r in rows):.2f}, median ready "
+            f"{statistics.median(r['ready_s'] for r in rows):.1f} s"
+        )
     if args.json:
         with open(args.json, "w") as out:
             json.dump(results, out, indent=2)

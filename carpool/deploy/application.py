@@ -38,8 +38,11 @@ def parse_serve_flags(flags: list[str]):
 
 # No CPU reserved: its work is HTTP, tokenizing and bookkeeping; the replicas hold the CPUs (a config file can
 # give it some: `deployments: [{name: Ingress, ray_actor_options: {num_cpus: 2}}]`).
-@serve.deployment(max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0},
-                  logging_config={"log_level": "WARNING", "enable_access_log": False})
+@serve.deployment(
+    max_ongoing_requests=4096,
+    ray_actor_options={"num_cpus": 0},
+    logging_config={"log_level": "WARNING", "enable_access_log": False},
+)
 @serve.ingress()
 class Ingress:
     """The carpool app (carpool.server.app) over ReplicaRouters to this application's engine replicas."""
@@ -65,13 +68,25 @@ class Ingress:
         for name, config in configs.items():
             handles = replicas[name]
             limits = await handles[0].limits.remote()
-            routers[name] = ReplicaRouter(name, handles, RequestDoor(config.model, limits), config,
-                                          make_routing(args.routing, limits["block_size"]), limits["max_num_seqs"])
-        self._asgi = create_app(routers, ledger or OpenGate(args.api_key),
-                                max_queued_per_tier=args.max_queued_per_tier, max_body_bytes=args.max_body_bytes,
-                                batch_dir=str(batch_dir), batch_db=shared_batch_db(args, ledger),
-                                ledger_panels=dashboard_ledger_panels(ledger),
-                                cascades=checked_extensions(args, configs), compression_model=args.compression_model)
+            routers[name] = ReplicaRouter(
+                name,
+                handles,
+                RequestDoor(config.model, limits),
+                config,
+                make_routing(args.routing, limits["block_size"]),
+                limits["max_num_seqs"],
+            )
+        self._asgi = create_app(
+            routers,
+            ledger or OpenGate(args.api_key),
+            max_queued_per_tier=args.max_queued_per_tier,
+            max_body_bytes=args.max_body_bytes,
+            batch_dir=str(batch_dir),
+            batch_db=shared_batch_db(args, ledger),
+            ledger_panels=dashboard_ledger_panels(ledger),
+            cascades=checked_extensions(args, configs),
+            compression_model=args.compression_model,
+        )
         wire_metrics(self._asgi, routers)
         attach_ledger(self._asgi, ledger, args)
 
@@ -88,6 +103,8 @@ def build_app(args: dict):
     if parsed.replicas < 1:
         raise ValueError(f"replicas: must be at least 1, got {parsed.replicas}")
     checked_extensions(parsed, configs)  # a bad --cascades file or --compression-model fails before any deploy
-    replicas = {name: [replica_deployment(config, name, i, warmup=not parsed.no_warmup)
-                       for i in range(parsed.replicas)] for name, config in configs.items()}
+    replicas = {
+        name: [replica_deployment(config, name, i, warmup=not parsed.no_warmup) for i in range(parsed.replicas)]
+        for name, config in configs.items()
+    }
     return Ingress.bind(flags, replicas)

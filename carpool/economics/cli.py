@@ -5,7 +5,7 @@ import json
 import sys
 import urllib.request
 from contextlib import closing
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -37,9 +37,12 @@ def add_gate_args(parser: argparse.ArgumentParser) -> None:
     `open_ledger_gate(args.db, args.prices, ...)`, the last to `register_metrics`."""
     _add_db_arg(parser)
     parser.add_argument("--prices", default=None, help="price sheet TOML (default: the shipped one)")
-    parser.add_argument("--metrics-tenants", action="store_true",
-                        help="label carpool:cost on /metrics by tenant too (/metrics needs no key, so tenant names "
-                             "and their spend are shown only with this flag)")
+    parser.add_argument(
+        "--metrics-tenants",
+        action="store_true",
+        help="label carpool:cost on /metrics by tenant too (/metrics needs no key, so tenant names "
+        "and their spend are shown only with this flag)",
+    )
 
 
 def add_keys_parser(subparsers) -> None:
@@ -50,7 +53,9 @@ def add_keys_parser(subparsers) -> None:
     create.add_argument("--tenant", required=True, help="who pays for this key's requests")
     create.add_argument("--admin", action="store_true", help="may read the usage reports")
     create.add_argument(
-        "--tiers", type=_tier_list, default=None,
+        "--tiers",
+        type=_tier_list,
+        default=None,
         help=f"comma-separated subset of {','.join(TIER_NAMES)} (default: all)",
     )
     _add_budget_args(create)
@@ -90,8 +95,11 @@ def add_cost_parser(subparsers) -> None:
     _add_db_arg(report)
     report.set_defaults(func=_cost_report)
 
-    cascades = commands.add_parser("cascades", help="per model cascade: share answered by each step, cost, and "
-                                                    "cost saved versus the last model alone (estimated)")
+    cascades = commands.add_parser(
+        "cascades",
+        help="per model cascade: share answered by each step, cost, and "
+        "cost saved versus the last model alone (estimated)",
+    )
     cascades.add_argument("--start", type=_time_arg, default=None, help="unix seconds or ISO 8601 (UTC), inclusive")
     cascades.add_argument("--end", type=_time_arg, default=None, help="unix seconds or ISO 8601 (UTC), exclusive")
     cascades.add_argument("--format", choices=("table", "json"), default="table", help="output format")
@@ -107,13 +115,20 @@ def add_cost_parser(subparsers) -> None:
         "--bench", type=Path, help='a benchmark run\'s JSON file whose "phases" object holds PhaseMeter totals'
     )
     model.add_argument("--model", default=None, help="the model served (default: SmolLM2-135M-Instruct)")
-    model.add_argument("--served-model-name", default=None,
-                       help="with --metrics from a server of several models: the one whose totals to read")
+    model.add_argument(
+        "--served-model-name",
+        default=None,
+        help="with --metrics from a server of several models: the one whose totals to read",
+    )
     model.add_argument("--prices", default=None, help="price sheet for the list-price columns (default: shipped)")
     model.add_argument("--device", default=None, help="where to measure bandwidth and FLOP/s (default: cuda if any)")
     model.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="as served (default: auto)")
-    model.add_argument("--quantization", default="auto", choices=list(QUANTIZATION_MODES),
-                       help="weight format as served (default: auto)")
+    model.add_argument(
+        "--quantization",
+        default="auto",
+        choices=list(QUANTIZATION_MODES),
+        help="weight format as served (default: auto)",
+    )
     model.add_argument("--format", choices=("table", "json"), default="table", help="output format (default: table)")
     model.set_defaults(func=_cost_model)
 
@@ -231,8 +246,10 @@ def _cost_cascades(args: argparse.Namespace) -> int:
 
 def _add_db_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--db", default=None, help="SQLite file, or a postgresql://user@host/dbname URL that several replicas share "
-                                   "(default: $CARPOOL_DB or ~/.cache/carpool/carpool.db)"
+        "--db",
+        default=None,
+        help="SQLite file, or a postgresql://user@host/dbname URL that several replicas share "
+        "(default: $CARPOOL_DB or ~/.cache/carpool/carpool.db)",
     )
 
 
@@ -276,8 +293,6 @@ def _key_fields(key: key_store.ApiKey) -> dict:
         "budget_period": key.budget_period,
         "rpm": key.rpm,
         "tpm": key.tpm,
-        "created": datetime.fromtimestamp(key.created, timezone.utc).isoformat(timespec="seconds"),
-        "revoked": datetime.fromtimestamp(key.revoked, timezone.utc).isoformat(timespec="seconds")
-        if key.revoked
-        else None,
+        "created": datetime.fromtimestamp(key.created, UTC).isoformat(timespec="seconds"),
+        "revoked": datetime.fromtimestamp(key.revoked, UTC).isoformat(timespec="seconds") if key.revoked else None,
     }

@@ -30,8 +30,9 @@ class GateError(Exception):
     `tier_not_allowed`, `insufficient_quota`, `rate_limit_exceeded`, `ledger_unavailable`, ...), `param` the
     request parameter at fault, if one is."""
 
-    def __init__(self, status: int, message: str, code: str, retry_after: float | None = None,
-                 param: str | None = None):
+    def __init__(
+        self, status: int, message: str, code: str, retry_after: float | None = None, param: str | None = None
+    ):
         super().__init__(message)
         self.status, self.message, self.code, self.retry_after, self.param = status, message, code, retry_after, param
 

@@ -129,12 +129,18 @@ def render(model: CostModel, fmt: str) -> str:
         lines.append(f"{t.tier:<9}" + "".join(f"{p:>12.4f}" for p in prices))
     lines += [
         "",
-        f"decode step: {d.step_seconds * 1e3:.2f} ms measured,"
-        f" {d.batch_size:.1f} sequences at {d.context_tokens:.0f} tokens of context",
-        f"  bandwidth floor {d.bandwidth_floor_seconds * 1e3:.2f} ms"
-        f" = {d.bytes_per_step / 1e6:,.1f} MB / {hw.memory_bandwidth / 1e9:,.1f} GB/s",
-        f"  compute floor   {d.compute_floor_seconds * 1e3:.2f} ms"
-        f" = {d.flops_per_step / 1e9:,.2f} GFLOP / {hw.flops / 1e9:,.1f} GFLOP/s",
+        (
+            f"decode step: {d.step_seconds * 1e3:.2f} ms measured,"
+            f" {d.batch_size:.1f} sequences at {d.context_tokens:.0f} tokens of context"
+        ),
+        (
+            f"  bandwidth floor {d.bandwidth_floor_seconds * 1e3:.2f} ms"
+            f" = {d.bytes_per_step / 1e6:,.1f} MB / {hw.memory_bandwidth / 1e9:,.1f} GB/s"
+        ),
+        (
+            f"  compute floor   {d.compute_floor_seconds * 1e3:.2f} ms"
+            f" = {d.flops_per_step / 1e9:,.2f} GFLOP / {hw.flops / 1e9:,.1f} GFLOP/s"
+        ),
         f"  bound by {d.bound}: the measured step takes {1 / d.efficiency:.1f}x its floor",
     ]
     return "\n".join(lines) + "\n"

@@ -25,8 +25,13 @@ def ledger_panels(gate: LedgerGate, clock: Callable[[], float] = time.monotonic)
             if cached["at"] is None or clock() - cached["at"] >= TENANT_REPORT_SECONDS:
                 rows = gate.usage("tenant", start=period_start("day", gate.clock()))
                 cached["tenants"] = [
-                    {"tenant": row.group, "requests": row.requests, "tokens": row.total_tokens, "cost": row.cost,
-                     "cost_per_1k_tokens": row.cost_per_1k_tokens}
+                    {
+                        "tenant": row.group,
+                        "requests": row.requests,
+                        "tokens": row.total_tokens,
+                        "cost": row.cost,
+                        "cost_per_1k_tokens": row.cost_per_1k_tokens,
+                    }
                     for row in rows
                 ]
                 cached["at"] = clock()
@@ -36,8 +41,16 @@ def ledger_panels(gate: LedgerGate, clock: Callable[[], float] = time.monotonic)
         budgets = []
         for key, spent in gate.key_spend():
             period = key.budget_period or "day"
-            budgets.append({"key_id": key.key_id, "tenant": key.tenant, "is_admin": key.is_admin,
-                            "budget": key.budget, "period": period, "spent": spent[period]})
+            budgets.append(
+                {
+                    "key_id": key.key_id,
+                    "tenant": key.tenant,
+                    "is_admin": key.is_admin,
+                    "budget": key.budget,
+                    "period": period,
+                    "spent": spent[period],
+                }
+            )
         return {"budgets": budgets, "tenants": tenants_today()}
 
     return panels

@@ -10,8 +10,8 @@ import os
 import sqlite3
 from pathlib import Path
 
-from carpool.models.loader import cache_dir
 from carpool import postgres
+from carpool.models.loader import cache_dir
 from carpool.postgres import is_postgres_url
 
 SCHEMA = """
@@ -111,12 +111,18 @@ def check_postgres(conn: postgres.PostgresConnection) -> None:
         if version != newest:
             raise DatabaseUnusable(f"{where}: schema version {version}, this carpool writes version {newest}")
         for table, columns in expected_columns().items():
-            found = [row[0] for row in conn.execute(
-                "SELECT column_name FROM information_schema.columns WHERE table_schema = current_schema() "
-                "AND table_name = ? ORDER BY ordinal_position", (table,))]
+            found = [
+                row[0]
+                for row in conn.execute(
+                    "SELECT column_name FROM information_schema.columns WHERE table_schema = current_schema() "
+                    "AND table_name = ? ORDER BY ordinal_position",
+                    (table,),
+                )
+            ]
             if found != columns:
-                raise DatabaseUnusable(f"{where}: table {table} is not the one carpool writes (columns "
-                                       f"{', '.join(found) or 'none'})")
+                raise DatabaseUnusable(
+                    f"{where}: table {table} is not the one carpool writes (columns {', '.join(found) or 'none'})"
+                )
         postgres.check_writable(conn)
     except postgres.errors() as error:
         raise DatabaseUnusable(f"{where}: {postgres.cause(error)}") from None
@@ -169,8 +175,10 @@ def check_database(conn: sqlite3.Connection, path: str | Path) -> None:
         expected.executescript(SCHEMA)
         for (table,) in expected.execute("SELECT name FROM sqlite_master WHERE type = 'table'"):
             if _columns(conn, table) != _columns(expected, table):
-                raise DatabaseUnusable(f"{path}: table {table} is not the one carpool writes (columns "
-                                       f"{', '.join(_columns(conn, table)) or 'none'})")
+                raise DatabaseUnusable(
+                    f"{path}: table {table} is not the one carpool writes (columns "
+                    f"{', '.join(_columns(conn, table)) or 'none'})"
+                )
         # A write rolled back: a read-only file opens and reads fine, and fails only at its first write.
         conn.execute("BEGIN IMMEDIATE")
         try:

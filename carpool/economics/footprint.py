@@ -41,7 +41,8 @@ def model_footprint(
     sizes = {name: math.prod(shape) for name, shape in shapes.items()}
     # the tensors kept in the GGUF file's own blocks, at their size in the file
     kept = {
-        name: info.nbytes for name, info in infos.items()
+        name: info.nbytes
+        for name, info in infos.items()
         if quantization == "auto" and info.ggml_type in KERNEL_TYPES and len(info.shape) == 2
     }
 
@@ -61,7 +62,8 @@ def model_footprint(
         name=model_name(path or default_model_path()),
         parameters=parameters,
         matmul_parameters=matrices - lookup_only,
-        streamed_bytes_per_step=sum(weight_bytes(name) for name in shapes) - (weight_bytes(EMBEDDING) if lookup_only else 0),
+        streamed_bytes_per_step=sum(weight_bytes(name) for name in shapes)
+        - (weight_bytes(EMBEDDING) if lookup_only else 0),
         kv_bytes_per_token=ModelRunner.kv_bytes_per_block(config, block_size=1, dtype=dtype),
         attention_flops_per_context_token=4 * config.num_layers * config.num_heads * config.head_dim,
     )

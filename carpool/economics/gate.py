@@ -39,8 +39,9 @@ class LocalAdmission:
         self._spend = SpendTracker(conn, now)
         self._limiter = RateLimiter()
 
-    def admit(self, key: ApiKey, estimated_tokens: int, estimated_cost: float, request_id: str | None,
-              now: float) -> None:
+    def admit(
+        self, key: ApiKey, estimated_tokens: int, estimated_cost: float, request_id: str | None, now: float
+    ) -> None:
         if key.budget is not None:
             spent = self._spend.spent(key.key_id, key.budget_period, now)
             if spent >= key.budget:
@@ -57,7 +58,6 @@ class LocalAdmission:
     def recorded(self, usage: UsageRecord, cost: float) -> None:
         """Counted now, so concurrent requests see it at admission; nothing reserved for the row to settle."""
         self._spend.add(usage.key_id, cost, usage.created)
-        return None
 
     def withheld(self, usage: UsageRecord, cost: float) -> None:
         self._spend.add(usage.key_id, -cost, usage.created)
@@ -70,8 +70,13 @@ class LocalAdmission:
 
 
 class LedgerGate:
-    def __init__(self, db_path: str | Path, prices: PriceSheet, clock: Callable[[], float] = time.time,
-                 served_models: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        db_path: str | Path,
+        prices: PriceSheet,
+        clock: Callable[[], float] = time.time,
+        served_models: tuple[str, ...] = (),
+    ):
         """`db_path`: a SQLite file, or a PostgreSQL URL shared by several replicas. `served_models`: what a
         request may run on, priced for its worst case at admission (default: any model on the sheet)."""
         self.db_path = db_path
@@ -110,8 +115,12 @@ class LedgerGate:
 
     def admit(self, principal: Principal, tier: str, estimated_tokens: int, request_id: str | None = None) -> None:
         if self._writer.problem is not None:
-            raise GateError(503, f"Billable requests are refused while {self._writer.problem}.", "ledger_unavailable",
-                            retry_after=RETRY_SECONDS)
+            raise GateError(
+                503,
+                f"Billable requests are refused while {self._writer.problem}.",
+                "ledger_unavailable",
+                retry_after=RETRY_SECONDS,
+            )
         key = self._current_key(principal.key_id)
         if key is None:
             return  # no keys configured: the server is open
@@ -157,8 +166,14 @@ class LedgerGate:
                 durable.set_result(None)
             else:  # the client is told 503, not the result: the ledger writes the row at no cost, so refund it
                 self._admission.withheld(usage, cost)
-                durable.set_exception(GateError(503, f"The request ran, but {written.exception()}; its result "
-                                                     "is withheld.", "ledger_unavailable", retry_after=RETRY_SECONDS))
+                durable.set_exception(
+                    GateError(
+                        503,
+                        f"The request ran, but {written.exception()}; its result is withheld.",
+                        "ledger_unavailable",
+                        retry_after=RETRY_SECONDS,
+                    )
+                )
 
         self._writer.submit(usage, cost, reservation).add_done_callback(settle)
         return durable
@@ -173,10 +188,14 @@ class LedgerGate:
         so tenant names and spend are shown only when asked for) and `carpool:ledger_healthy` in `registry`."""
         self._cost_by_tenant = per_tenant
         labels = ["tenant", "tier"] if per_tenant else ["tier"]
-        self._cost_counter = Counter("carpool:cost", "Dollars charged, by service tier (and tenant, if enabled)",
-                                     labels, registry=registry)
-        healthy = Gauge("carpool:ledger_healthy", "1 while the usage ledger can write; 0 while it cannot (billable "
-                        "requests are refused)", registry=registry)
+        self._cost_counter = Counter(
+            "carpool:cost", "Dollars charged, by service tier (and tenant, if enabled)", labels, registry=registry
+        )
+        healthy = Gauge(
+            "carpool:ledger_healthy",
+            "1 while the usage ledger can write; 0 while it cannot (billable requests are refused)",
+            registry=registry,
+        )
         healthy.set_function(lambda: float(self._writer.problem is None))
         return self._cost_counter
 
@@ -186,8 +205,11 @@ class LedgerGate:
         now = self.clock()
         with self._conn_lock:
             keys = list_keys(self._conn)
-        return [(key, {period: self._admission.spent(key.key_id, period, now) for period in PERIODS})
-                for key in keys if key.revoked is None]
+        return [
+            (key, {period: self._admission.spent(key.key_id, period, now) for period in PERIODS})
+            for key in keys
+            if key.revoked is None
+        ]
 
     def usage(self, group_by: str, start: float | None = None, end: float | None = None) -> list[UsageSummary]:
         """The usage report over [start, end), rows recorded so far included."""

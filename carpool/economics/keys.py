@@ -129,7 +129,8 @@ def _check_tiers(tiers: list[str] | None) -> str | None:
     unknown = sorted(set(tiers) - set(TIER_NAMES))
     if unknown or not tiers:
         raise ValueError(
-            f"tiers must be a non-empty subset of {', '.join(TIER_NAMES)}; got {', '.join(tiers) or 'none'}")
+            f"tiers must be a non-empty subset of {', '.join(TIER_NAMES)}; got {', '.join(tiers) or 'none'}"
+        )
     return ",".join(t for t in TIER_NAMES if t in tiers)
 
 

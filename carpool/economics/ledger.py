@@ -76,7 +76,7 @@ _FINISH_REASON = 13  # ledger_row's positions of finish_reason and cost
 
 def withheld_row(row: tuple) -> tuple:
     """The row of a request whose result was withheld: its tokens and timings, no cost."""
-    return (*row[:_FINISH_REASON], WITHHELD, 0.0, *row[_FINISH_REASON + 2:])
+    return (*row[:_FINISH_REASON], WITHHELD, 0.0, *row[_FINISH_REASON + 2 :])
 
 
 # In the transaction that writes rows: what else must commit with them, given (row, reservation) pairs (a shared
@@ -190,8 +190,12 @@ class LedgerWriter:
                     self._settle(conn, [(row, reservation) for row, _, reservation in rows])
         except self._errors as error:
             if self.problem is None:
-                log.error("ledger %s: %d rows not written (%s); refusing billable requests until it can write",
-                          self.db_path, len(rows), error)
+                log.error(
+                    "ledger %s: %d rows not written (%s); refusing billable requests until it can write",
+                    self.db_path,
+                    len(rows),
+                    error,
+                )
             self.problem = f"the usage ledger cannot be written: {error}"
             for _, written, _ in rows:
                 if not written.done():

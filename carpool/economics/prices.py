@@ -121,8 +121,12 @@ def _tier_multipliers(raw: dict, where: str) -> dict[str, float]:
     if not isinstance(table, dict):
         raise PriceSheetError(f"{where}: [tiers] must be a table of multipliers ({', '.join(TIER_NAMES)})")
     _only_known(table, TIER_NAMES, where, "tiers.")
-    return {tier.name: _number(table, tier.name, f"tiers.{tier.name}", where) if tier.name in table
-            else tier.price_multiplier for tier in TIERS}
+    return {
+        tier.name: _number(table, tier.name, f"tiers.{tier.name}", where)
+        if tier.name in table
+        else tier.price_multiplier
+        for tier in TIERS
+    }
 
 
 def _number(table: dict, field: str, label: str, where: str) -> float:

@@ -42,7 +42,8 @@ def check_window(window: list[tuple[float, int]], tokens: int, rpm: int | None, 
     last WINDOW_SECONDS as (admitted at, tokens), oldest first."""
     if tpm is not None and tokens > tpm:
         raise RateLimitExceeded(
-            f"this request's {tokens} tokens exceed the key's limit of {tpm} tokens per minute", None)
+            f"this request's {tokens} tokens exceed the key's limit of {tpm} tokens per minute", None
+        )
     waits = []
     if rpm is not None and len(window) + 1 > rpm:
         # The oldest len - rpm + 1 admissions must leave; the last of them leaves at this time.
@@ -58,4 +59,5 @@ def check_window(window: list[tuple[float, int]], tokens: int, rpm: int | None, 
         admitted_at, limit = max(waits)
         retry_after = admitted_at + WINDOW_SECONDS - now
         raise RateLimitExceeded(
-            f"rate limit of {limit} reached for this key; retry in {retry_after:.1f} s", retry_after)
+            f"rate limit of {limit} reached for this key; retry in {retry_after:.1f} s", retry_after
+        )

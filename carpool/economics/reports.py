@@ -8,7 +8,7 @@ import io
 import json
 import sqlite3
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from carpool.economics.contract import UsageRecord
 from carpool.economics.keys import ANONYMOUS
@@ -94,7 +94,7 @@ def parse_time(text: str) -> float:
             f"time must be unix seconds or ISO 8601 (2025-01-31, 2025-01-31T12:00), got {text!r}"
         ) from None
     if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=timezone.utc)
+        moment = moment.replace(tzinfo=UTC)
     return moment.timestamp()
 
 
@@ -177,8 +177,9 @@ class CascadeSummary:
         return asdict(self) | {"answered_share": shares, "saved": self.saved, "saved_share": self.saved_share}
 
 
-def cascade_summary(conn: sqlite3.Connection, prices, start: float | None = None,
-                    end: float | None = None) -> list[CascadeSummary]:
+def cascade_summary(
+    conn: sqlite3.Connection, prices, start: float | None = None, end: float | None = None
+) -> list[CascadeSummary]:
     """One row per cascade over attempts with start <= time < end.
 
     "Saved" is estimated per client request against sending it to the last model alone: a request the last step
@@ -211,11 +212,24 @@ def cascade_summary(conn: sqlite3.Connection, prices, start: float | None = None
             if step == last_step:
                 cost_all_last += cost
             else:
-                cost_all_last += prices.cost(UsageRecord(
-                    "estimate", models[last_step], tier, uncached + cache_read, cache_read, cache_write, output,
-                    0.0, 0.0, 0.0, "stop"))
-        summaries.append(CascadeSummary(name, len(requests), answered, models, sum(a[10] for a in attempts),
-                                        cost_all_last))
+                cost_all_last += prices.cost(
+                    UsageRecord(
+                        "estimate",
+                        models[last_step],
+                        tier,
+                        uncached + cache_read,
+                        cache_read,
+                        cache_write,
+                        output,
+                        0.0,
+                        0.0,
+                        0.0,
+                        "stop",
+                    )
+                )
+        summaries.append(
+            CascadeSummary(name, len(requests), answered, models, sum(a[10] for a in attempts), cost_all_last)
+        )
     return summaries
 
 
@@ -226,9 +240,12 @@ def render_cascades(rows: list[CascadeSummary], fmt: str) -> str:
         raise ValueError(f"format must be table or json, got {fmt!r}")
     lines = []
     for row in rows:
-        shares = ", ".join(f"step {step} ({row.models[step]}) {count / row.requests:.1%}"
-                           for step, count in row.answered.items())
-        lines.append(f"{row.cascade}: {row.requests} requests; answered by {shares}; cost ${row.cost:.6f}; "
-                     f"all to {row.models[max(row.models)]} (est.) ${row.cost_all_last:.6f}; "
-                     f"saved ${row.saved:.6f} ({row.saved_share:.1%})")
+        shares = ", ".join(
+            f"step {step} ({row.models[step]}) {count / row.requests:.1%}" for step, count in row.answered.items()
+        )
+        lines.append(
+            f"{row.cascade}: {row.requests} requests; answered by {shares}; cost ${row.cost:.6f}; "
+            f"all to {row.models[max(row.models)]} (est.) ${row.cost_all_last:.6f}; "
+            f"saved ${row.saved:.6f} ({row.saved_share:.1%})"
+        )
     return "\n".join(lines) + ("\n" if lines else "no cascade requests in this window\n")

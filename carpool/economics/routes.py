@@ -20,20 +20,29 @@ def usage_router(gate: LedgerGate, caller: Callable[..., Principal]) -> APIRoute
 
     # A plain `def`: FastAPI runs it on its thread pool, so the ledger query never stalls the event loop.
     @router.get("/v1/usage")
-    def usage(principal: Annotated[Principal, Depends(caller)], start: str | None = None, end: str | None = None,
-              group_by: str = "tenant"):
+    def usage(
+        principal: Annotated[Principal, Depends(caller)],
+        start: str | None = None,
+        end: str | None = None,
+        group_by: str = "tenant",
+    ):
         if not principal.is_admin:
             raise GateError(403, "The usage report needs an admin key.", "admin_key_required")
         if group_by not in GROUP_BY:
-            raise GateError(400, f"group_by must be one of {', '.join(GROUP_BY)}, got {group_by!r}", "invalid_value",
-                            param="group_by")
+            raise GateError(
+                400,
+                f"group_by must be one of {', '.join(GROUP_BY)}, got {group_by!r}",
+                "invalid_value",
+                param="group_by",
+            )
         bounds = _bounds(start, end)
         rows = gate.usage(group_by, bounds["start"], bounds["end"])
         return report_document(rows, group_by, bounds["start"], bounds["end"])
 
     @router.get("/v1/usage/cascades")
-    def cascade_usage(principal: Annotated[Principal, Depends(caller)], start: str | None = None,
-                      end: str | None = None):
+    def cascade_usage(
+        principal: Annotated[Principal, Depends(caller)], start: str | None = None, end: str | None = None
+    ):
         """Per model cascade: share answered by each step, cost, estimated saving (reports.cascade_summary)."""
         if not principal.is_admin:
             raise GateError(403, "The usage report needs an admin key.", "admin_key_required")

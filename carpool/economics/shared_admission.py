@@ -20,12 +20,12 @@ import secrets
 import socket
 import threading
 
+from carpool import postgres
 from carpool.economics.contract import GateError, UsageRecord
 from carpool.economics.db import open_database
 from carpool.economics.keys import ApiKey
 from carpool.economics.rate_limit import WINDOW_SECONDS, RateLimitExceeded, check_window
 from carpool.economics.spend import PERIODS, period_start
-from carpool import postgres
 from carpool.postgres import PostgresConnection
 
 LEASE_SECONDS = 60.0
@@ -45,8 +45,9 @@ class SharedAdmission:
         self._renewer = threading.Thread(target=self._renew, name="carpool-reservations", daemon=True)
         self._renewer.start()
 
-    def admit(self, key: ApiKey, estimated_tokens: int, estimated_cost: float, request_id: str | None,
-              now: float) -> None:
+    def admit(
+        self, key: ApiKey, estimated_tokens: int, estimated_cost: float, request_id: str | None, now: float
+    ) -> None:
         """Raise GateError (429) unless the key has budget and rate left; else count the request and, when a
         `request_id` will be recorded, reserve `estimated_cost` for it until then."""
         if key.budget is None and key.rpm is None and key.tpm is None:
@@ -61,44 +62,59 @@ class SharedAdmission:
                 (reservation,) = self._conn.execute(
                     f"INSERT INTO reservations (key_id, holder, amount, created, expires_at) "
                     f"VALUES (?, ?, ?, {_DB_NOW}, {_DB_NOW} + ?) RETURNING id",
-                    (key.key_id, self.holder, estimated_cost, LEASE_SECONDS)).fetchone()
+                    (key.key_id, self.holder, estimated_cost, LEASE_SECONDS),
+                ).fetchone()
                 self._reservations[request_id] = reservation
 
     def _check_budget(self, key: ApiKey, estimated_cost: float, now: float) -> None:
         spent, reserved = self._conn.execute(  # one statement: one snapshot of both
             "SELECT COALESCE((SELECT spent FROM budget_spend WHERE key_id = ? AND period = ? AND period_start = ?), 0),"
             f" COALESCE((SELECT SUM(amount) FROM reservations WHERE key_id = ? AND expires_at > {_DB_NOW}), 0)",
-            (key.key_id, key.budget_period, period_start(key.budget_period, now), key.key_id)).fetchone()
+            (key.key_id, key.budget_period, period_start(key.budget_period, now), key.key_id),
+        ).fetchone()
         if spent + reserved >= key.budget:
-            raise GateError(429, f"This key has spent ${spent:.4f} (and requests in flight may spend ${reserved:.4f}) "
-                                 f"of its budget of ${key.budget:.4f} per {key.budget_period}.", "insufficient_quota")
+            raise GateError(
+                429,
+                f"This key has spent ${spent:.4f} (and requests in flight may spend ${reserved:.4f}) "
+                f"of its budget of ${key.budget:.4f} per {key.budget_period}.",
+                "insufficient_quota",
+            )
         if spent + reserved + estimated_cost > key.budget:
             left = key.budget - spent - reserved
-            raise GateError(429, f"This request may cost up to ${estimated_cost:.4f} (its prompt and max_tokens at "
-                                 f"the dearest price), more than the ${left:.4f} left of this key's budget of "
-                                 f"${key.budget:.4f} per {key.budget_period}; lower max_tokens or retry later.",
-                            "insufficient_quota")
+            raise GateError(
+                429,
+                f"This request may cost up to ${estimated_cost:.4f} (its prompt and max_tokens at "
+                f"the dearest price), more than the ${left:.4f} left of this key's budget of "
+                f"${key.budget:.4f} per {key.budget_period}; lower max_tokens or retry later.",
+                "insufficient_quota",
+            )
 
     def _count_rate(self, key: ApiKey, tokens: int, now: float) -> None:
         """Totals first: the window's rows are read only to say when to retry (a key admitting 1,000 requests a
         minute would otherwise read 1,000 rows per admission)."""
         args = (key.key_id, now - WINDOW_SECONDS)
-        requests, used = self._conn.execute("SELECT COUNT(*), COALESCE(SUM(tokens), 0) FROM rate_events "
-                                            "WHERE key_id = ? AND admitted_at > ?", args).fetchone()
+        requests, used = self._conn.execute(
+            "SELECT COUNT(*), COALESCE(SUM(tokens), 0) FROM rate_events WHERE key_id = ? AND admitted_at > ?", args
+        ).fetchone()
         over_rpm = key.rpm is not None and requests + 1 > key.rpm
         over_tpm = key.tpm is not None and used + tokens > key.tpm
         if over_rpm or over_tpm:
-            window = [tuple(row) for row in self._conn.execute(
-                "SELECT admitted_at, tokens FROM rate_events WHERE key_id = ? AND admitted_at > ? "
-                "ORDER BY admitted_at", args)]
+            window = [
+                tuple(row)
+                for row in self._conn.execute(
+                    "SELECT admitted_at, tokens FROM rate_events WHERE key_id = ? AND admitted_at > ? "
+                    "ORDER BY admitted_at",
+                    args,
+                )
+            ]
             try:
                 check_window(window, tokens, key.rpm, key.tpm, now)
             except RateLimitExceeded as limited:
-                raise GateError(429, limited.message, "rate_limit_exceeded",
-                                retry_after=limited.retry_after) from None
+                raise GateError(429, limited.message, "rate_limit_exceeded", retry_after=limited.retry_after) from None
         self._conn.execute("DELETE FROM rate_events WHERE key_id = ? AND admitted_at <= ?", args)
-        self._conn.execute("INSERT INTO rate_events (key_id, admitted_at, tokens) VALUES (?, ?, ?)",
-                           (key.key_id, now, tokens))
+        self._conn.execute(
+            "INSERT INTO rate_events (key_id, admitted_at, tokens) VALUES (?, ?, ?)", (key.key_id, now, tokens)
+        )
 
     def recorded(self, usage: UsageRecord, cost: float) -> int | None:
         """The reservation the request's ledger row settles (None: nothing was reserved for it). Its cost counts
@@ -113,7 +129,8 @@ class SharedAdmission:
         with self._lock:
             row = self._conn.execute(
                 "SELECT spent FROM budget_spend WHERE key_id = ? AND period = ? AND period_start = ?",
-                (key_id, period, period_start(period, now))).fetchone()
+                (key_id, period, period_start(period, now)),
+            ).fetchone()
         return row[0] if row is not None else 0.0
 
     def _renew(self) -> None:
@@ -123,7 +140,8 @@ class SharedAdmission:
                     self._conn.execute(
                         f"UPDATE reservations SET expires_at = {_DB_NOW} + ? "
                         f"WHERE holder = ? AND created > {_DB_NOW} - ?",
-                        (LEASE_SECONDS, self.holder, MAX_RESERVATION_SECONDS))
+                        (LEASE_SECONDS, self.holder, MAX_RESERVATION_SECONDS),
+                    )
                     self._conn.execute(f"DELETE FROM reservations WHERE expires_at <= {_DB_NOW}")
             except Exception:  # the database is away: admission fails on its own; renew again next time
                 continue
@@ -143,9 +161,13 @@ def database_unavailable():
     try:
         yield
     except postgres.errors() as error:
-        raise GateError(503, f"The database that holds keys, budgets and rate limits cannot be reached "
-                             f"({postgres.cause(error)}); retry shortly.", "database_unavailable",
-                        retry_after=UNAVAILABLE_RETRY_SECONDS) from None
+        raise GateError(
+            503,
+            f"The database that holds keys, budgets and rate limits cannot be reached "
+            f"({postgres.cause(error)}); retry shortly.",
+            "database_unavailable",
+            retry_after=UNAVAILABLE_RETRY_SECONDS,
+        ) from None
 
 
 def settle(conn: PostgresConnection, rows: list[tuple[tuple, int | None]]) -> None:
@@ -159,10 +181,12 @@ def settle(conn: PostgresConnection, rows: list[tuple[tuple, int | None]]) -> No
                 at = (key_id, period, period_start(period, row[_ROW_TIME]))
                 totals[at] = totals.get(at, 0.0) + cost
     for (key_id, period, start), cost in sorted(totals.items()):
-        conn.execute("INSERT INTO budget_spend (key_id, period, period_start, spent) VALUES (?, ?, ?, ?) "
-                     "ON CONFLICT (key_id, period, period_start) "
-                     "DO UPDATE SET spent = budget_spend.spent + excluded.spent",
-                     (key_id, period, start, cost))
+        conn.execute(
+            "INSERT INTO budget_spend (key_id, period, period_start, spent) VALUES (?, ?, ?, ?) "
+            "ON CONFLICT (key_id, period, period_start) "
+            "DO UPDATE SET spent = budget_spend.spent + excluded.spent",
+            (key_id, period, start, cost),
+        )
     reservations = sorted(reservation for _, reservation in rows if reservation is not None)
     if reservations:
         conn.execute("DELETE FROM reservations WHERE id = ANY(?)", (reservations,))

@@ -8,14 +8,14 @@ process's spend is seen only at the next start.)
 
 import sqlite3
 import threading
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 PERIODS = ("day", "month")
 
 
 def period_start(period: str, at: float) -> float:
     """Unix time at which the UTC day or month holding `at` began."""
-    moment = datetime.fromtimestamp(at, timezone.utc)
+    moment = datetime.fromtimestamp(at, UTC)
     start = moment.replace(hour=0, minute=0, second=0, microsecond=0)
     if period == "month":
         start = start.replace(day=1)

@@ -20,6 +20,7 @@ from carpool.engine.sequence import SequenceTimes, TokenLogprob
 from carpool.engine.tiers import TIERS, Tier
 
 __all__ = [
+    "TIERS",
     "AsyncEngine",
     "ContextLengthExceeded",
     "EngineConfig",
@@ -31,7 +32,6 @@ __all__ = [
     "SamplingParams",
     "SequenceTimes",
     "StepStats",
-    "TIERS",
     "Tier",
     "TokenLogprob",
     "add_engine_args",

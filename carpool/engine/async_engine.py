@@ -126,8 +126,13 @@ class EngineLoop:
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig | None = None, engine: LLMEngine | None = None,
-                 engine_loop: EngineLoop | None = None, warmup: bool = False):
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        engine: LLMEngine | None = None,
+        engine_loop: EngineLoop | None = None,
+        warmup: bool = False,
+    ):
         self.engine = engine or LLMEngine(config or EngineConfig())
         self.config = self.engine.config
         self.tokenizer = self.engine.tokenizer
@@ -170,8 +175,14 @@ class AsyncEngine:
         """The most tokens a prompt this long leaves room for: in the context window and in the whole KV pool."""
         return self.engine.max_new_tokens(num_prompt_tokens)
 
-    def request(self, request_id: str, prompt: str | list[int], params: SamplingParams, tier: str = DEFAULT_TIER,
-                cache_salt: str | None = None) -> EngineRequest:
+    def request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        tier: str = DEFAULT_TIER,
+        cache_salt: str | None = None,
+    ) -> EngineRequest:
         """The engine's door (LLMEngine.request), on the caller's thread: ValueError naming the field, or
         ContextLengthExceeded, before anything is queued."""
         return self.engine.request(request_id, prompt, params, tier, cache_salt)

@@ -59,8 +59,14 @@ class BlockManager:
 
     indexes_partial_hits = True
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, sliding_window: int = 0,
-                 num_sliding_blocks: int | None = None):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        sliding_window: int = 0,
+        num_sliding_blocks: int | None = None,
+    ):
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
@@ -73,9 +79,14 @@ class BlockManager:
         # The sliding group's pool holds every sequence's window, not whole contexts (carpool.engine.kv_pools);
         # admission and allocation check both groups, so it running short makes requests wait.
         self.sliding = (
-            SlidingWindowGroup(num_blocks if num_sliding_blocks is None else num_sliding_blocks, block_size,
-                               enable_prefix_caching, sliding_window)
-            if sliding_window else None
+            SlidingWindowGroup(
+                num_blocks if num_sliding_blocks is None else num_sliding_blocks,
+                block_size,
+                enable_prefix_caching,
+                sliding_window,
+            )
+            if sliding_window
+            else None
         )
 
     def table(self, seq: Sequence) -> list[int]:
@@ -209,8 +220,9 @@ class BlockManager:
         them, and give back the sliding-window blocks that its next queries can no longer see."""
         bs = self.block_size
         for i in self._register_full_blocks(seq):  # the prompt tokens of block i that seq computed
-            seq.num_cache_write_tokens += max(0, min((i + 1) * bs, seq.num_prompt_tokens)
-                                              - max(i * bs, seq.num_cached_prompt_tokens))
+            seq.num_cache_write_tokens += max(
+                0, min((i + 1) * bs, seq.num_prompt_tokens) - max(i * bs, seq.num_cached_prompt_tokens)
+            )
         if self.sliding:
             self.sliding._register_full_blocks(seq)
             self.sliding.release_out_of_window(seq)

@@ -33,8 +33,12 @@ class Detokenizer:
         while end and text[end - 1] == "\ufffd":
             end -= 1
         held = max(
-            (k for stop in seq.params.stop_strings for k in range(1, min(len(stop) - 1, end) + 1)
-             if text[end - k : end] == stop[:k]),
+            (
+                k
+                for stop in seq.params.stop_strings
+                for k in range(1, min(len(stop) - 1, end) + 1)
+                if text[end - k : end] == stop[:k]
+            ),
             default=0,
         )
         return end - held

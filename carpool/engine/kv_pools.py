@@ -10,8 +10,8 @@ never fail.
 
 from dataclasses import dataclass
 
-from carpool.engine.config import EngineConfig
 from carpool.engine.block_manager import cdiv
+from carpool.engine.config import EngineConfig
 
 
 @dataclass(frozen=True)
@@ -21,8 +21,9 @@ class KVPoolSizes:
     window: int  # the sliding layers' window in tokens (0: none)
 
 
-def kv_pool_sizes(config: EngineConfig, num_layers: int, num_sliding_layers: int, window: int,
-                  bytes_per_block: int) -> KVPoolSizes:
+def kv_pool_sizes(
+    config: EngineConfig, num_layers: int, num_sliding_layers: int, window: int, bytes_per_block: int
+) -> KVPoolSizes:
     """`bytes_per_block`: one block of every layer's keys and values. `config.num_kv_blocks`, when set, is the
     full-attention pool's size; otherwise `config.kv_cache_gb` is split between the pools."""
     if not (window and num_sliding_layers and config.free_sliding_window_blocks):
@@ -30,8 +31,11 @@ def kv_pool_sizes(config: EngineConfig, num_layers: int, num_sliding_layers: int
         return KVPoolSizes(blocks, 0, 0)
     # Every sequence's window (its blocks from the window's first key to the next query, ceil(window / block) + 1),
     # plus the blocks one step's prefill chunks reach past their windows, plus the pool's placeholder block.
-    need = config.max_num_seqs * (cdiv(window, config.block_size) + 1) + cdiv(config.max_num_batched_tokens,
-                                                                             config.block_size) + 1
+    need = (
+        config.max_num_seqs * (cdiv(window, config.block_size) + 1)
+        + cdiv(config.max_num_batched_tokens, config.block_size)
+        + 1
+    )
     if config.num_kv_blocks:
         return KVPoolSizes(config.num_kv_blocks, min(config.num_kv_blocks, need), window)
     layer_blocks = int(config.kv_cache_gb * 2**30 // (bytes_per_block // num_layers))  # blocks of one layer
@@ -41,5 +45,6 @@ def kv_pool_sizes(config: EngineConfig, num_layers: int, num_sliding_layers: int
     # requests by its own size, and one that could never get its sliding blocks would wait forever.
     one_request = cdiv(window, config.block_size) + 1 + cdiv(config.max_num_batched_tokens, config.block_size)
     sliding = min(need, max(even, one_request))
-    return KVPoolSizes(max(1, (layer_blocks - num_sliding_layers * sliding) // max(1, num_full_layers)), sliding,
-                       window)
+    return KVPoolSizes(
+        max(1, (layer_blocks - num_sliding_layers * sliding) // max(1, num_full_layers)), sliding, window
+    )

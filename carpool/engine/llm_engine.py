@@ -18,7 +18,7 @@ from carpool.engine.sampling_params import SamplingParams, check_text
 from carpool.engine.scheduler import ScheduledBatch, Scheduler
 from carpool.engine.sequence import Sequence
 from carpool.engine.slo import StepLimits
-from carpool.engine.spec_decode import Speculator, SpecStepStats
+from carpool.engine.spec_decode import SpecStepStats, Speculator
 from carpool.engine.spec_decode.draft_model import DraftModelDrafter
 from carpool.engine.spec_decode.ngram import NgramDrafter
 from carpool.engine.spec_decode.rejection_sampler import sample_verified
@@ -71,13 +71,30 @@ class LLMEngine:
         draft_model = self._load_draft_model(num_sliding_layers)
         if draft_model is not None:  # its pool has as many blocks as the target's, inside the same budget
             block_bytes += DraftModelDrafter.kv_bytes_per_block(draft_model, self.config.block_size, self.dtype)
-        pools = kv_pool_sizes(self.config, self.model_config.num_layers, num_sliding_layers,
-                              self.model_config.sliding_window or 0, block_bytes)
-        self.block_manager = BlockManager(pools.full_blocks, self.config.block_size, self.config.enable_prefix_caching,
-                                          sliding_window=pools.window, num_sliding_blocks=pools.sliding_blocks)
+        pools = kv_pool_sizes(
+            self.config,
+            self.model_config.num_layers,
+            num_sliding_layers,
+            self.model_config.sliding_window or 0,
+            block_bytes,
+        )
+        self.block_manager = BlockManager(
+            pools.full_blocks,
+            self.config.block_size,
+            self.config.enable_prefix_caching,
+            sliding_window=pools.window,
+            num_sliding_blocks=pools.sliding_blocks,
+        )
         self.scheduler = Scheduler(self.config, self.block_manager)
-        self.runner = ModelRunner(self.model, pools.full_blocks, self.config.block_size, self.device, self.dtype,
-                                  pools.window, pools.sliding_blocks)
+        self.runner = ModelRunner(
+            self.model,
+            pools.full_blocks,
+            self.config.block_size,
+            self.device,
+            self.dtype,
+            pools.window,
+            pools.sliding_blocks,
+        )
         self.detokenizer = Detokenizer(self.tokenizer)
         self.speculator = self._speculator(draft_model, pools.full_blocks)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
@@ -91,8 +108,9 @@ class LLMEngine:
         if name is None or name == "ngram":
             return None
         if num_sliding_layers:
-            raise ValueError("speculative_model: a draft model needs a target without sliding-window layers "
-                             "(use ngram)")
+            raise ValueError(
+                "speculative_model: a draft model needs a target without sliding-window layers (use ngram)"
+            )
         tokenizer = Tokenizer.from_dir(resolve_model_dir(name))  # checked before its weights load
         probe = "def speculative(x):\n    return x  # Speculation, 12 tokens!"
         if tokenizer.vocab_size != self.tokenizer.vocab_size or tokenizer.encode(probe) != self.tokenizer.encode(probe):
@@ -110,16 +128,31 @@ class LLMEngine:
         if draft_model is None:
             drafter = NgramDrafter(config.ngram_min, config.ngram_max)
         else:
-            drafter = DraftModelDrafter(config.speculative_model, draft_model, num_blocks, config.block_size,
-                                        self.device, self.dtype, self.model_config.vocab_size,
-                                        self.tokenizer.stop_token_ids, config.enable_prefix_caching,
-                                        config.speculative_vocab_size, self.tokenizer.added_token_ids)
+            drafter = DraftModelDrafter(
+                config.speculative_model,
+                draft_model,
+                num_blocks,
+                config.block_size,
+                self.device,
+                self.dtype,
+                self.model_config.vocab_size,
+                self.tokenizer.stop_token_ids,
+                config.enable_prefix_caching,
+                config.speculative_vocab_size,
+                self.tokenizer.added_token_ids,
+            )
         return Speculator(drafter, config.num_speculative_tokens)
 
     # Requests ----------------------------------------------------------------------------------------
 
-    def request(self, request_id: str, prompt: str | list[int], params: SamplingParams, tier: str = DEFAULT_TIER,
-                cache_salt: str | None = None) -> EngineRequest:
+    def request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        tier: str = DEFAULT_TIER,
+        cache_salt: str | None = None,
+    ) -> EngineRequest:
         """The engine's door: the one place a request is tokenized and checked. ValueError naming the field
         (ContextLengthExceeded when it does not fit) unless it can run. Reads nothing that changes while the
         engine runs, so the server calls it on its own thread and bad input never reaches the engine loop."""
@@ -168,7 +201,8 @@ class LLMEngine:
     def _spell_bad_words(self, words: tuple[str, ...]) -> list[list[int]]:
         spellings = {
             tuple(self.tokenizer.encode(prefix + word.lstrip(), add_special_tokens=False))
-            for word in words for prefix in ("", " ")
+            for word in words
+            for prefix in ("", " ")
         }
         return [list(ids) for ids in spellings if ids]
 
@@ -192,8 +226,14 @@ class LLMEngine:
                 f"{self.max_request_tokens} tokens a request may hold (context window {self.max_model_len})"
             )
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    tier: str = DEFAULT_TIER, cache_salt: str | None = None) -> Sequence:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        tier: str = DEFAULT_TIER,
+        cache_salt: str | None = None,
+    ) -> Sequence:
         """Check a request at the door and queue it, in one call (offline use: `LLM`, the benchmarks)."""
         return self.enqueue(self.request(request_id, prompt, params, tier, cache_salt))
 
@@ -201,9 +241,15 @@ class LLMEngine:
         """Queue a request that came through `request()`: all that can still be wrong is an id in use."""
         if request.request_id in self.seqs:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
-        seq = Sequence(request.request_id, request.prompt_token_ids, request.params, priority=request.priority,
-                       cache_salt=request.cache_salt, bad_words_token_ids=request.bad_words_token_ids,
-                       arrival=request.arrival_time)
+        seq = Sequence(
+            request.request_id,
+            request.prompt_token_ids,
+            request.params,
+            priority=request.priority,
+            cache_salt=request.cache_salt,
+            bad_words_token_ids=request.bad_words_token_ids,
+            arrival=request.arrival_time,
+        )
         self.seqs[request.request_id] = seq
         self.scheduler.add(seq)
         return seq
@@ -239,19 +285,23 @@ class LLMEngine:
         prefetch_grammar_masks(batch.seqs, batch.num_new_tokens, self.model_config.vocab_size)
         logits, sampling = self.runner.run(batch)
         sampled = sample_verified(logits, sampling, self.tokenizer.stop_token_ids) if sampling else []
-        spec = self.speculator.observe(batch, sampling, sampled, time.monotonic() - forward_start) \
-            if self.speculator else None
-        num_decode_tokens = sum(n for seq, n in zip(batch.seqs, batch.num_new_tokens)
-                                if n == 1 or seq.spec_token_ids)
+        spec = (
+            self.speculator.observe(batch, sampling, sampled, time.monotonic() - forward_start)
+            if self.speculator
+            else None
+        )
+        num_decode_tokens = sum(n for seq, n in zip(batch.seqs, batch.num_new_tokens) if n == 1 or seq.spec_token_ids)
         # KV the step read, for the SLO controller's step-time model only (read before postprocessing moves it on).
-        context_tokens = (sum(seq.num_computed_tokens for seq in batch.seqs) + batch.num_tokens
-                          if self.scheduler.slo else 0)
+        context_tokens = (
+            sum(seq.num_computed_tokens for seq in batch.seqs) + batch.num_tokens if self.scheduler.slo else 0
+        )
         outputs = self._postprocess(batch, dict(zip(map(id, sampling), sampled)))
         end = time.monotonic()
         self._record_step(batch, num_decode_tokens, spec, end - start)
         if self.scheduler.slo:
-            self.scheduler.slo.observe(batch.num_tokens, len(batch.seqs), context_tokens, start, end,
-                                       self.scheduler.has_work())
+            self.scheduler.slo.observe(
+                batch.num_tokens, len(batch.seqs), context_tokens, start, end, self.scheduler.has_work()
+            )
         return outputs
 
     def _postprocess(self, batch: ScheduledBatch, sampled: dict) -> list[RequestOutput]:

@@ -15,8 +15,9 @@ from carpool.engine.sequence import Sequence
 from carpool.engine.structured.masks import apply_grammar_masks
 
 
-def adjust_logits(logits: torch.Tensor, seqs: list[Sequence], end_token_ids: frozenset[int],
-                  mask_in_place: bool = False) -> torch.Tensor:
+def adjust_logits(
+    logits: torch.Tensor, seqs: list[Sequence], end_token_ids: frozenset[int], mask_in_place: bool = False
+) -> torch.Tensor:
     """The logits to sample from: `logits` itself when no row asks for anything, else an adjusted fp32 copy; with
     `mask_in_place`, a batch whose only adjustment is a grammar's is masked in fp32 `logits` itself (its
     constrained rows; a copy of 32 x 49K floats costs 0.6 ms a step).
@@ -35,8 +36,9 @@ def adjust_logits(logits: torch.Tensor, seqs: list[Sequence], end_token_ids: fro
     if biased:
         columns = [seqs[row].params.logit_bias_columns for row in biased]
         index, tokens = _occurrences([tokens for tokens, _ in columns], adjusted.device)
-        biases = torch.tensor(list(itertools.chain.from_iterable(b for _, b in columns)), dtype=adjusted.dtype,
-                              device=adjusted.device)
+        biases = torch.tensor(
+            list(itertools.chain.from_iterable(b for _, b in columns)), dtype=adjusted.dtype, device=adjusted.device
+        )
         adjusted.index_put_((_long(biased, adjusted.device)[index], tokens), biases, accumulate=True)
     if banned:
         rows, tokens = zip(*banned)
@@ -93,7 +95,7 @@ def _banned_tokens(seq: Sequence, end_token_ids: frozenset[int]) -> list[int]:
     for word in seq.bad_words_token_ids:
         # vLLM's rule: the word's last token is banned where the output so far ends with the rest of the word.
         prefix = word[:-1]
-        if not prefix or (len(prefix) <= seq.num_output_tokens and seq.token_ids[-len(prefix):] == prefix):
+        if not prefix or (len(prefix) <= seq.num_output_tokens and seq.token_ids[-len(prefix) :] == prefix):
             banned.append(word[-1])
     return banned
 

@@ -6,10 +6,10 @@ import mmap
 
 import torch
 
-from carpool.models.attention import AttentionMetadata, DecodeGroup, PrefillSegment, attention_metadata
 from carpool.engine.block_manager import cdiv
 from carpool.engine.scheduler import ScheduledBatch
 from carpool.engine.sequence import Sequence, TokenLogprob
+from carpool.models.attention import AttentionMetadata, DecodeGroup, PrefillSegment, attention_metadata
 
 PROMPT_LOGPROB_ROWS = 64
 
@@ -28,8 +28,16 @@ def _zeroed_pool(shape: tuple[int, ...], device: torch.device, dtype: torch.dtyp
 
 
 class ModelRunner:
-    def __init__(self, model, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype,
-                 sliding_window: int = 0, num_sliding_blocks: int | None = None):
+    def __init__(
+        self,
+        model,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        sliding_window: int = 0,
+        num_sliding_blocks: int | None = None,
+    ):
         self.model = model
         self.block_size = block_size
         self.device = device
@@ -43,7 +51,9 @@ class ModelRunner:
         blocks = {False: num_blocks, True: (num_blocks if num_sliding_blocks is None else num_sliding_blocks) + 1}
         pools = {
             group: _zeroed_pool(
-                (sliding.count(group), 2, blocks[group], block_size, config.num_kv_heads, config.head_dim), device, dtype
+                (sliding.count(group), 2, blocks[group], block_size, config.num_kv_heads, config.head_dim),
+                device,
+                dtype,
             )
             for group in (False, True)
         }
@@ -171,8 +181,10 @@ class ModelRunner:
         max_blocks = cdiv(max(lengths), self.block_size)
         tables = [table_of(seq)[:max_blocks] for seq, _ in rows]
         tables = [table + [0] * (max_blocks - len(table)) for table in tables]
-        return (torch.tensor(tables, dtype=torch.long, device=self.device),
-                torch.tensor(lengths, dtype=torch.long, device=self.device))
+        return (
+            torch.tensor(tables, dtype=torch.long, device=self.device),
+            torch.tensor(lengths, dtype=torch.long, device=self.device),
+        )
 
 
 def _decoding(seq: Sequence, num_new_tokens: int) -> bool:

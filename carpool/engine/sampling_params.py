@@ -73,8 +73,9 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
-        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
-                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+        if self.prompt_logprobs is not None and (
+            not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
             raise ValueError(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
         if not _is_int(self.prompt_logprobs_start) or self.prompt_logprobs_start < 1:
             raise ValueError(f"prompt_logprobs_start must be an integer >= 1, got {self.prompt_logprobs_start!r}")
@@ -87,8 +88,9 @@ class SamplingParams:
         if self.logit_bias is not None:
             self._check_logit_bias()
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
-                             f"got {self.min_tokens!r}")
+            raise ValueError(
+                f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}"
+            )
         self.bad_words = _strings("bad_words", self.bad_words) or None
         if any(not word.strip() for word in self.bad_words or ()):
             raise ValueError("bad_words must not be empty or blank")
@@ -109,8 +111,10 @@ class SamplingParams:
             raise ValueError("logit_bias must map non-negative integer token ids to numbers")
         for token, bias in self.logit_bias.items():
             if not _is_number(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
-                raise ValueError(f"logit_bias: the bias of token {token} must be in "
-                                 f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias!r}")
+                raise ValueError(
+                    f"logit_bias: the bias of token {token} must be in "
+                    f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias!r}"
+                )
 
     @property
     def greedy(self) -> bool:
@@ -137,8 +141,10 @@ def check_text(name: str, text: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as error:
-        raise ValueError(f"{name}: contains a lone UTF-16 surrogate ({text[error.start]!a}) at character "
-                         f"{error.start}, which is not valid Unicode text") from None
+        raise ValueError(
+            f"{name}: contains a lone UTF-16 surrogate ({text[error.start]!a}) at character "
+            f"{error.start}, which is not valid Unicode text"
+        ) from None
 
 
 def _strings(name: str, value) -> list[str]:
@@ -162,7 +168,7 @@ def _is_int(value) -> bool:
 
 
 def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
 
 
 def _is_finite(value) -> bool:

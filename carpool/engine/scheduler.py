@@ -38,8 +38,11 @@ class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager):
         self.config = config
         self.block_manager = block_manager
-        self.slo = SloController(config.slo_itl_ms, config.slo_ttft_ms, config.block_size) \
-            if config.slo_itl_ms or config.slo_ttft_ms else None
+        self.slo = (
+            SloController(config.slo_itl_ms, config.slo_ttft_ms, config.block_size)
+            if config.slo_itl_ms or config.slo_ttft_ms
+            else None
+        )
         self.limits = StepLimits(config.max_num_batched_tokens, config.max_num_seqs, "fixed")  # the last step's
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
@@ -71,21 +74,31 @@ class Scheduler:
         now = time.monotonic()
         # The flags are read every step: the ceilings under the SLO controller, the limits without it.
         ceilings = (self.config.max_num_batched_tokens, self.config.max_num_seqs)
-        self.limits = self.slo.plan(self.running, self.waiting, now, *ceilings) if self.slo \
-            else StepLimits(*ceilings, "fixed")
+        self.limits = (
+            self.slo.plan(self.running, self.waiting, now, *ceilings) if self.slo else StepLimits(*ceilings, "fixed")
+        )
         # One ordering for everything: aged tier, then arrival. Waiting and running requests are ranked the
         # same way, so a preemption can never be undone by its victim on the next step.
         rank = {s: (self.effective_priority(s, now), s.times.arrival, s.seq_id) for s in self.running + self.waiting}
         self.running.sort(key=rank.__getitem__)
         # A background tier's decodes sit out any step that computes a foreground tier's prompt.
-        foreground_prompt = any(s.priority < BACKGROUND_PRIORITY and s.num_tokens - s.num_computed_tokens > 1
-                                for s in self.running + self.waiting)
-        decodes = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1
-                   and not (foreground_prompt and s.priority >= BACKGROUND_PRIORITY)]
+        foreground_prompt = any(
+            s.priority < BACKGROUND_PRIORITY and s.num_tokens - s.num_computed_tokens > 1
+            for s in self.running + self.waiting
+        )
+        decodes = [
+            s
+            for s in self.running
+            if s.num_tokens - s.num_computed_tokens == 1
+            and not (foreground_prompt and s.priority >= BACKGROUND_PRIORITY)
+        ]
         prompts = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1] + self.waiting
         pending = {h for s in self.running for h in self.block_manager.uncomputed_prompt_hashes(s)}
-        self._held = self.limits.reserved if self.limits.reserved and any(
-            self._may_use_held(s, pending, rank) for s in prompts) else 0  # no prefix lookups without a hold
+        self._held = (
+            self.limits.reserved
+            if self.limits.reserved and any(self._may_use_held(s, pending, rank) for s in prompts)
+            else 0
+        )  # no prefix lookups without a hold
         # Drafts get what is left after every decode's token and the held block: drawn from the whole step,
         # the first decodes' lookahead took the later (priority) decodes' tokens and they sat out the step.
         self._draft_tokens = max(0, self.limits.max_tokens - len(decodes) - self._held)
@@ -136,15 +149,20 @@ class Scheduler:
             return False
         if seq.status is SequenceStatus.RUNNING:
             return True
-        return not self._capped(seq, rank) and \
-            self.block_manager.prompt_block_hash(seq, len(self.block_manager.match_prefix(seq))) not in pending
+        return (
+            not self._capped(seq, rank)
+            and self.block_manager.prompt_block_hash(seq, len(self.block_manager.match_prefix(seq))) not in pending
+        )
 
     def _budget(self, batch: ScheduledBatch, seq: Sequence | None = None) -> int:
         """Tokens left this step; for seq's prompt, less the block the SLO controller holds for lower tiers."""
         left = self.limits.max_tokens - batch.num_tokens
         if seq is not None and seq.priority <= self.limits.exempt_priority:
-            used = sum(n for s, n in zip(batch.seqs, batch.num_new_tokens)
-                       if n > 1 and s.priority > self.limits.exempt_priority)
+            used = sum(
+                n
+                for s, n in zip(batch.seqs, batch.num_new_tokens)
+                if n > 1 and s.priority > self.limits.exempt_priority
+            )
             left -= max(0, self._held - used)
         return left
 

@@ -78,8 +78,9 @@ class Sequence:
         # params.prompt_logprobs: one entry per prompt token, None for the first (nothing predicts it) and for those
         # before params.prompt_logprobs_start; filled as prefill chunks run, and not again when a preemption
         # recomputes them.
-        self.prompt_logprobs: list[TokenLogprob | None] = [None] * max(1, min(params.prompt_logprobs_start,
-                                                                                self.num_prompt_tokens))
+        self.prompt_logprobs: list[TokenLogprob | None] = [None] * max(
+            1, min(params.prompt_logprobs_start, self.num_prompt_tokens)
+        )
         self.cumulative_logprob = 0.0  # of the output tokens, kept when params.logprobs or params.ranked ask
         self.output_text = ""
         # Speculative decoding, for one step: how many draft tokens the scheduler reserves KV slots for, the

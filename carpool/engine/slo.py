@@ -254,13 +254,23 @@ class SloController:
         floor = sum(1 for s in present if s.priority <= tier) + any(s.priority > tier for s in present)
         return max(1, min(self.max_seqs, max(fits, floor)))
 
-    def _meet_ttft(self, limits: StepLimits, itl_tier: int, running: list, waiting: list, num_decodes: int,
-                   context_per_seq: float, now: float) -> StepLimits:
+    def _meet_ttft(
+        self,
+        limits: StepLimits,
+        itl_tier: int,
+        running: list,
+        waiting: list,
+        num_decodes: int,
+        context_per_seq: float,
+        now: float,
+    ) -> StepLimits:
         """Raise the budget to the smallest that prefills every TTFT-bound prompt (tier <= itl_tier) in time."""
         if not self.ttft:
             return limits
-        prompts = sorted((s for s in running + waiting if s.num_tokens - s.num_computed_tokens > 1),
-                         key=lambda s: (s.priority, s.times.arrival))
+        prompts = sorted(
+            (s for s in running + waiting if s.num_tokens - s.num_computed_tokens > 1),
+            key=lambda s: (s.priority, s.times.arrival),
+        )
         needed, ahead, tightest = limits.max_tokens, 0, None
         for seq in prompts:
             ahead += seq.num_tokens - seq.num_computed_tokens
@@ -279,8 +289,10 @@ class SloController:
         budget = self.min_chunk
         while budget < self.max_tokens:
             chunk = budget - num_decodes
-            if chunk > 0 and math.ceil(prompt_tokens / chunk) * self.model.predict(
-                    budget, num_decodes + 1, context) <= seconds:
+            if (
+                chunk > 0
+                and math.ceil(prompt_tokens / chunk) * self.model.predict(budget, num_decodes + 1, context) <= seconds
+            ):
                 return budget
             budget *= 2
         return self.max_tokens

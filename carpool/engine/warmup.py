@@ -55,11 +55,16 @@ def warm_up(engine: LLMEngine) -> WarmupReport:
     sampled = SamplingParams(max_tokens=DECODE_STEPS + 1, temperature=0.8, top_p=0.9, ignore_eos=True)
     rounds = [[("warmup-long", [(7 * j + 1) % vocab for j in range(long_tokens)], greedy)]] if long_tokens > 0 else []
     for index, size in enumerate(sizes):
-        rounds.append([
-            (f"warmup-{size}-{i}", [(index * 131 + i * SHORT_PROMPT_TOKENS + j) % vocab for j in
-                                    range(SHORT_PROMPT_TOKENS)], greedy if i % 2 else sampled)
-            for i in range(size)
-        ])
+        rounds.append(
+            [
+                (
+                    f"warmup-{size}-{i}",
+                    [(index * 131 + i * SHORT_PROMPT_TOKENS + j) % vocab for j in range(SHORT_PROMPT_TOKENS)],
+                    greedy if i % 2 else sampled,
+                )
+                for i in range(size)
+            ]
+        )
     steps = 0
     for requests in rounds:
         for request_id, prompt, params in requests:
@@ -68,6 +73,11 @@ def warm_up(engine: LLMEngine) -> WarmupReport:
             engine.step()
             steps += 1
     report = WarmupReport(sizes, max(long_tokens, 0), steps, time.monotonic() - start)
-    logger.info("warm-up: decode batch sizes %s and a %d-token prefill in %d steps, %.2f s", report.batch_sizes,
-                report.long_prefill_tokens, report.steps, report.seconds)
+    logger.info(
+        "warm-up: decode batch sizes %s and a %d-token prefill in %d steps, %.2f s",
+        report.batch_sizes,
+        report.long_prefill_tokens,
+        report.steps,
+        report.seconds,
+    )
     return report

@@ -28,8 +28,17 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 # What decides a path, for logs and `carpool info`.
-RELEVANT_FEATURES = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni",
-                     *AMX_FEATURES)
+RELEVANT_FEATURES = (
+    "avx2",
+    "fma",
+    "f16c",
+    "avx_vnni",
+    "avx512f",
+    "avx512bw",
+    "avx512_bf16",
+    "avx512_vnni",
+    *AMX_FEATURES,
+)
 
 
 def built_paths() -> set[str]:

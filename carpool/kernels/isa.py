@@ -72,8 +72,10 @@ def choose_path(
         if forced not in REQUIRED_FEATURES:
             raise ValueError(f"{ENV_VAR}: unknown kernel path {forced!r} (choose from {', '.join(PATHS)})")
         if forced not in built:
-            raise ValueError(f"{ENV_VAR}: kernel path {forced!r} is not built in this install (built: "
-                             f"{', '.join(p for p in PATHS if p in built) or 'none'})")
+            raise ValueError(
+                f"{ENV_VAR}: kernel path {forced!r} is not built in this install (built: "
+                f"{', '.join(p for p in PATHS if p in built) or 'none'})"
+            )
         missing = missing_features(forced, features)
         if missing:
             raise ValueError(f"{ENV_VAR}: this CPU cannot run the {forced} kernels, it lacks {', '.join(missing)}")

@@ -33,10 +33,11 @@ def describe() -> str:
     for path in PATHS:
         missing = missing_features(path, features)
         state = (
-            "not built" if path not in built
-            else f"CPU lacks {', '.join(missing)}" if missing
-            else refused[path] if path in refused
-            else "runs here"
+            "not built"
+            if path not in built
+            else f"CPU lacks {', '.join(missing)}"
+            if missing
+            else refused.get(path, "runs here")
         )
         lines.append(f"path {path}: {state}{'  <- chosen' if path == kernel_path() else ''}")
     how = f"forced by {ENV_VAR}" if forced_path() else f"the best this CPU runs; {ENV_VAR}=<path> forces one"

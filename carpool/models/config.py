@@ -102,7 +102,9 @@ def _rope(raw: dict, layer_type: str, where: str) -> tuple[float, float]:
         params = {"rope_theta": theta, **({} if sliding else raw.get("rope_scaling") or {})}
     rope_type = params.get("rope_type") or params.get("type") or "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"model: rope type {rope_type!r} in {where} is not supported (supported: {SUPPORTED_ROPE_TYPES})")
+        raise ValueError(
+            f"model: rope type {rope_type!r} in {where} is not supported (supported: {SUPPORTED_ROPE_TYPES})"
+        )
     return float(params.get("rope_theta", 10000.0)), float(params.get("factor", 1.0)) if rope_type == "linear" else 1.0
 
 

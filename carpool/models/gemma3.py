@@ -5,6 +5,8 @@
 - sliding-window layers (local rope base) interleaved with global ones (config.layer_types).
 """
 
+from typing import ClassVar
+
 import torch
 from torch import nn
 
@@ -36,7 +38,7 @@ class Gemma3DecoderLayer(nn.Module):
 class Gemma3ForCausalLM(CausalLM):
     gguf_architecture = "gemma3"
     layer_class = Gemma3DecoderLayer
-    gguf_layer_names = {
+    gguf_layer_names: ClassVar[dict[str, str]] = {
         "ffn_norm": "pre_feedforward_layernorm",
         "post_attention_norm": "post_attention_layernorm",
         "post_ffw_norm": "post_feedforward_layernorm",

@@ -12,6 +12,7 @@ class says how its GGUF file names and stores them differently.
 """
 
 import itertools
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -57,7 +58,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", sin, persistent=False)
 
     def _tables(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = torch.outer(torch.arange(length, dtype=torch.float32, device=self.inv_freq.device), self.inv_freq.float())
+        freqs = torch.outer(
+            torch.arange(length, dtype=torch.float32, device=self.inv_freq.device), self.inv_freq.float()
+        )
         angles = torch.cat([freqs, freqs], dim=-1)
         return angles.cos(), angles.sin()
 
@@ -132,7 +135,9 @@ class QKVAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = FusedLinear(config.hidden_size, [self.q_size, self.kv_size, self.kv_size], config.attention_bias)
+        self.qkv_proj = FusedLinear(
+            config.hidden_size, [self.q_size, self.kv_size, self.kv_size], config.attention_bias
+        )
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
@@ -204,7 +209,7 @@ class CausalLM(nn.Module):
     gguf_architecture: str  # GGUF's general.architecture
     layer_class = DecoderLayer
     # GGUF tensor names (after `blk.N.`) that this architecture maps differently from carpool.models.loader's.
-    gguf_layer_names: dict[str, str] = {}
+    gguf_layer_names: ClassVar[dict[str, str]] = {}
     # llama.cpp's converter interleaves each head's q/k rows for its rotary layout (Llama only); undone at load.
     gguf_rope_permuted = False
     # Gemma's RMSNorm scales by (1 + weight): Hugging Face stores the weight, GGUF the sum.
@@ -258,8 +263,13 @@ class CausalLM(nn.Module):
         group, sliding = meta.decode_groups[0], meta.sliding
         sliding_group = sliding.decode_groups[0] if sliding is not None else None
         return self.decode_stack().forward(
-            x, positions, [r.cos for r in rotaries], [r.sin for r in rotaries],
-            meta.slot_mapping, group.block_tables, group.context_lens,
+            x,
+            positions,
+            [r.cos for r in rotaries],
+            [r.sin for r in rotaries],
+            meta.slot_mapping,
+            group.block_tables,
+            group.context_lens,
             None if sliding is None else sliding.slot_mapping,
             None if sliding is None else sliding_group.block_tables,
             None if sliding is None else sliding_group.context_lens,
@@ -274,7 +284,11 @@ class CausalLM(nn.Module):
         config, rotaries = self.config, list(self.rotaries.values())
         attn = first.self_attn.attn
         stack = torch.classes.carpool.DecodeStack(
-            config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps, attn.scale,
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
+            config.rms_norm_eps,
+            attn.scale,
             first.mlp.activation,
         )
         for layer in self.layers:
@@ -282,11 +296,18 @@ class CausalLM(nn.Module):
             norms = [None if norm is None else norm.weight for norm in layer.fused_norms()]
             q_norm, k_norm = attention.q_norm, attention.k_norm
             stack.add_layer(
-                *norms, None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
-                *projection_parts(attention.qkv_proj), attention.qkv_proj.bias,
-                *projection_parts(attention.o_proj), *projection_parts(layer.mlp.gate_up_proj),
-                *projection_parts(layer.mlp.down_proj), attention.attn.k_cache, attention.attn.v_cache,
-                next(i for i, r in enumerate(rotaries) if r is attention.rotary), attention.attn.window,
+                *norms,
+                None if q_norm is None else q_norm.weight,
+                None if k_norm is None else k_norm.weight,
+                *projection_parts(attention.qkv_proj),
+                attention.qkv_proj.bias,
+                *projection_parts(attention.o_proj),
+                *projection_parts(layer.mlp.gate_up_proj),
+                *projection_parts(layer.mlp.down_proj),
+                attention.attn.k_cache,
+                attention.attn.v_cache,
+                next(i for i, r in enumerate(rotaries) if r is attention.rotary),
+                attention.attn.window,
             )
         self._decode_stack = (source, stack)
         return stack
@@ -318,6 +339,8 @@ class CausalLM(nn.Module):
         own = install_ggml_modules(self, own, dtype)
         missing, unexpected = self.load_state_dict(own, strict=False, assign=True)
         if missing or unexpected:
-            raise ValueError(f"model: weights do not match the architecture (missing {missing}, unexpected {unexpected})")
+            raise ValueError(
+                f"model: weights do not match the architecture (missing {missing}, unexpected {unexpected})"
+            )
         if self.config.tie_word_embeddings and isinstance(self.lm_head, nn.Linear):
             self.lm_head.weight = self.embed_tokens.weight  # one Parameter, so a dtype conversion keeps one copy

@@ -21,22 +21,30 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from carpool.models.catalog import MODELS, cache_dir, model_name, resolve
-from carpool.models.catalog import default_model_path  # noqa: F401  (where the rest of carpool finds it)
+from carpool.models.catalog import (
+    MODELS,
+    cache_dir,
+    default_model_path,  # noqa: F401  (where the rest of carpool finds it)
+    model_name,
+    resolve,
+)
 from carpool.models.config import ModelConfig, config_from_hf, hf_config_from_gguf
 from carpool.models.layers import CausalLM
 from carpool.models.quantization import KERNEL_TYPES, GGMLWeight, resolve_weights
 from carpool.models.registry import model_class
 
+CPU = torch.device("cpu")
 CACHE_FORMAT = 3  # bumped whenever the cached layout changes, so stale caches are not read
 GGUF_INDEX_FILE = "gguf_tensors.json"  # in a GGUF file's cache directory: the file's path and its tensors
 
 _Q = gguf.GGMLQuantizationType
 DENSE_TYPES = frozenset({_Q.F32, _Q.F16, _Q.BF16})
 # Block formats carpool reads: run by kernels (KERNEL_TYPES) or dequantized at load.
-SUPPORTED_TYPES = DENSE_TYPES | KERNEL_TYPES | {
-    _Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q5_1, _Q.Q8_0, _Q.Q2_K, _Q.Q3_K, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K
-}
+SUPPORTED_TYPES = (
+    DENSE_TYPES
+    | KERNEL_TYPES
+    | {_Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q5_1, _Q.Q8_0, _Q.Q2_K, _Q.Q3_K, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K}
+)
 
 
 # GGUF tensor names (after the `blk.N.` prefix) -> Hugging Face names (after `model.layers.N.`); an
@@ -89,7 +97,12 @@ class _GGUFReader(gguf.GGUFReader):
 
     def _build_tensors(self, start_offs: int, fields: list) -> None:
         for field in fields:
-            name, dims, raw_type, offset = bytes(field.parts[1]).decode(), field.parts[3], int(field.parts[4][0]), int(field.parts[5][0])
+            name, dims, raw_type, offset = (
+                bytes(field.parts[1]).decode(),
+                field.parts[3],
+                int(field.parts[4][0]),
+                int(field.parts[5][0]),
+            )
             try:
                 qtype = _Q(raw_type)
             except ValueError:  # a format newer than gguf-py
@@ -200,12 +213,14 @@ def tensor_infos(directory: Path) -> dict[str, TensorInfo]:
         for entry in json.loads(index.read_text())["tensors"]:
             qtype = _Q[entry["type"]]
             block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
-            infos[entry["name"]] = TensorInfo(tuple(entry["shape"]), qtype, math.prod(entry["shape"]) // block_size * type_size)
+            infos[entry["name"]] = TensorInfo(
+                tuple(entry["shape"]), qtype, math.prod(entry["shape"]) // block_size * type_size
+            )
         return infos
     infos = {}
     for file in sorted(Path(directory).glob("*.safetensors")):
         with safe_open(str(file), "pt") as weights:
-            for name in weights.keys():
+            for name in weights:
                 view = weights.get_slice(name)
                 shape = tuple(view.get_shape())
                 infos[name] = TensorInfo(shape, None, math.prod(shape) * _safetensors_itemsize(view.get_dtype()))
@@ -217,7 +232,7 @@ def _safetensors_itemsize(dtype: str) -> int:
 
 
 @contextmanager
-def open_weights(directory: Path, quantization: str = "none", device: torch.device = torch.device("cpu")):
+def open_weights(directory: Path, quantization: str = "none", device: torch.device = CPU):
     """Yields (config, state dict with Hugging Face names): dense tensors, and GGMLWeights where `quantization`
     (see carpool.models.quantization) keeps or makes weights in GGML blocks. Load them into the model inside
     the `with`: a GGUF file is mapped, and on exit the pages the load read to copy or dequantize are handed back
@@ -266,5 +281,5 @@ def _safetensors_state(directory: Path) -> dict[str, torch.Tensor]:
     state = {}
     for file in sorted(directory.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as weights:
-            state.update({k: weights.get_tensor(k).float() for k in weights.keys()})
+            state.update({k: weights.get_tensor(k).float() for k in weights})
     return state

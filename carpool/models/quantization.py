@@ -88,8 +88,7 @@ class GGMLWeight:
         path = kernel_path()
         if self.qtype in OCTET_MAJOR_TYPES and self.shape[1] >= OCTET_WEIGHTS and path in OCTET_MAJOR_PATHS:
             return self.arranged("octet-major")
-        if (self.qtype in ROW_GROUP_TYPES and self.shape[0] % GROUP_ROWS == 0 and not lookup
-                and path in ROW_GROUP_PATHS):
+        if self.qtype in ROW_GROUP_TYPES and self.shape[0] % GROUP_ROWS == 0 and not lookup and path in ROW_GROUP_PATHS:
             return self.arranged("row-groups")
         return self
 
@@ -223,7 +222,8 @@ def resolve_weights(state: dict, quantization: str, device: torch.device) -> dic
         qtype = GGML_TYPES[quantization]
         return {
             k: GGMLWeight.quantize(v.dequantize() if isinstance(v, GGMLWeight) else v, qtype)
-            if isinstance(v, GGMLWeight) or quantizable(v.shape, qtype) else v
+            if isinstance(v, GGMLWeight) or quantizable(v.shape, qtype)
+            else v
             for k, v in state.items()
         }
     return state
@@ -233,8 +233,11 @@ def install_ggml_modules(model: nn.Module, state: dict, dtype: torch.dtype) -> d
     """Swap the Linear/Embedding modules whose weights are GGMLWeights (in the layout this CPU's kernels run
     fastest) for block-format modules; returns the dense rest of the state dict, for load_state_dict."""
     dense, laid_out = {}, {}  # a tied embedding and LM head: one GGMLWeight, rearranged once and shared
-    modules = {name: model.get_submodule(name.removesuffix(".weight"))
-               for name, value in state.items() if isinstance(value, GGMLWeight)}
+    modules = {
+        name: model.get_submodule(name.removesuffix(".weight"))
+        for name, value in state.items()
+        if isinstance(value, GGMLWeight)
+    }
     looked_up = {id(state[name]) for name, module in modules.items() if isinstance(module, nn.Embedding)}
     for name, value in state.items():
         if not isinstance(value, GGMLWeight):

@@ -11,7 +11,8 @@ import json
 from pathlib import Path
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, normalizers, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
 
 _CONTROL, _USER_DEFINED = 3, 4  # GGUF token types
 # Pre-tokenizer regexes by llama.cpp's `tokenizer.ggml.pre` name (the ones transformers uses for them).
@@ -83,14 +84,19 @@ def _byte_level_bpe(field, tokens: list[str]) -> HFTokenizer:
     tokenizer = HFTokenizer(models.BPE(vocab, merges, ignore_merges=False))
     pre = field("tokenizer.ggml.pre")
     if pre in _SPLITS:
-        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     elif pre in _DIGIT_SPLIT_PRE:
-        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False),
-        ])
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False),
+            ]
+        )
     else:
         tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -124,7 +130,9 @@ def _merges_by_position(vocab: dict[str, int]) -> list[tuple[str, str]]:
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character table that byte-level BPE vocabularies are spelled in."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     extra = [b for b in range(256) if b not in printable]
     return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(extra)}}
 
@@ -197,8 +205,9 @@ class Tokenizer:
         """Whether the chat template renders a `tools` list (Qwen2.5's does; SmolLM2's and Gemma 3's do not)."""
         return "tools" in (self.chat_template or "")
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> str:
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> str:
         if self._template is None:
             raise ValueError("messages: this model has no chat template; send a raw prompt instead")
         return self._template.render(

@@ -44,9 +44,12 @@ class _QueueCollector:
 
     def collect(self):
         """The prometheus_client collector interface."""
-        family = GaugeMetricFamily("carpool:num_requests_queued", "Requests admitted and waiting for their first "
-                                   "token, by service tier (the queue that answers 429 once full).",
-                                   labels=["model_name", "tier"])
+        family = GaugeMetricFamily(
+            "carpool:num_requests_queued",
+            "Requests admitted and waiting for their first "
+            "token, by service tier (the queue that answers 429 once full).",
+            labels=["model_name", "tier"],
+        )
         for model_name, queues in self.queues.items():
             for tier in TIER_NAMES:
                 family.add_metric([model_name, tier], queues.queued[tier])

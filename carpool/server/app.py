@@ -99,8 +99,11 @@ def create_app(
         app.include_router(batches.router)
     # Admin-only whenever keys come from a key store (which has admins), not only when the ledger panels are
     # shown: a later panel must not reach tenants because a caller left `ledger_panels` out.
-    app.include_router(dashboard_router(engines, metrics, time.time(), batches, ledger_panels,
-                                        admin_only=not isinstance(gate, OpenGate)))
+    app.include_router(
+        dashboard_router(
+            engines, metrics, time.time(), batches, ledger_panels, admin_only=not isinstance(gate, OpenGate)
+        )
+    )
 
     async def _compile_constraint(body: ChatCompletionRequest | CompletionRequest) -> None:
         """Off the event loop (see ModelServing.compile_constraint), and no thread hop for requests without one."""
@@ -112,23 +115,33 @@ def create_app(
     async def chat_completions(body: ChatCompletionRequest, request: Request, caller: Caller):
         body, compressed = await compression.apply(body, caller, request.state.request_id)
         if body.model in cascade_serving:
-            return await _respond(request, *await cascade_serving.answer(body, caller, request.state.request_id),
-                                  body.stream, body.stream_options)
+            return await _respond(
+                request,
+                *await cascade_serving.answer(body, caller, request.state.request_id),
+                body.stream,
+                body.stream_options,
+            )
         await _compile_constraint(body)
         started_chat = await serving.started(serving.start_chat, body, caller)
-        return await _respond(request, *compression.started(started_chat, compressed), None, body.stream,
-                              body.stream_options)
+        return await _respond(
+            request, *compression.started(started_chat, compressed), None, body.stream, body.stream_options
+        )
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request, caller: Caller):
         body, compressed = await compression.apply(body, caller, request.state.request_id)
         if body.model in cascade_serving:
-            return await _respond(request, *await cascade_serving.answer(body, caller, request.state.request_id),
-                                  body.stream, body.stream_options)
+            return await _respond(
+                request,
+                *await cascade_serving.answer(body, caller, request.state.request_id),
+                body.stream,
+                body.stream_options,
+            )
         await _compile_constraint(body)
         started_completion = await serving.started(serving.start_completion, body, caller)
-        return await _respond(request, *compression.started(started_completion, compressed), None, body.stream,
-                              body.stream_options)
+        return await _respond(
+            request, *compression.started(started_completion, compressed), None, body.stream, body.stream_options
+        )
 
     @app.post("/v1/compress")
     async def compress(body: CompressRequest, request: Request, caller: Caller) -> dict:
@@ -136,8 +149,11 @@ def create_app(
 
     @app.get("/v1/models")
     def list_models(caller: Caller) -> dict:
-        return {"object": "list", "data": [_model_card(name, started, engine) for name, engine in engines.items()]
-                + cascade_serving.cards(started)}
+        return {
+            "object": "list",
+            "data": [_model_card(name, started, engine) for name, engine in engines.items()]
+            + cascade_serving.cards(started),
+        }
 
     @app.get("/v1/models/{model:path}")  # served names may hold a slash (`Qwen/Qwen2.5-Coder-0.5B`)
     def get_model(model: str, caller: Caller) -> dict:
@@ -176,18 +192,32 @@ def create_app(
 
 
 def _model_card(model_name: str, created: int, engine: AsyncEngine) -> dict:
-    return {"id": model_name, "object": "model", "created": created, "owned_by": "carpool",
-            "max_model_len": engine.max_model_len}
+    return {
+        "id": model_name,
+        "object": "model",
+        "created": created,
+        "owned_by": "carpool",
+        "max_model_len": engine.max_model_len,
+    }
 
 
-async def _respond(request: Request, gen: Generation, fmt: ChatFormat | CompletionFormat, headers: dict | None,
-                   stream: bool | None, stream_options) -> Response:
+async def _respond(
+    request: Request,
+    gen: Generation,
+    fmt: ChatFormat | CompletionFormat,
+    headers: dict | None,
+    stream: bool | None,
+    stream_options,
+) -> Response:
     if stream:
         include_usage = bool(stream_options and stream_options.include_usage)
         # The background task covers a stream that never started; otherwise the stream cancels on its way out.
-        return StreamingResponse(_events(gen, fmt, include_usage), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"} | (headers or {}),
-                                 background=BackgroundTask(gen.cancel))
+        return StreamingResponse(
+            _events(gen, fmt, include_usage),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"} | (headers or {}),
+            background=BackgroundTask(gen.cancel),
+        )
     if not await _finished_before_disconnect(request, gen):
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     try:

@@ -41,7 +41,10 @@ class BodyLimit:
 
     async def _refuse(self, send: Send, max_bytes: int) -> None:
         body = json.dumps(error_body(413, self._message(max_bytes))).encode()
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                   (b"connection", b"close")]
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+        ]
         await send({"type": "http.response.start", "status": 413, "headers": headers})
         await send({"type": "http.response.body", "body": body})

@@ -26,65 +26,140 @@ PER_MODEL_FLAGS = (
 def add_serve_parser(subparsers) -> None:
     defaults = EngineConfig()
     # "resolve": the per-model flags below replace the single-valued ones add_engine_args defines.
-    parser = subparsers.add_parser("serve", help="serve the OpenAI-compatible API over HTTP",
-                                   conflict_handler="resolve")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine "
-                                                             "only; 0.0.0.0 for every interface)")
+    parser = subparsers.add_parser(
+        "serve", help="serve the OpenAI-compatible API over HTTP", conflict_handler="resolve"
+    )
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default: 127.0.0.1, this machine only; 0.0.0.0 for every interface)",
+    )
     parser.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000)")
-    parser.add_argument("--api-key", action="append", default=[],
-                        help="accept only these keys, with no ledger (repeatable; default: the key store in --db, "
-                             "open to everyone while it holds no keys)")
-    parser.add_argument("--max-queued-per-tier", type=int, default=limits.MAX_QUEUED_PER_TIER,
-                        help="requests waiting for their first token, per model and service tier, before 429s")
-    parser.add_argument("--max-body-bytes", type=int, default=limits.MAX_BODY_BYTES,
-                        help=f"largest request body before a 413 (default: {limits.MAX_BODY_BYTES}; batch uploads "
-                             "have their own limit)")
-    parser.add_argument("--batch-dir", default=None,
-                        help="where batches and files live, for this --db only (default: $CARPOOL_BATCH_DIR, else "
-                             "<db>.batches beside the database)")
-    parser.add_argument("--no-warmup", action="store_true",
-                        help="serve at once instead of first running every step shape once (/health says "
-                             "\"warming\" until then; without it the first requests pay for the cold start)")
-    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
-                        help="server log verbosity (default: info)")
-    parser.add_argument("--cascades", default=None, metavar="PATH",
-                        help="model cascades TOML: names clients may pass as `model` that ask the served models in "
-                             "order, escalating when a step's answer scores below its threshold "
-                             "(carpool.server.cascade.config; `carpool cascade calibrate` fits the thresholds)")
-    parser.add_argument("--compression-model", default=None, metavar="NAME",
-                        help="the served model that scores `prompt_compression` and /v1/compress (its per-token "
-                             "surprisal; default: the smallest served model)")
-    parser.add_argument("--replicas", type=int, default=0,
-                        help="serve each model from N engine replicas on Ray Serve behind this one endpoint (needs "
-                             "`make scale`; --num-threads is then each replica's; default: one engine in-process)")
-    parser.add_argument("--routing", default="prefix", choices=["prefix", "least-loaded", "round-robin"],
-                        help="how --replicas picks a replica: the one most likely to hold the prompt's prefix in "
-                             "its cache (default), the least loaded, or in turn")
-    parser.add_argument("--ray-address", default=None,
-                        help="the Ray cluster the replicas run on (default: a local one started for this server)")
+    parser.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help="accept only these keys, with no ledger (repeatable; default: the key store in --db, "
+        "open to everyone while it holds no keys)",
+    )
+    parser.add_argument(
+        "--max-queued-per-tier",
+        type=int,
+        default=limits.MAX_QUEUED_PER_TIER,
+        help="requests waiting for their first token, per model and service tier, before 429s",
+    )
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=limits.MAX_BODY_BYTES,
+        help=f"largest request body before a 413 (default: {limits.MAX_BODY_BYTES}; batch uploads "
+        "have their own limit)",
+    )
+    parser.add_argument(
+        "--batch-dir",
+        default=None,
+        help="where batches and files live, for this --db only (default: $CARPOOL_BATCH_DIR, else "
+        "<db>.batches beside the database)",
+    )
+    parser.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="serve at once instead of first running every step shape once (/health says "
+        '"warming" until then; without it the first requests pay for the cold start)',
+    )
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="server log verbosity (default: info)",
+    )
+    parser.add_argument(
+        "--cascades",
+        default=None,
+        metavar="PATH",
+        help="model cascades TOML: names clients may pass as `model` that ask the served models in "
+        "order, escalating when a step's answer scores below its threshold "
+        "(carpool.server.cascade.config; `carpool cascade calibrate` fits the thresholds)",
+    )
+    parser.add_argument(
+        "--compression-model",
+        default=None,
+        metavar="NAME",
+        help="the served model that scores `prompt_compression` and /v1/compress (its per-token "
+        "surprisal; default: the smallest served model)",
+    )
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=0,
+        help="serve each model from N engine replicas on Ray Serve behind this one endpoint (needs "
+        "`make scale`; --num-threads is then each replica's; default: one engine in-process)",
+    )
+    parser.add_argument(
+        "--routing",
+        default="prefix",
+        choices=["prefix", "least-loaded", "round-robin"],
+        help="how --replicas picks a replica: the one most likely to hold the prompt's prefix in "
+        "its cache (default), the least loaded, or in turn",
+    )
+    parser.add_argument(
+        "--ray-address",
+        default=None,
+        help="the Ray cluster the replicas run on (default: a local one started for this server)",
+    )
     add_gate_args(parser)
     add_engine_args(parser)
-    parser.add_argument("--model", action="append", default=None,
-                        help="a model to serve: GGUF file, safetensors directory or short name (repeatable: one "
-                             "engine and KV pool per model; default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--served-model-name", action="append", default=None,
-                        help="the name clients pass as `model`, one per --model in order (default: the model's "
-                             "own name)")
-    parser.add_argument("--kv-cache-gb", type=float, action="append", default=None,
-                        help=f"KV pool per model, one value for all or one per --model (default: {defaults.kv_cache_gb})")
-    parser.add_argument("--num-kv-blocks", type=int, action="append", default=None,
-                        help="exact KV pool per model in blocks, overrides --kv-cache-gb (one for all or one per "
-                             "--model)")
-    parser.add_argument("--max-num-seqs", type=int, action="append", default=None,
-                        help=f"sequence slots per model, one for all or one per --model (default: "
-                             f"{defaults.max_num_seqs})")
-    parser.add_argument("--slo-itl-ms", action="append", default=None, metavar="TIER=MS",
-                        help="inter-token latency SLO of a tier (repeatable): each step's token budget and batch "
-                             "size then follow measured step times so the highest tier present meets it, and grow "
-                             "to --max-num-batched-tokens / --max-num-seqs when none is present")
-    parser.add_argument("--slo-ttft-ms", action="append", default=None, metavar="TIER=MS",
-                        help="time-to-first-token SLO of a tier (repeatable): the SLO controller keeps the step "
-                             "large enough to prefill that tier's prompts in time")
+    parser.add_argument(
+        "--model",
+        action="append",
+        default=None,
+        help="a model to serve: GGUF file, safetensors directory or short name (repeatable: one "
+        "engine and KV pool per model; default: SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument(
+        "--served-model-name",
+        action="append",
+        default=None,
+        help="the name clients pass as `model`, one per --model in order (default: the model's own name)",
+    )
+    parser.add_argument(
+        "--kv-cache-gb",
+        type=float,
+        action="append",
+        default=None,
+        help=f"KV pool per model, one value for all or one per --model (default: {defaults.kv_cache_gb})",
+    )
+    parser.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        action="append",
+        default=None,
+        help="exact KV pool per model in blocks, overrides --kv-cache-gb (one for all or one per --model)",
+    )
+    parser.add_argument(
+        "--max-num-seqs",
+        type=int,
+        action="append",
+        default=None,
+        help=f"sequence slots per model, one for all or one per --model (default: {defaults.max_num_seqs})",
+    )
+    parser.add_argument(
+        "--slo-itl-ms",
+        action="append",
+        default=None,
+        metavar="TIER=MS",
+        help="inter-token latency SLO of a tier (repeatable): each step's token budget and batch "
+        "size then follow measured step times so the highest tier present meets it, and grow "
+        "to --max-num-batched-tokens / --max-num-seqs when none is present",
+    )
+    parser.add_argument(
+        "--slo-ttft-ms",
+        action="append",
+        default=None,
+        metavar="TIER=MS",
+        help="time-to-first-token SLO of a tier (repeatable): the SLO controller keeps the step "
+        "large enough to prefill that tier's prompts in time",
+    )
     parser.set_defaults(func=lambda args: serve(args, model_configs(args)))
 
 
@@ -107,8 +182,10 @@ def model_configs(args: argparse.Namespace) -> dict:
     for index, model in enumerate(models):
         name = per_model["served_model_name"][index] or default_served_name(model)
         if name in configs:
-            raise ValueError(f"--served-model-name: two models would be served as {name!r}; give each --model a "
-                             "--served-model-name of its own")
+            raise ValueError(
+                f"--served-model-name: two models would be served as {name!r}; give each --model a "
+                "--served-model-name of its own"
+            )
         overrides = {field: per_model[dest][index] for dest, field, _ in PER_MODEL_FLAGS if field is not None}
         overrides = {field: value for field, value in overrides.items() if value is not None}
         configs[name] = engine_config(argparse.Namespace(**shared, model=model, **overrides))
@@ -195,8 +272,9 @@ def checked_extensions(args: argparse.Namespace, configs: dict) -> dict | None:
 
     cascades = load_cascades(args.cascades, list(configs)) if args.cascades else None
     if args.compression_model is not None and args.compression_model not in configs:
-        raise ValueError(f"--compression-model: {args.compression_model!r} is not served (served: "
-                         f"{', '.join(configs)})")
+        raise ValueError(
+            f"--compression-model: {args.compression_model!r} is not served (served: {', '.join(configs)})"
+        )
     return cascades
 
 
@@ -218,8 +296,10 @@ def serve(args: argparse.Namespace, configs: dict) -> int:
     # One loop steps every model's engine, on this (the main) thread: see AsyncEngine for why. The models load
     # before the port opens, so /health answers only when all are ready.
     engine_loop = EngineLoop()
-    engines = {name: AsyncEngine(config, engine_loop=engine_loop, warmup=not args.no_warmup)
-               for name, config in configs.items()}
+    engines = {
+        name: AsyncEngine(config, engine_loop=engine_loop, warmup=not args.no_warmup)
+        for name, config in configs.items()
+    }
     app = create_app(
         engines,
         ledger or OpenGate(args.api_key),
@@ -241,9 +321,9 @@ def serve(args: argparse.Namespace, configs: dict) -> int:
     # wait a third of a decode step. 1 ms: +15-20% output tokens/s at 8 and 32 streams here (carpool bench
     # serve, 2 cores).
     sys.setswitchinterval(0.001)
-    server = uvicorn.Server(uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
-    ))
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    )
     engine_loop.drive_from_caller()
 
     def serve_http():

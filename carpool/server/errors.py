@@ -21,14 +21,21 @@ _TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 retry_after: float | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: float | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.retry_after = status, message, param, code, retry_after
 
     @classmethod
-    def from_value_error(cls, error: ValueError, fields, renamed: dict[str, str] | None = None,
-                         code: str | None = None) -> "APIError":
+    def from_value_error(
+        cls, error: ValueError, fields, renamed: dict[str, str] | None = None, code: str | None = None
+    ) -> "APIError":
         """A 400 for an engine-side ValueError, whose message starts with the offending field's name (named as
         the request calls it: `renamed` maps engine names such as `prompt` to the API's, such as `messages`)."""
         message = str(error)
@@ -36,7 +43,6 @@ class APIError(Exception):
         param = match.group() if match else None
         param = (renamed or {}).get(param, param)
         return cls(400, message, param=param if param in fields else None, code=code)
-
 
     @classmethod
     def from_gate_error(cls, error: GateError) -> "APIError":
@@ -46,8 +52,9 @@ class APIError(Exception):
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
     kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
     # A message may quote the caller's input, which can hold a lone surrogate that no JSON encoder writes as UTF-8.
-    message, param = (text if text is None else text.encode("utf-8", "backslashreplace").decode()
-                      for text in (message, param))
+    message, param = (
+        text if text is None else text.encode("utf-8", "backslashreplace").decode() for text in (message, param)
+    )
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
@@ -117,12 +124,17 @@ def install_error_handlers(app: FastAPI) -> None:
 _ERROR_SCHEMA = {
     "type": "object",
     "required": ["error"],
-    "properties": {"error": {"type": "object", "properties": {
-        "message": {"type": "string"},
-        "type": {"type": "string"},
-        "param": {"type": ["string", "null"]},
-        "code": {"type": ["string", "null"]},
-    }}},
+    "properties": {
+        "error": {
+            "type": "object",
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
+        }
+    },
 }
 
 

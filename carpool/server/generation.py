@@ -8,8 +8,8 @@ A generation is `done` only once the gate has made its usage durable, so no resp
 
 import asyncio
 import time
-from concurrent.futures import Future
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from functools import partial
 
@@ -53,8 +53,16 @@ class Backends:
 
 
 class Generation:
-    def __init__(self, backends: Backends, request_id: str, tier: str, principal: Principal, choices: list[Choice],
-                 streaming: bool, keep: int | None = None):
+    def __init__(
+        self,
+        backends: Backends,
+        request_id: str,
+        tier: str,
+        principal: Principal,
+        choices: list[Choice],
+        streaming: bool,
+        keep: int | None = None,
+    ):
         self.gate, self.metrics, self.queues = backends.gate, backends.metrics, backends.queues
         self.model_name = backends.model_name
         self.request_id, self.tier, self.principal, self.choices = request_id, tier, principal, choices
@@ -64,7 +72,7 @@ class Generation:
         self.error: BaseException | None = None
         self.unrecorded: GateError | None = None  # the gate could not make the usage durable: answer this instead
         # Extra UsageRecord fields, computed from the finished generation as its row is written (a cascade's step).
-        self.ledger_fields: Callable[["Generation"], dict] | None = None
+        self.ledger_fields: Callable[[Generation], dict] | None = None
         self.original_prompt_tokens: int | None = None  # prompt_compression: the prompt's tokens before it
         self.done = asyncio.Event()
         self._recording: asyncio.Task | None = None
@@ -121,9 +129,15 @@ class Generation:
         try:
             await asyncio.wrap_future(durable)
         except Exception as error:
-            self.unrecorded = error if isinstance(error, GateError) else GateError(
-                503, f"The request ran, but its usage could not be recorded ({error}); its result is withheld.",
-                "usage_not_recorded")
+            self.unrecorded = (
+                error
+                if isinstance(error, GateError)
+                else GateError(
+                    503,
+                    f"The request ran, but its usage could not be recorded ({error}); its result is withheld.",
+                    "usage_not_recorded",
+                )
+            )
         finally:
             self.done.set()
 
@@ -197,9 +211,7 @@ class Generation:
             tier=self.tier,
             prompt_tokens=self.prompt_tokens,
             cached_tokens=self.cached_tokens,
-            cache_write_tokens=sum(
-                c.last.num_cache_write_tokens for c in self.choices if c.bills_prompt and c.last
-            ),
+            cache_write_tokens=sum(c.last.num_cache_write_tokens for c in self.choices if c.bills_prompt and c.last),
             output_tokens=self.completion_tokens,
             queue_seconds=queue,
             prefill_seconds=prefill,

@@ -14,12 +14,74 @@ from carpool.engine.tiers import TIER_NAMES
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 # vLLM's buckets, so quantiles compare across the two servers.
-LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                   20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-               40.0, 80.0)
-REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-                   480.0, 960.0, 1920.0, 7680.0)
+LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+REQUEST_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 SEQ_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 ACCEPTED_LENGTH_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 8, 10, 16)
@@ -43,57 +105,80 @@ class ServerMetrics:
             return Gauge(f"carpool:{name}", doc, labels, registry=self.registry)
 
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.", tiered, LATENCY_BUCKETS)
-        self.itl = histogram("inter_token_latency_seconds", "Gap between consecutive tokens of a request.",
-                             model, ITL_BUCKETS)
+        self.itl = histogram(
+            "inter_token_latency_seconds", "Gap between consecutive tokens of a request.", model, ITL_BUCKETS
+        )
         # The same gaps by tier, as the server hands the tokens on (it knows each request's tier; the engine thread
         # that observes the series above does not).
-        self.itl_by_tier = histogram("inter_token_latency_by_tier_seconds", "Gap between consecutive tokens of a "
-                                     "request, by service tier.", tiered, ITL_BUCKETS)
+        self.itl_by_tier = histogram(
+            "inter_token_latency_by_tier_seconds",
+            "Gap between consecutive tokens of a request, by service tier.",
+            tiered,
+            ITL_BUCKETS,
+        )
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.", tiered, REQUEST_BUCKETS)
         self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduled.", tiered, REQUEST_BUCKETS)
-        self.prefill = histogram("request_prefill_time_seconds", "First scheduled to first token.", tiered,
-                                 REQUEST_BUCKETS)
+        self.prefill = histogram(
+            "request_prefill_time_seconds", "First scheduled to first token.", tiered, REQUEST_BUCKETS
+        )
         self.decode = histogram("request_decode_time_seconds", "First token to last token.", tiered, REQUEST_BUCKETS)
         self.iteration_tokens = histogram("iteration_tokens", "Tokens per engine step.", model, TOKEN_BUCKETS)
         self.iteration_seqs = histogram("iteration_seqs", "Sequences per engine step.", model, SEQ_BUCKETS)
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that reached their first token.",
-                                     tiered)
+        self.prompt_tokens = counter(
+            "prompt_tokens", "Prompt tokens of requests that reached their first token.", tiered
+        )
         self.generation_tokens = counter("generation_tokens", "Generated tokens.", tiered)
-        self.request_success = counter("request_success", "Finished requests by finish reason.",
-                                       tiered + ["finished_reason"])
+        self.request_success = counter(
+            "request_success", "Finished requests by finish reason.", tiered + ["finished_reason"]
+        )
         self.preemptions = counter("num_preemptions", "Sequences preempted (to be recomputed).", model)
-        self.structured_requests = counter("structured_requests", "Requests whose output a grammar constrains, by "
-                                           "kind (json, json_object, regex, choice, grammar, tools).",
-                                           ["model_name", "kind"])
+        self.structured_requests = counter(
+            "structured_requests",
+            "Requests whose output a grammar constrains, by kind (json, json_object, regex, choice, grammar, tools).",
+            ["model_name", "kind"],
+        )
         self.running = gauge("num_requests_running", "Sequences in the running batch.")
         # The limits the latest step ran under: --max-num-batched-tokens / --max-num-seqs, or the SLO controller's
         # choice (carpool.engine.slo), with why as labels on a 1 (reason fixed, throughput, itl or ttft; tier).
         self.step_token_budget = gauge("step_token_budget", "Token budget of the latest engine step.")
         self.step_max_seqs = gauge("step_max_seqs", "Sequence cap (admissions) of the latest engine step.")
-        self.step_budget_reason = gauge("step_budget_reason", "Why the latest step had its budget (value 1; the "
-                                        "reason and tier it had before read 0).", ["model_name", "reason", "tier"])
+        self.step_budget_reason = gauge(
+            "step_budget_reason",
+            "Why the latest step had its budget (value 1; the reason and tier it had before read 0).",
+            ["model_name", "reason", "tier"],
+        )
         # The SLO controller's closed loop: the factor on its open-loop step-time target, and what it measures.
-        self.step_target_factor = gauge("step_target_factor", "Factor the SLO controller scales its step-time "
-                                        "target by so the measured ITL p99 meets the SLO (1: open loop).")
-        self.step_itl_p99 = gauge("step_itl_p99_seconds", "p99 of the engine-side gaps between consecutive tokens "
-                                  "of the SLO-governed tier's requests, over the SLO controller's window.")
+        self.step_target_factor = gauge(
+            "step_target_factor",
+            "Factor the SLO controller scales its step-time "
+            "target by so the measured ITL p99 meets the SLO (1: open loop).",
+        )
+        self.step_itl_p99 = gauge(
+            "step_itl_p99_seconds",
+            "p99 of the engine-side gaps between consecutive tokens "
+            "of the SLO-governed tier's requests, over the SLO controller's window.",
+        )
         self.waiting = gauge("num_requests_waiting", "Sequences waiting to be scheduled.")
         self.kv_usage = gauge("kv_cache_usage_perc", "Share of KV blocks held by live sequences (0 to 1).")
         # vLLM's cache_config_info: the pool each model was given, as labels on a constant 1.
-        self.cache_config = gauge("cache_config_info", "The KV cache each model was given (value 1).",
-                                  ["model_name", "block_size", "num_blocks"])
+        self.cache_config = gauge(
+            "cache_config_info",
+            "The KV cache each model was given (value 1).",
+            ["model_name", "block_size", "num_blocks"],
+        )
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", model)
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.", model)
         self.prefix_blocks = gauge("prefix_cache_blocks", "KV blocks holding a cached prefix (in use or not).")
         self.prefix_hit_rate = gauge("prefix_cache_hit_rate", "prefix_cache_hits / prefix_cache_queries so far.")
         drafter = ["model_name", "drafter"]
-        self.spec_drafts = counter("spec_decode_num_drafts", "Sequence-steps that verified speculative drafts.",
-                                   drafter)
+        self.spec_drafts = counter(
+            "spec_decode_num_drafts", "Sequence-steps that verified speculative drafts.", drafter
+        )
         self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Speculative tokens proposed.", drafter)
-        self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Speculative tokens accepted.",
-                                            drafter)
-        self.spec_accepted_length = histogram("spec_decode_accepted_length", "Drafts accepted per verification.",
-                                              drafter, ACCEPTED_LENGTH_BUCKETS)
+        self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Speculative tokens accepted.", drafter)
+        self.spec_accepted_length = histogram(
+            "spec_decode_accepted_length", "Drafts accepted per verification.", drafter, ACCEPTED_LENGTH_BUCKETS
+        )
         self.models = {name: Metrics(self, name) for name in model_names}
         # Set when the engines are replicas (carpool.server.replicas): registry -> text with their series merged.
         self.render_replicas = None

@@ -33,7 +33,8 @@ def _valid_unicode(text: str) -> str:
         text.encode("utf-8")
     except UnicodeEncodeError as error:
         raise PydanticCustomError(
-            "invalid_unicode", "contains a lone UTF-16 surrogate ({char}) at character {index}, which is not text",
+            "invalid_unicode",
+            "contains a lone UTF-16 surrogate ({char}) at character {index}, which is not text",
             {"char": ascii(text[error.start]), "index": error.start},
         ) from None
     return text
@@ -165,30 +166,42 @@ class GenerationRequest(Body):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: Text | None = None
-    cache_salt: Text | None = Field(None, max_length=256,
-                                    description="prefix-cache tenant; default: the API key, else user")
+    cache_salt: Text | None = Field(
+        None, max_length=256, description="prefix-cache tenant; default: the API key, else user"
+    )
     service_tier: Literal[("auto", *(tier.name for tier in LIVE_TIERS))] | None = None
     presence_penalty: float | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY)
     frequency_penalty: float | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY)
     logit_bias: (
-        Annotated[dict[Text, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]],
-                  Field(max_length=MAX_LOGIT_BIAS_ENTRIES)]
+        Annotated[
+            dict[Text, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]],
+            Field(max_length=MAX_LOGIT_BIAS_ENTRIES),
+        ]
         | None
     ) = Field(None, description="token id (as a string) -> bias added to its logit")
     # Extensions, with vLLM's names and meanings.
     top_k: int | None = Field(None, ge=-1, description="-1 or 0: no limit")
     min_p: float | None = Field(None, ge=0, le=1)
-    priority: int | None = Field(None, ge=0, le=len(LIVE_TIERS) - 1, description="the tier by number: " + ", ".join(
-        f"{tier.priority} {tier.name}" for tier in LIVE_TIERS))
+    priority: int | None = Field(
+        None,
+        ge=0,
+        le=len(LIVE_TIERS) - 1,
+        description="the tier by number: " + ", ".join(f"{tier.priority} {tier.name}" for tier in LIVE_TIERS),
+    )
     ignore_eos: bool | None = None
     repetition_penalty: float | None = Field(
-        None, gt=0, description="over prompt and output tokens: positive logits divided by it, negative multiplied")
+        None, gt=0, description="over prompt and output tokens: positive logits divided by it, negative multiplied"
+    )
     min_tokens: int | None = Field(None, ge=0, description="EOS, stop_token_ids and stop strings wait for this many")
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     bad_words: Annotated[list[Text], Field(max_length=MAX_BAD_WORDS)] | None = Field(
-        None, description="never complete one of these words (as tokenized alone or after a space)")
-    speculative: bool | None = Field(None, description="false: no speculative decoding for this request "
-                                                       "(default: the server's --speculative-model, if any)")
+        None, description="never complete one of these words (as tokenized alone or after a space)"
+    )
+    speculative: bool | None = Field(
+        None,
+        description="false: no speculative decoding for this request "
+        "(default: the server's --speculative-model, if any)",
+    )
     structured_outputs: StructuredOutputs | None = None
     guided_json: dict | Text | None = None
     guided_regex: Text | None = None
@@ -206,19 +219,31 @@ class GenerationRequest(Body):
     def _token_ids(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
         bad = [key for key in bias or () if not key.isascii() or not key.isdecimal()]
         if bad:
-            raise PydanticCustomError("token_id", "keys must be token ids (decimal integers), got {keys}",
-                                      {"keys": ascii(bad[:5])})
+            raise PydanticCustomError(
+                "token_id", "keys must be token ids (decimal integers), got {keys}", {"keys": ascii(bad[:5])}
+            )
         return bias
 
     def structured_output(self) -> StructuredOutput | None:
         """The one constraint the body asks for; ValueError naming the field if it asks for several or a bad one."""
-        asked = [(name, getattr(self, name)) for name in ("response_format", "structured_outputs", "guided_json",
-                                                          "guided_regex", "guided_choice", "guided_grammar")
-                 if getattr(self, name, None) is not None]
+        asked = [
+            (name, getattr(self, name))
+            for name in (
+                "response_format",
+                "structured_outputs",
+                "guided_json",
+                "guided_regex",
+                "guided_choice",
+                "guided_grammar",
+            )
+            if getattr(self, name, None) is not None
+        ]
         specs = [spec for name, value in asked if (spec := _structured(name, value)) is not None]
         if len(specs) > 1:
-            raise ValueError(f"{specs[1].source}: only one of response_format, structured_outputs and guided_* may "
-                             f"be given, got also {specs[0].source}")
+            raise ValueError(
+                f"{specs[1].source}: only one of response_format, structured_outputs and guided_* may "
+                f"be given, got also {specs[0].source}"
+            )
         return specs[0] if specs else None
 
     def sampling_options(self) -> dict:
@@ -272,10 +297,15 @@ class CompletionRequest(GenerationRequest):
     )
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = Field(None, description="the prompt's text before each choice's text")
-    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES,
-                                description="candidates per prompt; the n with the highest cumulative logprob return")
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
-                                        description="vLLM's: each prompt token's logprob, rank and the top k")
+    best_of: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_CHOICES,
+        description="candidates per prompt; the n with the highest cumulative logprob return",
+    )
+    prompt_logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, description="vLLM's: each prompt token's logprob, rank and the top k"
+    )
     suffix: Unsupported = None
 
     def sampling_options(self) -> dict:

@@ -21,8 +21,15 @@ class _Format:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def envelope(self, gen: Generation, obj: str, choices: list[dict]) -> dict:
-        return {"id": gen.request_id, "object": obj, "created": gen.created, "model": gen.model_name,
-                "choices": choices, "service_tier": gen.tier, "system_fingerprint": None}
+        return {
+            "id": gen.request_id,
+            "object": obj,
+            "created": gen.created,
+            "model": gen.model_name,
+            "choices": choices,
+            "service_tier": gen.tier,
+            "system_fingerprint": None,
+        }
 
     def response(self, gen: Generation) -> dict:
         body = self.envelope(gen, self.response_object, [self.choice(c) for c in gen.shown_choices()])
@@ -100,8 +107,9 @@ class ChatFormat(_Format):
             text = self.token_text(token_id)
             return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
-        content = [entry(lp.token_id, lp.logprob) | {"top_logprobs": [entry(t, p) for t, p in lp.top]}
-                   for lp in logprobs]
+        content = [
+            entry(lp.token_id, lp.logprob) | {"top_logprobs": [entry(t, p) for t, p in lp.top]} for lp in logprobs
+        ]
         return {"content": content, "refusal": None}
 
 
@@ -131,11 +139,16 @@ class CompletionFormat(_Format):
     def _prompt_logprobs(self, output: RequestOutput) -> list[dict | None]:
         """vLLM's shape: None for the first token, then {token id: {logprob, rank, decoded_token}} holding the
         prompt's token and the top k."""
-        return [None if lp is None else {
-            str(token): {"logprob": logprob, "rank": rank, "decoded_token": self.token_text(token)}
-            for token, logprob, rank in [(lp.token_id, lp.logprob, lp.rank)]
-            + [(t, p, r) for r, (t, p) in enumerate(lp.top, start=1)]
-        } for lp in output.prompt_logprobs]
+        return [
+            None
+            if lp is None
+            else {
+                str(token): {"logprob": logprob, "rank": rank, "decoded_token": self.token_text(token)}
+                for token, logprob, rank in [(lp.token_id, lp.logprob, lp.rank)]
+                + [(t, p, r) for r, (t, p) in enumerate(lp.top, start=1)]
+            }
+            for lp in output.prompt_logprobs
+        ]
 
     def chunk_choice(self, choice: Choice, output: RequestOutput, first: bool) -> dict:
         return {

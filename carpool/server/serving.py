@@ -28,8 +28,9 @@ from carpool.server.tool_calls import auto_grammar, call_grammar, check_tools, t
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 # Set while a start runs on a worker thread (Serving.started): the event loop its queue and Generation belong to.
-_CALLER_LOOP: contextvars.ContextVar[asyncio.AbstractEventLoop | None] = contextvars.ContextVar("caller_loop",
-                                                                                                default=None)
+_CALLER_LOOP: contextvars.ContextVar[asyncio.AbstractEventLoop | None] = contextvars.ContextVar(
+    "caller_loop", default=None
+)
 
 
 class Serving:
@@ -45,8 +46,12 @@ class Serving:
             return self.default
         if name not in self.models:
             served = ", ".join(repr(served) for served in self.models)
-            raise APIError(404, f"The model {name!r} does not exist; this server serves {served}.", param="model",
-                           code="model_not_found")
+            raise APIError(
+                404,
+                f"The model {name!r} does not exist; this server serves {served}.",
+                param="model",
+                code="model_not_found",
+            )
         return self.models[name]
 
     @property
@@ -106,12 +111,29 @@ class ModelServing:
         self.tokenizer = backends.engine.tokenizer
 
     def chat_prompt(self, messages: list[ChatMessage], tools: list[dict] | None = None) -> str:
-        turns = [{"role": "system" if m.role == "developer" else m.role, "content": m.text}
-                 | ({"name": m.name} if m.name is not None else {})
-                 | ({"tool_call_id": m.tool_call_id} if m.tool_call_id is not None else {})
-                 | ({"tool_calls": [{"id": c.id, "type": c.type, "function": {
-                     "name": c.function.name, "arguments": template_arguments(c.function.arguments)}}
-                     for c in m.tool_calls]} if m.tool_calls else {}) for m in messages]
+        turns = [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text}
+            | ({"name": m.name} if m.name is not None else {})
+            | ({"tool_call_id": m.tool_call_id} if m.tool_call_id is not None else {})
+            | (
+                {
+                    "tool_calls": [
+                        {
+                            "id": c.id,
+                            "type": c.type,
+                            "function": {
+                                "name": c.function.name,
+                                "arguments": template_arguments(c.function.arguments),
+                            },
+                        }
+                        for c in m.tool_calls
+                    ]
+                }
+                if m.tool_calls
+                else {}
+            )
+            for m in messages
+        ]
         try:
             return self.tokenizer.apply_chat_template(turns, tools=tools)
         except Exception as error:  # a chat template is code run on the caller's input: its failures are theirs
@@ -120,8 +142,9 @@ class ModelServing:
 
     # Generation -----------------------------------------------------------------------------------------
 
-    def start_chat(self, request: ChatCompletionRequest, principal: Principal,
-                   check_only: bool = False) -> tuple[Generation, ChatFormat] | None:
+    def start_chat(
+        self, request: ChatCompletionRequest, principal: Principal, check_only: bool = False
+    ) -> tuple[Generation, ChatFormat] | None:
         renamed = {"prompt": "messages"}
         if request.max_completion_tokens is not None:
             renamed["max_tokens"] = "max_completion_tokens"
@@ -131,12 +154,21 @@ class ModelServing:
         prompt_ids = self._tokenize(self.chat_prompt(request.messages, tools), request, renamed)
         max_tokens = request.max_completion_tokens or request.max_tokens
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        gen = self._start(request, principal, [prompt_ids], max_tokens, logprobs, renamed,
-                          structured=structured or self._structured(request), check_only=check_only)
+        gen = self._start(
+            request,
+            principal,
+            [prompt_ids],
+            max_tokens,
+            logprobs,
+            renamed,
+            structured=structured or self._structured(request),
+            check_only=check_only,
+        )
         if check_only:
             return None
-        schemas = None if tools is None else {tool["function"]["name"]: tool["function"].get("parameters")
-                                              for tool in tools}
+        schemas = (
+            None if tools is None else {tool["function"]["name"]: tool["function"].get("parameters") for tool in tools}
+        )
         return gen, ChatFormat(self.tokenizer, logprobs is not None, tools=schemas)
 
     def _tools(self, request: ChatCompletionRequest) -> tuple[list[dict] | None, StructuredOutput | None]:
@@ -150,8 +182,11 @@ class ModelServing:
         if choice == "none":
             return None, None
         if not self.tokenizer.supports_tools:
-            raise APIError(400, f"tools: the model {self.model_name!r} does not support tool calling (its chat "
-                                "template has no tools)", param="tools")
+            raise APIError(
+                400,
+                f"tools: the model {self.model_name!r} does not support tool calling (its chat template has no tools)",
+                param="tools",
+            )
         tools = [tool.model_dump(exclude_none=True) for tool in request.tools]
         try:
             check_tools(tools)
@@ -164,8 +199,12 @@ class ModelServing:
         if name is not None and name not in {tool["function"]["name"] for tool in tools}:
             raise APIError(400, f"tool_choice: no tool is named {name!r}", param="tool_choice")
         if self._structured(request) is not None:
-            raise APIError(400, "tool_choice: a required or named tool call cannot be combined with "
-                                "response_format or structured_outputs", param="tool_choice")
+            raise APIError(
+                400,
+                "tool_choice: a required or named tool call cannot be combined with "
+                "response_format or structured_outputs",
+                param="tool_choice",
+            )
         try:  # the grammar of many large tools can pass the spec size limit: the client's error, not ours
             return tools, call_grammar(tools, name, parallel)
         except ValueError as error:
@@ -192,27 +231,40 @@ class ModelServing:
         except ValueError as error:
             raise APIError.from_value_error(error, type(request).model_fields) from error
 
-    def start_completion(self, request: CompletionRequest, principal: Principal,
-                         check_only: bool = False) -> tuple[Generation, CompletionFormat] | None:
+    def start_completion(
+        self, request: CompletionRequest, principal: Principal, check_only: bool = False
+    ) -> tuple[Generation, CompletionFormat] | None:
         prompt = request.prompt
         prompts = prompt if isinstance(prompt, list) and not isinstance(prompt[0], int) else [prompt]
         if request.echo and request.logprobs is not None:
-            raise APIError(400, "echo: echo together with logprobs is not supported (prompt_logprobs gives the "
-                                "prompt's logprobs)", param="echo")
+            raise APIError(
+                400,
+                "echo: echo together with logprobs is not supported (prompt_logprobs gives the prompt's logprobs)",
+                param="echo",
+            )
         if request.prompt_logprobs is not None and request.stream:
             raise APIError(400, "prompt_logprobs: not supported when streaming", param="prompt_logprobs")
         n, best_of = request.n or 1, request.best_of or request.n or 1
         if best_of < n:
             raise APIError(400, f"best_of: must be at least n ({n}), got {best_of}", param="best_of")
         if best_of > n and request.stream:
-            raise APIError(400, "best_of: streaming is not supported when best_of is greater than n",
-                           param="best_of")
+            raise APIError(400, "best_of: streaming is not supported when best_of is greater than n", param="best_of")
         prompt_ids = [self._tokenize(p, request) for p in prompts]
         # Echo the prompt as given: its text, or the text of its token ids once the engine's door has checked them.
         echoes = prompts if request.echo else None
         max_tokens = request.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
-        gen = self._start(request, principal, prompt_ids, max_tokens, request.logprobs, {}, best_of, echoes,
-                          self._structured(request), check_only)
+        gen = self._start(
+            request,
+            principal,
+            prompt_ids,
+            max_tokens,
+            request.logprobs,
+            {},
+            best_of,
+            echoes,
+            self._structured(request),
+            check_only,
+        )
         if check_only:
             return None
         return gen, CompletionFormat(self.tokenizer, request.logprobs is not None)
@@ -223,23 +275,32 @@ class ModelServing:
         except ValueError as error:
             raise APIError.from_value_error(error, type(request).model_fields, renamed) from error
 
-    def _start(self, request: GenerationRequest, principal: Principal, prompts: list[list[int]],
-               max_tokens: int | None, logprobs: int | None, renamed: dict, best_of: int | None = None,
-               echoes: list[str | list[int]] | None = None, structured: StructuredOutput | None = None,
-               check_only: bool = False) -> Generation | None:
+    def _start(
+        self,
+        request: GenerationRequest,
+        principal: Principal,
+        prompts: list[list[int]],
+        max_tokens: int | None,
+        logprobs: int | None,
+        renamed: dict,
+        best_of: int | None = None,
+        echoes: list[str | list[int]] | None = None,
+        structured: StructuredOutput | None = None,
+        check_only: bool = False,
+    ) -> Generation | None:
         """Each prompt runs best_of (default n) candidates; with best_of > n the n best of each are returned.
         check_only: every check, then None (nothing reserved or admitted)."""
         # The HTTP routes compress first and clear it; a batch line cannot.
         if request.prompt_compression is not None and not check_only:
-            raise APIError(400, "prompt_compression: not supported here (only on the live /v1 routes)",
-                           param="prompt_compression")
+            raise APIError(
+                400, "prompt_compression: not supported here (only on the live /v1 routes)", param="prompt_compression"
+            )
         tier = requested_tier(request)
         n = request.n or 1
         candidates = best_of or n
         if candidates * len(prompts) > MAX_CHOICES:
             name = "best_of" if candidates > n else "n"
-            raise APIError(400, f"{name}: {name} times the number of prompts must be at most {MAX_CHOICES}",
-                           param=name)
+            raise APIError(400, f"{name}: {name} times the number of prompts must be at most {MAX_CHOICES}", param=name)
         prefix = "chatcmpl" if isinstance(request, ChatCompletionRequest) else "cmpl"
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         cache_salt = self._cache_salt(request, principal)
@@ -247,14 +308,26 @@ class ModelServing:
         for i, prompt_ids in enumerate(prompts):
             echo = ""
             for j in range(candidates):
-                params = self._params(request, prompt_ids, max_tokens, logprobs, j, renamed,
-                                      best_of=candidates if candidates > n else 1, structured=structured)
+                params = self._params(
+                    request,
+                    prompt_ids,
+                    max_tokens,
+                    logprobs,
+                    j,
+                    renamed,
+                    best_of=candidates if candidates > n else 1,
+                    structured=structured,
+                )
                 try:
-                    engine_request = self._engine_request(request, f"{request_id}-{len(choices)}", prompt_ids,
-                                                          params, tier, cache_salt, renamed)
+                    engine_request = self._engine_request(
+                        request, f"{request_id}-{len(choices)}", prompt_ids, params, tier, cache_salt, renamed
+                    )
                 except APIError as error:  # a prompt still to be compressed may be longer than the context
-                    if check_only and request.prompt_compression is not None \
-                            and error.code == "context_length_exceeded":
+                    if (
+                        check_only
+                        and request.prompt_compression is not None
+                        and error.code == "context_length_exceeded"
+                    ):
                         continue
                     raise
                 if echoes and j == 0:  # token ids are decoded only once the door has found them in the vocabulary
@@ -264,14 +337,26 @@ class ModelServing:
             return None
         _on_loop(self.queues.reserve, tier, len(choices))
         try:
-            self.gate.admit(principal, tier, sum(len(c.request.prompt_token_ids) + c.request.params.max_tokens
-                                                 for c in choices), request_id=request_id)
+            self.gate.admit(
+                principal,
+                tier,
+                sum(len(c.request.prompt_token_ids) + c.request.params.max_tokens for c in choices),
+                request_id=request_id,
+            )
         except BaseException:
             for _ in choices:
                 _on_loop(self.queues.release, tier)
             raise
-        return _on_loop(Generation, self.backends, request_id, tier, principal, choices,
-                        streaming=bool(request.stream), keep=n if candidates > n else None)
+        return _on_loop(
+            Generation,
+            self.backends,
+            request_id,
+            tier,
+            principal,
+            choices,
+            streaming=bool(request.stream),
+            keep=n if candidates > n else None,
+        )
 
     @staticmethod
     def _cache_salt(request: GenerationRequest, principal: Principal) -> str | None:
@@ -287,9 +372,17 @@ class ModelServing:
             return f"user:{request.user}"
         return None
 
-    def _params(self, request: GenerationRequest, prompt_ids: list[int], max_tokens: int | None,
-                logprobs: int | None, choice: int, renamed: dict, best_of: int = 1,
-                structured: StructuredOutput | None = None) -> SamplingParams:
+    def _params(
+        self,
+        request: GenerationRequest,
+        prompt_ids: list[int],
+        max_tokens: int | None,
+        logprobs: int | None,
+        choice: int,
+        renamed: dict,
+        best_of: int = 1,
+        structured: StructuredOutput | None = None,
+    ) -> SamplingParams:
         try:
             return SamplingParams(
                 # Chat without max_tokens may use the rest of the context window, as OpenAI's does.
@@ -304,8 +397,16 @@ class ModelServing:
         except ValueError as error:
             raise APIError.from_value_error(error, type(request).model_fields, renamed) from error
 
-    def _engine_request(self, request: GenerationRequest, request_id: str, prompt_ids: list[int],
-                        params: SamplingParams, tier: str, cache_salt: str | None, renamed: dict) -> EngineRequest:
+    def _engine_request(
+        self,
+        request: GenerationRequest,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        tier: str,
+        cache_salt: str | None,
+        renamed: dict,
+    ) -> EngineRequest:
         """Through the engine's door: the one check of the prompt's ids, its length and the params' tokens."""
         fields = type(request).model_fields
         try:
@@ -328,8 +429,9 @@ class ModelServing:
     def detokenize(self, request: DetokenizeRequest) -> dict:
         bad = [t for t in request.tokens if not 0 <= t < self.tokenizer.vocab_size]
         if bad:
-            raise APIError(400, f"tokens: {bad[:5]} are outside the vocabulary [0, {self.tokenizer.vocab_size})",
-                           param="tokens")
+            raise APIError(
+                400, f"tokens: {bad[:5]} are outside the vocabulary [0, {self.tokenizer.vocab_size})", param="tokens"
+            )
         return {"prompt": self.tokenizer.decode(request.tokens)}
 
 
@@ -338,8 +440,11 @@ def requested_tier(request: GenerationRequest) -> str:
     asked = None if request.service_tier in (None, "auto") else request.service_tier
     numbered = BY_PRIORITY[request.priority].name if request.priority is not None else None
     if asked and numbered and asked != numbered:
-        raise APIError(400, f"priority: {request.priority} names the {numbered!r} tier, but service_tier is "
-                            f"{asked!r}", param="priority")
+        raise APIError(
+            400,
+            f"priority: {request.priority} names the {numbered!r} tier, but service_tier is {asked!r}",
+            param="priority",
+        )
     return asked or numbered or DEFAULT_TIER
 
 

@@ -34,7 +34,7 @@ def check_tools(tools: list[dict]) -> None:
             continue
         where = f"tools[{i}].function.parameters"
         if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
-            raise ValueError(f"{where} must be a JSON schema of type \"object\"")
+            raise ValueError(f'{where} must be a JSON schema of type "object"')
         check_json_schema(parameters, where)
         try:
             jsonschema.validators.validator_for(parameters).check_schema(parameters)
@@ -45,10 +45,18 @@ def check_tools(tools: list[dict]) -> None:
 def _call_rule(tools: list[dict], name: str | None) -> str:
     """The Lark rule of one tagged call of the function `name`, or of any tool."""
     functions = [tool["function"] for tool in tools if name is None or tool["function"]["name"] == name]
-    calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-              "properties": {"name": {"const": f["name"]},
-                             "arguments": f.get("parameters") or {"type": "object", "properties": {}}}}
-             for f in functions]
+    calls = [
+        {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["name", "arguments"],
+            "properties": {
+                "name": {"const": f["name"]},
+                "arguments": f.get("parameters") or {"type": "object", "properties": {}},
+            },
+        }
+        for f in functions
+    ]
     schema = json.dumps(calls[0] if len(calls) == 1 else {"anyOf": calls})
     # The tags are single tokens in Qwen's vocabulary, named as tokens: llguidance treats every added token as
     # special, so the tag spelled as a "string" is matched by the token's text but not accepted by the parser.
@@ -88,7 +96,7 @@ class ToolCallParser:
 
     def feed(self, text: str, finished: bool) -> tuple[str, list[dict]]:
         # No content sent yet (a whitespace-only first delta moves the cursor but is held in `pending`).
-        if not text[:self.cursor].strip() and not self.calls and text.lstrip().startswith("{"):
+        if not text[: self.cursor].strip() and not self.calls and text.lstrip().startswith("{"):
             if not finished:
                 return "", []
             call = _parse_call(text, 0, self.tools)
@@ -101,19 +109,19 @@ class ToolCallParser:
             start = text.find(OPEN, self.cursor)
             if start < 0:
                 end = len(text) if finished else _held_back(text, self.cursor)
-                content += self._content(text[self.cursor:end], finished)
+                content += self._content(text[self.cursor : end], finished)
                 self.cursor = end
                 return content, calls
-            content += self._content(text[self.cursor:start], False)
+            content += self._content(text[self.cursor : start], False)
             close = text.find(CLOSE, start)
             if close < 0:
                 if finished:
                     content += self._content(text[start:], True)
                     self.cursor = len(text)
                 return content, calls
-            call = _parse_call(text[start + len(OPEN):close], len(self.calls), self.tools)
+            call = _parse_call(text[start + len(OPEN) : close], len(self.calls), self.tools)
             if call is None:  # no call of one of the request's tools
-                content += self._content(text[start:close + len(CLOSE)], False)
+                content += self._content(text[start : close + len(CLOSE)], False)
             else:
                 self.calls.append(call)
                 calls.append(call)
@@ -132,7 +140,7 @@ class ToolCallParser:
 def _held_back(text: str, cursor: int) -> int:
     """Where sendable text ends: before a suffix that could be the start of an OPEN tag."""
     for size in range(min(len(OPEN) - 1, len(text) - cursor), 0, -1):
-        if OPEN.startswith(text[len(text) - size:]):
+        if OPEN.startswith(text[len(text) - size :]):
             return len(text) - size
     return len(text)
 
@@ -147,8 +155,12 @@ def _parse_call(body: str, index: int, tools: Mapping[str, dict | None]) -> dict
     arguments = call.get("arguments", call.get("parameters", {}))
     if not arguments_valid(arguments, tools[call["name"]]):
         return None
-    return {"index": index, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": call["name"], "arguments": json.dumps(arguments, ensure_ascii=False)}}
+    return {
+        "index": index,
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": call["name"], "arguments": json.dumps(arguments, ensure_ascii=False)},
+    }
 
 
 def arguments_valid(arguments, parameters: dict | None) -> bool:

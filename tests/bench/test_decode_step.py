@@ -8,8 +8,10 @@ def test_the_fused_step_does_less_work_than_the_python_layers():
     assert report["floor_ms"] == (report["weight_bytes"] + report["kv_bytes"]) / 50e9 * 1000
     # The floor at the bandwidth measured between rounds: a plausible memory speed, the same bytes over it.
     assert 1 < report["measured_bandwidth_gbs"] < 2000
-    assert report["measured_floor_ms"] == (report["weight_bytes"] + report["kv_bytes"]) / (
-        report["measured_bandwidth_gbs"] * 1e9) * 1000
+    assert (
+        report["measured_floor_ms"]
+        == (report["weight_bytes"] + report["kv_bytes"]) / (report["measured_bandwidth_gbs"] * 1e9) * 1000
+    )
     assert report["fused"]["x_measured_floor"] == report["fused"]["wall_ms"] / report["measured_floor_ms"]
     assert report["weight_bytes"] > 50e6  # SmolLM2's projections + LM head, in blocks
     # 30 layers x (keys + values) x 3 KV heads x 64 dims in the cache's dtype at the steps' mean context: 100 prompt

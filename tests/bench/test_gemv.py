@@ -20,8 +20,11 @@ def test_smollm2_brings_its_own_q4_1_and_its_tied_lm_head():
     # Q8_0: the token embedding, which SmolLM2's LM head reads (the file has no output.weight).
     assert tuple(blocks[Q.Q8_0].shape) == (49152, 576 // 32 * 34)
     # Q4_1: one of the file's 1536 x 576 projections (gate or up), not a synthetic one; that shape in the others.
-    file_q4_1 = [torch.from_numpy(np.array(t.data)) for t in gguf.GGUFReader(model_path("smollm2-135m")).tensors
-                 if t.tensor_type == Q.Q4_1 and [int(n) for n in t.shape] == [576, 1536]]
+    file_q4_1 = [
+        torch.from_numpy(np.array(t.data))
+        for t in gguf.GGUFReader(model_path("smollm2-135m")).tensors
+        if t.tensor_type == Q.Q4_1 and [int(n) for n in t.shape] == [576, 1536]
+    ]
     assert any(torch.equal(blocks[Q.Q4_1], data) for data in file_q4_1)
     for qtype in (Q.Q4_0, Q.Q5_0):
         weights_per_block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
@@ -61,13 +64,19 @@ def test_layouts_time_the_same_product_in_gguf_and_carpools_arrangement(monkeypa
     q4_k, q6_k = rng.integers(0, 256, (16, 2, 144), dtype=np.uint8), rng.integers(0, 256, (16, 2, 210), dtype=np.uint8)
     q4_k[..., :4] = np.full((16, 2, 2), 0.01, dtype=np.float16).view(np.uint8)  # finite d and dmin
     q6_k[..., 208:] = np.full((16, 2, 1), 0.01, dtype=np.float16).view(np.uint8)  # finite d
-    blocks = {**gemv.weights("smollm2-135m"), Q.Q4_K: torch.from_numpy(q4_k.reshape(16, -1)),
-              Q.Q6_K: torch.from_numpy(q6_k.reshape(16, -1))}
+    blocks = {
+        **gemv.weights("smollm2-135m"),
+        Q.Q4_K: torch.from_numpy(q4_k.reshape(16, -1)),
+        Q.Q6_K: torch.from_numpy(q6_k.reshape(16, -1)),
+    }
     gemv.compare_layouts(blocks, args, clock=None)
     assert len(timed) == 4 * 2 * len(gemv.COMPARED)  # Q4_0, Q4_1, Q4_K and Q6_K, two row counts, both modes
     for qtype, outputs in timed:
         for gguf_y, rearranged_y in zip(outputs["gguf"], outputs["rearranged"]):
-            if qtype in (Q.Q4_K, Q.Q6_K):  # the row-group GEMV rounds each block's whole sum, the GGUF rows' GEMV parts:
+            if qtype in (
+                Q.Q4_K,
+                Q.Q6_K,
+            ):  # the row-group GEMV rounds each block's whole sum, the GGUF rows' GEMV parts:
                 # fp32 rounding within test_int8_dot's bound (2e-6 of the magnitude; 1200 draws of x: at most 3.8e-7)
                 assert (gguf_y - rearranged_y).abs().max() <= 2e-6 * gguf_y.abs().max()
             else:

@@ -7,8 +7,24 @@ from carpool.cli import main
 
 def test_bench_offline_reports_carpool_throughput_and_phases(tmp_path):
     out = tmp_path / "offline.json"
-    assert main(["bench", "offline", "--num-prompts", "2", "--max-tokens", "4", "--skip-transformers",
-                 "--dtype", "float32", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "offline",
+                "--num-prompts",
+                "2",
+                "--max-tokens",
+                "4",
+                "--skip-transformers",
+                "--dtype",
+                "float32",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     report = json.loads(out.read_text())
     (row,) = report["results"]
     assert row["num_prompts"] == 2 and 2 <= row["carpool"]["output_tokens"] <= 8
@@ -17,8 +33,27 @@ def test_bench_offline_reports_carpool_throughput_and_phases(tmp_path):
 
 def test_bench_prefix_computes_fewer_prompt_tokens_with_the_cache(tmp_path):
     out = tmp_path / "prefix.json"
-    assert main(["bench", "prefix", "--conversations", "2", "--system-tokens", "64", "--meetings", "1",
-                 "--max-doc-words", "300", "--cached-prefix-tokens", "128", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "prefix",
+                "--conversations",
+                "2",
+                "--system-tokens",
+                "64",
+                "--meetings",
+                "1",
+                "--max-doc-words",
+                "300",
+                "--cached-prefix-tokens",
+                "128",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     report = json.loads(out.read_text())
     for workload in ("chat", "docs"):
         on, off = report[workload]["on"], report[workload]["off"]

@@ -27,11 +27,18 @@ def scripted_app(chars_per_token: int) -> tuple[Starlette, list[str]]:
         assert body["max_tokens"] == 1 and body["model"] == "scripted"
         seen.append(body["prompt"])
         tokens = len(body["prompt"]) // chars_per_token
-        time.sleep(tokens * SECONDS_PER_TOKEN)
-        return JSONResponse({"object": "text_completion", "choices": [{"index": 0, "text": "x"}],
-                             "usage": {"prompt_tokens": tokens, "completion_tokens": 1, "total_tokens": tokens + 1}})
+        time.sleep(tokens * SECONDS_PER_TOKEN)  # noqa: ASYNC251 (a server busy computing holds its loop)
+        return JSONResponse(
+            {
+                "object": "text_completion",
+                "choices": [{"index": 0, "text": "x"}],
+                "usage": {"prompt_tokens": tokens, "completion_tokens": 1, "total_tokens": tokens + 1},
+            }
+        )
 
-    return Starlette(routes=[Route("/v1/models", models), Route("/v1/completions", completions, methods=["POST"])]), seen
+    return Starlette(
+        routes=[Route("/v1/models", models), Route("/v1/completions", completions, methods=["POST"])]
+    ), seen
 
 
 def test_prefill_bench_times_each_server_on_the_same_new_prompts(tmp_path, capsys):
@@ -39,8 +46,29 @@ def test_prefill_bench_times_each_server_on_the_same_new_prompts(tmp_path, capsy
     slow, slow_seen = scripted_app(chars_per_token=4)
     out = tmp_path / "prefill.json"
     with ServedApp(fast) as a, ServedApp(slow) as b:
-        assert main(["bench", "prefill", "--url", str(a.base_url), "--label", "fast", "--url", str(b.base_url),
-                     "--label", "slow", "--prompts", "3", "--prompt-chars", "2000", "--out", str(out)]) == 0
+        assert (
+            main(
+                [
+                    "bench",
+                    "prefill",
+                    "--url",
+                    str(a.base_url),
+                    "--label",
+                    "fast",
+                    "--url",
+                    str(b.base_url),
+                    "--label",
+                    "slow",
+                    "--prompts",
+                    "3",
+                    "--prompt-chars",
+                    "2000",
+                    "--out",
+                    str(out),
+                ]
+            )
+            == 0
+        )
     assert fast_seen == slow_seen and len(fast_seen) == 4 and len(set(fast_seen)) == 4  # warm-up + 3, all distinct
     assert all(len(prompt) == 2000 for prompt in fast_seen)
     reports = json.loads(out.read_text())

@@ -59,8 +59,13 @@ def scripted_app() -> Starlette:
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    return Starlette(routes=[Route("/v1/models", models), Route("/v1/chat/completions", chat, methods=["POST"]),
-                             Route("/v1/completions", completions, methods=["POST"])])
+    return Starlette(
+        routes=[
+            Route("/v1/models", models),
+            Route("/v1/chat/completions", chat, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+        ]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +76,27 @@ def scripted_url():
 
 def test_bench_serve_measures_and_reports(scripted_url, tmp_path, capsys):
     prefix = tmp_path / "report-1.5b"  # a dot in the name: the files are named after all of it
-    assert main(["bench", "serve", "--url", scripted_url, "--concurrency", "1,3", "--num-requests", "3",
-                 "--max-tokens", "4", "--label", "scripted", "--out", str(prefix)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "serve",
+                "--url",
+                scripted_url,
+                "--concurrency",
+                "1,3",
+                "--num-requests",
+                "3",
+                "--max-tokens",
+                "4",
+                "--label",
+                "scripted",
+                "--out",
+                str(prefix),
+            ]
+        )
+        == 0
+    )
     report = json.loads((tmp_path / "report-1.5b.json").read_text())
     assert (report["model"], report["label"], report["max_tokens"]) == ("scripted", "scripted", 4)
     assert [level["concurrency"] for level in report["levels"]] == [1, 3]
@@ -99,9 +123,31 @@ def test_summary_statistics():
 
 def test_bench_serve_compares_servers_side_by_side(scripted_url, tmp_path, capsys):
     prefix = tmp_path / "both"
-    assert main(["bench", "serve", "--url", scripted_url, "--url", scripted_url, "--label", "first",
-                 "--label", "second", "--concurrency", "2", "--num-requests", "2", "--max-tokens", "4",
-                 "--out", str(prefix)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "serve",
+                "--url",
+                scripted_url,
+                "--url",
+                scripted_url,
+                "--label",
+                "first",
+                "--label",
+                "second",
+                "--concurrency",
+                "2",
+                "--num-requests",
+                "2",
+                "--max-tokens",
+                "4",
+                "--out",
+                str(prefix),
+            ]
+        )
+        == 0
+    )
     reports = json.loads(prefix.with_suffix(".json").read_text())
     assert [r["label"] for r in reports] == ["first", "second"]
     assert all(r["levels"][0]["output_tokens"] == 2 * TOKENS for r in reports)
@@ -131,14 +177,47 @@ def test_no_server_is_measured_until_every_one_answers_health(tmp_path, monkeypa
     monkeypatch.setattr(serve, "READY_POLL_S", 0.01)
     with ServedApp(app("first", None)) as first, ServedApp(app("warming", 3)) as warming:
         urls = [str(client.base_url).rstrip("/") for client in (first, warming)]
-        assert main(["bench", "serve", "--url", urls[0], "--url", urls[1], "--concurrency", "1",
-                     "--num-requests", "2", "--max-tokens", "4", "--out", str(tmp_path / "both")]) == 0
+        assert (
+            main(
+                [
+                    "bench",
+                    "serve",
+                    "--url",
+                    urls[0],
+                    "--url",
+                    urls[1],
+                    "--concurrency",
+                    "1",
+                    "--num-requests",
+                    "2",
+                    "--max-tokens",
+                    "4",
+                    "--out",
+                    str(tmp_path / "both"),
+                ]
+            )
+            == 0
+        )
         assert events[:4] == ["warming health"] * 4  # three 503s, then ok, before any request to either server
         assert events[4:] == ["first request"] * 3 + ["warming request"] * 3  # each: the warm-up and two measured
         never_ready = "http://127.0.0.1:9"  # nothing listens on the discard port
         with pytest.raises(TimeoutError, match="127.0.0.1:9 was not ready"):
-            main(["bench", "serve", "--url", urls[0], "--url", never_ready, "--concurrency", "1",
-                  "--ready-timeout", "0.2", "--out", str(tmp_path / "never")])
+            main(
+                [
+                    "bench",
+                    "serve",
+                    "--url",
+                    urls[0],
+                    "--url",
+                    never_ready,
+                    "--concurrency",
+                    "1",
+                    "--ready-timeout",
+                    "0.2",
+                    "--out",
+                    str(tmp_path / "never"),
+                ]
+            )
 
 
 def test_rounds_take_turns_on_new_prompts_and_pool(tmp_path, capsys):
@@ -151,15 +230,40 @@ def test_rounds_take_turns_on_new_prompts_and_pool(tmp_path, capsys):
             events.append((name, (await request.json())["messages"][0]["content"]))
             return await scripted["/v1/chat/completions"](request)
 
-        return Starlette(routes=[Route("/v1/models", scripted["/v1/models"]),
-                                 Route("/v1/chat/completions", chat, methods=["POST"])])
+        return Starlette(
+            routes=[Route("/v1/models", scripted["/v1/models"]), Route("/v1/chat/completions", chat, methods=["POST"])]
+        )
 
     with ServedApp(app("a")) as a, ServedApp(app("b")) as b:
         urls = [str(client.base_url).rstrip("/") for client in (a, b)]
-        assert main(["bench", "serve", "--url", urls[0], "--url", urls[1], "--label", "a", "--label", "b",
-                     "--concurrency", "1", "--num-requests", "2", "--max-tokens", "4", "--rounds", "3",
-                     "--out", str(tmp_path / "rounds")]) == 0
-    runs = [events[i:i + 3] for i in range(0, len(events), 3)]  # each server's run: the warm-up, two measured
+        assert (
+            main(
+                [
+                    "bench",
+                    "serve",
+                    "--url",
+                    urls[0],
+                    "--url",
+                    urls[1],
+                    "--label",
+                    "a",
+                    "--label",
+                    "b",
+                    "--concurrency",
+                    "1",
+                    "--num-requests",
+                    "2",
+                    "--max-tokens",
+                    "4",
+                    "--rounds",
+                    "3",
+                    "--out",
+                    str(tmp_path / "rounds"),
+                ]
+            )
+            == 0
+        )
+    runs = [events[i : i + 3] for i in range(0, len(events), 3)]  # each server's run: the warm-up, two measured
     assert [run[0][0] for run in runs] == ["a", "b", "b", "a", "a", "b"]
     prompts = [[prompt for _, prompt in run] for run in runs]
     assert prompts[0] == prompts[1] and prompts[2] == prompts[3] and prompts[4] == prompts[5]
@@ -178,8 +282,27 @@ def test_rounds_take_turns_on_new_prompts_and_pool(tmp_path, capsys):
 
 def test_bench_serve_drives_plain_completions_for_base_models(scripted_url, tmp_path):
     prefix = tmp_path / "completions"
-    assert main(["bench", "serve", "--url", scripted_url, "--api", "completions", "--concurrency", "2",
-                 "--num-requests", "2", "--max-tokens", "4", "--out", str(prefix)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "serve",
+                "--url",
+                scripted_url,
+                "--api",
+                "completions",
+                "--concurrency",
+                "2",
+                "--num-requests",
+                "2",
+                "--max-tokens",
+                "4",
+                "--out",
+                str(prefix),
+            ]
+        )
+        == 0
+    )
     report = json.loads(prefix.with_suffix(".json").read_text())
     level = report["levels"][0]
     assert report["api"] == "completions"

@@ -13,8 +13,17 @@ WITH_CONTEXT = StepModel(base=0.010, per_prefill_token=0.0001, per_decode_seq=0.
 
 def test_fit_recovers_a_known_step_plane():
     rng = random.Random(1)
-    shapes = [(0, 1, 16), (0, 8, 128), (0, 32, 512), (256, 0, 0), (512, 0, 0), (128, 4, 2048), (64, 16, 8192),
-              (0, 8, 4096), (0, 1, 700)]
+    shapes = [
+        (0, 1, 16),
+        (0, 8, 128),
+        (0, 32, 512),
+        (256, 0, 0),
+        (512, 0, 0),
+        (128, 4, 2048),
+        (64, 16, 8192),
+        (0, 8, 4096),
+        (0, 1, 700),
+    ]
     steps = [(p, d, c, WITH_CONTEXT.seconds(p, d, c) * (1 + rng.uniform(-0.01, 0.01))) for p, d, c in shapes]
     fitted = StepModel.fit(steps)
     assert fitted.base == pytest.approx(WITH_CONTEXT.base, rel=0.1)
@@ -29,9 +38,12 @@ def test_fit_recovers_a_known_step_plane():
 
 def test_a_decode_step_pays_for_the_context_its_sequences_read():
     short, long_ = list(range(1, 33)), list(range(1, 801))
-    itl = {len(prompt): simulate([Session([Turn(prompt, 3)])], [0.0], 1, "prefix", WITH_CONTEXT,
-                                 ReplicaSpec(max_num_batched_tokens=1024)).itl
-           for prompt in (short, long_)}
+    itl = {
+        len(prompt): simulate(
+            [Session([Turn(prompt, 3)])], [0.0], 1, "prefix", WITH_CONTEXT, ReplicaSpec(max_num_batched_tokens=1024)
+        ).itl
+        for prompt in (short, long_)
+    }
     assert itl[32][0] == pytest.approx(WITH_CONTEXT.seconds(0, 1, 32 + 1))
     assert itl[800][0] == pytest.approx(WITH_CONTEXT.seconds(0, 1, 800 + 1))
 
@@ -49,21 +61,27 @@ def test_one_request_takes_one_prefill_step_then_one_decode_step_a_token():
 def document_sessions(documents=7, questions=6, length=600):
     rng = random.Random(0)
     docs = [[rng.randrange(1000, 30000) for _ in range(length)] for _ in range(documents)]
-    return [Session([Turn(doc + [rng.randrange(1000, 30000) for _ in range(12)], 4)], salt=f"tenant{d % 3}")
-            for _ in range(questions) for d, doc in enumerate(docs)]
+    return [
+        Session([Turn(doc + [rng.randrange(1000, 30000) for _ in range(12)], 4)], salt=f"tenant{d % 3}")
+        for _ in range(questions)
+        for d, doc in enumerate(docs)
+    ]
 
 
 def test_prefix_routing_keeps_the_hit_rate_that_round_robin_loses():
     sessions = document_sessions()
     arrivals = poisson_arrivals(len(sessions), rate=4.0)
-    rates = {routing: simulate(sessions, arrivals, 4, routing, STEP, ReplicaSpec()).summary(1.0)["hit_rate"]
-             for routing in ("prefix", "round-robin")}
+    rates = {
+        routing: simulate(sessions, arrivals, 4, routing, STEP, ReplicaSpec()).summary(1.0)["hit_rate"]
+        for routing in ("prefix", "round-robin")
+    }
     assert rates["prefix"] > 0.8 and rates["prefix"] > 1.5 * rates["round-robin"], rates
 
 
 def test_more_replicas_cut_ttft_under_the_same_load():
     sessions = document_sessions()
     arrivals = poisson_arrivals(len(sessions), rate=200.0)
-    ttft = {n: simulate(sessions, arrivals, n, "prefix", STEP, ReplicaSpec()).summary(1.0)["ttft_p50_s"]
-            for n in (1, 4)}
+    ttft = {
+        n: simulate(sessions, arrivals, n, "prefix", STEP, ReplicaSpec()).summary(1.0)["ttft_p50_s"] for n in (1, 4)
+    }
     assert ttft[4] < ttft[1] / 2, ttft

@@ -9,9 +9,33 @@ from carpool.cli import main
 def test_bench_spec_reports_both_engines_side_by_side(tmp_path):
     out = tmp_path / "spec.json"
     png = tmp_path / "img" / "spec.png"
-    assert main(["bench", "spec", "--drafters", "ngram", "--batch-sizes", "2", "--workloads", "docs",
-                 "--requests-per-stream", "1", "--max-tokens", "8", "--max-doc-chars", "1500",
-                 "--dtype", "float32", "--out", str(out), "--plot", str(png)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "spec",
+                "--drafters",
+                "ngram",
+                "--batch-sizes",
+                "2",
+                "--workloads",
+                "docs",
+                "--requests-per-stream",
+                "1",
+                "--max-tokens",
+                "8",
+                "--max-doc-chars",
+                "1500",
+                "--dtype",
+                "float32",
+                "--out",
+                str(out),
+                "--plot",
+                str(png),
+            ]
+        )
+        == 0
+    )
     report = json.loads(out.read_text())
     (row,) = report["results"]
     assert row["workload"] == "docs" and row["streams"] == 2

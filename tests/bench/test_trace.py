@@ -6,8 +6,16 @@ import argparse
 import pytest
 from prometheus_client import generate_latest
 
-from carpool.bench.trace import (Configuration, compare, configurations, metric_values, parse_users, plot,
-                                 slice_reports, summarize)
+from carpool.bench.trace import (
+    Configuration,
+    compare,
+    configurations,
+    metric_values,
+    parse_users,
+    plot,
+    slice_reports,
+    summarize,
+)
 from carpool.cli import build_parser
 from carpool.engine.llm_engine import StepStats
 from carpool.engine.slo import StepLimits
@@ -22,18 +30,25 @@ def bench_args(*argv: str) -> argparse.Namespace:
 def test_the_three_servers_get_serve_flags_that_configure_what_they_claim():
     configs = configurations(bench_args("--slo-itl-ms", "80", "--small", "32:8", "--large", "512:64"))
     assert [c.name for c in configs] == ["slo", "fixed-32", "fixed-512"]
-    engines = [next(iter(model_configs(build_parser().parse_args(["serve", *c.serve_flags])).values()))
-               for c in configs]
+    engines = [
+        next(iter(model_configs(build_parser().parse_args(["serve", *c.serve_flags])).values())) for c in configs
+    ]
     assert [(e.max_num_batched_tokens, e.max_num_seqs, e.slo_itl_ms) for e in engines] == [
-        (512, 64, {"priority": 80.0}), (32, 8, {}), (512, 64, {})]
+        (512, 64, {"priority": 80.0}),
+        (32, 8, {}),
+        (512, 64, {}),
+    ]
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--small", "32"], "--small: expected TOKENS:SEQS"),
-    (["--large", "0:8"], "--large: expected TOKENS:SEQS"),
-    (["--url", "http://x"], "--url: expected NAME=URL"),
-    (["--slo-itl-ms", "0"], "--slo-itl-ms must be > 0"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--small", "32"], "--small: expected TOKENS:SEQS"),
+        (["--large", "0:8"], "--large: expected TOKENS:SEQS"),
+        (["--url", "http://x"], "--url: expected NAME=URL"),
+        (["--slo-itl-ms", "0"], "--slo-itl-ms must be > 0"),
+    ],
+)
 def test_bad_flags_are_refused_naming_the_flag(argv, message):
     with pytest.raises(ValueError, match=message):
         configurations(bench_args(*argv))
@@ -53,17 +68,33 @@ def test_it_reads_the_servers_token_counters_and_step_budget():
     limits = StepLimits(96, 12, "itl", "priority", target_factor=0.75, itl_p99=0.092)
     metrics.models["m"].on_step(StepStats(8, 2, 0, 8, 0, duration=0.01, limits=limits), [])
     values = metric_values(generate_latest(metrics.registry).decode())
-    assert values == {"tokens": 100.0, "priority_tokens": 30.0, "step_token_budget": 96.0,
-                      "step_itl_p99_seconds": 0.092, "step_target_factor": 0.75}
+    assert values == {
+        "tokens": 100.0,
+        "priority_tokens": 30.0,
+        "step_token_budget": 96.0,
+        "step_itl_p99_seconds": 0.092,
+        "step_target_factor": 0.75,
+    }
 
 
 def test_each_slice_gets_its_own_itl_p99_throughput_and_cost():
     controller = {"step_itl_p99_seconds": 0.090, "step_target_factor": 0.8}
-    samples = [(0.0, {"tokens": 0, "priority_tokens": 0, "step_token_budget": 64, **controller}),
-               (5.0, {"tokens": 500, "priority_tokens": 200, "step_token_budget": 64, **controller,
-                      "step_itl_p99_seconds": 0.110, "step_target_factor": 0.6}),
-               (10.0, {"tokens": 1000, "priority_tokens": 400, "step_token_budget": 32}),
-               (20.0, {"tokens": 3000, "priority_tokens": 400, "step_token_budget": 512})]
+    samples = [
+        (0.0, {"tokens": 0, "priority_tokens": 0, "step_token_budget": 64, **controller}),
+        (
+            5.0,
+            {
+                "tokens": 500,
+                "priority_tokens": 200,
+                "step_token_budget": 64,
+                **controller,
+                "step_itl_p99_seconds": 0.110,
+                "step_target_factor": 0.6,
+            },
+        ),
+        (10.0, {"tokens": 1000, "priority_tokens": 400, "step_token_budget": 32}),
+        (20.0, {"tokens": 3000, "priority_tokens": 400, "step_token_budget": 512}),
+    ]
     gaps = [(1.0 + i / 100, 0.040) for i in range(97)] + [(5.0, 0.300)] * 3 + [(12.0, 0.020)]
     first, second = slice_reports([4, 0], 10.0, gaps, samples, slo_ms=100, hourly_price=0.36)
     assert first.itl_p99_ms == pytest.approx(300) and first.itl_p50_ms == pytest.approx(40)
@@ -81,13 +112,22 @@ def test_each_slice_gets_its_own_itl_p99_throughput_and_cost():
 
 
 def test_throughput_is_compared_with_the_best_fixed_configuration_and_each_gets_a_plot(tmp_path):
-    samples = [(0.0, {"tokens": 0, "priority_tokens": 0, "step_token_budget": None}),
-               (10.0, {"tokens": 500, "priority_tokens": 100, "step_token_budget": None})]
+    samples = [
+        (0.0, {"tokens": 0, "priority_tokens": 0, "step_token_budget": None}),
+        (10.0, {"tokens": 500, "priority_tokens": 100, "step_token_budget": None}),
+    ]
     runs = []
     for name, gap in (("slo", 0.05), ("fixed-32", 0.04), ("fixed-512", 0.4)):
         slices = slice_reports([2], 10.0, [(1.0, gap)], samples, slo_ms=100, hourly_price=0.1)
-        runs.append({"name": name, "serve_flags": [], "url": Configuration(name).url,
-                     "slices": [vars(s) for s in slices], "summary": summarize(slices)})
+        runs.append(
+            {
+                "name": name,
+                "serve_flags": [],
+                "url": Configuration(name).url,
+                "slices": [vars(s) for s in slices],
+                "summary": summarize(slices),
+            }
+        )
     runs[1]["summary"]["mean_output_tokens_per_s"] = 25.0
     compare(runs)
     assert runs[0]["summary"]["throughput_vs_best_other"] == 1.0  # best fixed: fixed-512's 50 tok/s

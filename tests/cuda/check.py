@@ -133,9 +133,15 @@ def check_speculation(model, device, cpu, fp32):
 
 
 def check_structured(model, device, cpu, fp32):
-    schema = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
-              "properties": {"name": {"type": "string", "maxLength": 8},
-                             "age": {"type": "integer", "minimum": 0, "maximum": 120}}}
+    schema = {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["name", "age"],
+        "properties": {
+            "name": {"type": "string", "maxLength": 8},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        },
+    }
     params = SamplingParams(max_tokens=64, temperature=0.7, seed=1, structured=StructuredOutput("json", schema))
     text = fp32.generate(["Give a person as JSON:"], params)[0].text
     assert isinstance(json.loads(text)["age"], int), text
@@ -144,8 +150,9 @@ def check_structured(model, device, cpu, fp32):
 
 def check_preemption(model, device, cpu, fp32):
     small = LLM(model, device=device, num_kv_blocks=24, block_size=16, max_num_seqs=16, **EXACT)
-    outputs = small.generate([p + str(i) for i, p in enumerate(PROMPTS * 2)],
-                             SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))
+    outputs = small.generate(
+        [p + str(i) for i, p in enumerate(PROMPTS * 2)], SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    )
     assert all(len(output.token_ids) == 64 for output in outputs)
     return f"{sum(output.num_preemptions for output in outputs)} preemptions"
 
@@ -156,8 +163,10 @@ def check_throughput(model, device, cpu, fp32):
     found = []
     for streams in (1, 32):
         start = time.perf_counter()
-        outputs = bf16.generate([PROMPTS[i % len(PROMPTS)] + str(i) for i in range(streams)],
-                                SamplingParams(max_tokens=128, temperature=0, ignore_eos=True))
+        outputs = bf16.generate(
+            [PROMPTS[i % len(PROMPTS)] + str(i) for i in range(streams)],
+            SamplingParams(max_tokens=128, temperature=0, ignore_eos=True),
+        )
         rate = sum(len(output.token_ids) for output in outputs) / (time.perf_counter() - start)
         found.append(f"{streams} streams: {rate:.0f} tok/s")
     return "bf16, 128 tokens each: " + "; ".join(found)
@@ -172,22 +181,52 @@ def check_server(model, device, cpu, fp32):
     env = {**os.environ, "CARPOOL_DB": f"{home}/carpool.db", "CARPOOL_BATCH_DIR": f"{home}/batches"}
     with open(f"{home}/serve.log", "w") as log:
         server = subprocess.Popen(
-            [sys.executable, "-m", "carpool.cli", "serve", "--model", model, "--device", device, "--port", str(port),
-             "--dtype", "float32", "--matmul", "exact", "--no-warmup", "--log-level", "warning"],
-            stdout=log, stderr=subprocess.STDOUT, env=env)
+            [
+                sys.executable,
+                "-m",
+                "carpool.cli",
+                "serve",
+                "--model",
+                model,
+                "--device",
+                device,
+                "--port",
+                str(port),
+                "--dtype",
+                "float32",
+                "--matmul",
+                "exact",
+                "--no-warmup",
+                "--log-level",
+                "warning",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
     try:
         assert wait_healthy(f"http://127.0.0.1:{port}", server, 180), open(f"{home}/serve.log").read()[-3000:]
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
         name = client.models.list().data[0].id
-        request = {"model": name, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 16,
-                   "temperature": 0}
+        request = {
+            "model": name,
+            "messages": [{"role": "user", "content": "Say hello."}],
+            "max_tokens": 16,
+            "temperature": 0,
+        }
         whole = client.chat.completions.create(**request)
-        streamed = "".join(chunk.choices[0].delta.content or ""
-                           for chunk in client.chat.completions.create(**request, stream=True) if chunk.choices)
+        streamed = "".join(
+            chunk.choices[0].delta.content or ""
+            for chunk in client.chat.completions.create(**request, stream=True)
+            if chunk.choices
+        )
         assert streamed == whole.choices[0].message.content, (streamed, whole.choices[0].message.content)
         metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
-        firsts = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-                     if line.startswith("carpool:time_to_first_token_seconds_count"))
+        firsts = sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in metrics.splitlines()
+            if line.startswith("carpool:time_to_first_token_seconds_count")
+        )
         assert firsts == 2, f"/metrics counts {firsts} first tokens for 2 requests"
         return f"{name}: {whole.usage.completion_tokens} tokens, the stream equals the answer, /metrics counts both"
     finally:

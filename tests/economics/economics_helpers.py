@@ -42,19 +42,19 @@ class Clock:
 def usage(
     prompt=1000, cached=0, cache_write=0, output=200, tier="default", finish_reason="stop", created=None, **extra
 ) -> UsageRecord:
-    fields = dict(
-        request_id="req",
-        model="test-model",
-        tier=tier,
-        prompt_tokens=prompt,
-        cached_tokens=cached,
-        cache_write_tokens=cache_write,
-        output_tokens=output,
-        queue_seconds=0.01,
-        prefill_seconds=0.2,
-        decode_seconds=0.8,
-        finish_reason=finish_reason,
-    )
+    fields = {
+        "request_id": "req",
+        "model": "test-model",
+        "tier": tier,
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "cache_write_tokens": cache_write,
+        "output_tokens": output,
+        "queue_seconds": 0.01,
+        "prefill_seconds": 0.2,
+        "decode_seconds": 0.8,
+        "finish_reason": finish_reason,
+    }
     if created is not None:
         fields["created"] = created
     return UsageRecord(**(fields | extra))

@@ -35,12 +35,12 @@ def test_create_stores_tiers_budget_and_limits(conn):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(allowed_tiers=["gold"]), "tiers must be"),
-        (dict(allowed_tiers=[]), "tiers must be"),
-        (dict(budget=-1, budget_period="day"), "must not be negative"),
-        (dict(budget=1, budget_period="week"), "budget period must be"),
-        (dict(budget_period="day"), "needs a budget amount"),
-        (dict(rpm=0), "rpm must be a positive"),
+        ({"allowed_tiers": ["gold"]}, "tiers must be"),
+        ({"allowed_tiers": []}, "tiers must be"),
+        ({"budget": -1, "budget_period": "day"}, "must not be negative"),
+        ({"budget": 1, "budget_period": "week"}, "budget period must be"),
+        ({"budget_period": "day"}, "needs a budget amount"),
+        ({"rpm": 0}, "rpm must be a positive"),
     ],
 )
 def test_create_rejects_bad_settings(conn, kwargs, message):

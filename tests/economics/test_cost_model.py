@@ -94,17 +94,17 @@ def test_metrics_without_the_meter_are_refused():
 
 def tiny_llama(directory, tied: bool):
     """2 layers, hidden 4, 2 heads of 2 (1 KV head), MLP 8, vocab 10."""
-    config = dict(
-        architectures=["LlamaForCausalLM"],
-        vocab_size=10,
-        hidden_size=4,
-        intermediate_size=8,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=2,
-        tie_word_embeddings=tied,
-    )
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 10,
+        "hidden_size": 4,
+        "intermediate_size": 8,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 2,
+        "tie_word_embeddings": tied,
+    }
     directory.mkdir()
     (directory / "config.json").write_text(json.dumps(config))
     shapes = {"model.embed_tokens.weight": (10, 4), "model.norm.weight": (4,)}

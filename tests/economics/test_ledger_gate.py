@@ -151,7 +151,9 @@ def test_metrics_show_no_tenant_unless_asked(gate, db_path):
     record = usage(tier="priority")
     gate.record(gate.authenticate(secret), record)
     assert gate.flush(timeout=30)
-    assert registry.get_sample_value("carpool:cost_total", {"tier": "priority"}) == pytest.approx(gate.prices.cost(record))
+    assert registry.get_sample_value("carpool:cost_total", {"tier": "priority"}) == pytest.approx(
+        gate.prices.cost(record)
+    )
     assert registry.get_sample_value("carpool:ledger_healthy") == 1
     assert "acme-secret-project" not in generate_latest(registry).decode()
 

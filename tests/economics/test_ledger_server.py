@@ -37,8 +37,9 @@ def test_budget_revocation_report_and_cost_counter(tmp_path, capsys):
             acme.chat.completions.create(model=model, messages=QUESTION, max_tokens=4)
         assert refused.value.code == "insufficient_quota"
 
-        report = httpx.get(f"{url}/usage", params={"group_by": "tenant"},
-                           headers={"Authorization": f"Bearer {admin}"}, timeout=30).json()
+        report = httpx.get(
+            f"{url}/usage", params={"group_by": "tenant"}, headers={"Authorization": f"Bearer {admin}"}, timeout=30
+        ).json()
         row = next(r for r in report["data"] if r["group"] == "acme")
         assert row["requests"] == 1
         assert row["output_tokens"] == first.usage.completion_tokens

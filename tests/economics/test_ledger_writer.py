@@ -144,6 +144,7 @@ def test_a_ledger_that_cannot_write_refuses_billable_work_until_it_can(monkeypat
 
 def test_a_writer_that_dies_fails_what_waits_and_refuses_new_rows(gate):
     """No response may hang on a row nobody will commit, and a dead ledger admits no billable work."""
+
     def broken(conn, rows):
         raise RuntimeError("writer bug")
 

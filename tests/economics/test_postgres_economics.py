@@ -14,8 +14,8 @@ from carpool.economics.contract import GateError
 from carpool.economics.db import SCHEMA, DatabaseUnusable, check_postgres, expected_columns, open_database
 from carpool.economics.gate import LedgerGate
 from carpool.economics.prices import load_price_sheet
-from carpool.postgres import connect_postgres, migrations
 from carpool.economics.reports import usage_summary
+from carpool.postgres import connect_postgres, migrations
 
 
 @pytest.fixture
@@ -94,7 +94,7 @@ def test_two_replicas_racing_for_the_last_of_a_budget_admit_one(gates, postgres_
     same moment. Per-process spend (the SQLite path's) lets both through."""
     estimate = prices.worst_case_cost("default", 1000)
     for round_number in range(10):
-        key, secret = new_key(postgres_url, budget=estimate * 1.5, budget_period="day")
+        _key, secret = new_key(postgres_url, budget=estimate * 1.5, budget_period="day")
         start = threading.Barrier(2)
         outcomes = [None, None]
 
@@ -119,7 +119,7 @@ def test_two_replicas_racing_for_the_last_of_a_budget_admit_one(gates, postgres_
 def test_spend_settles_the_reservation_and_the_budget_ends_for_every_replica(gates, postgres_url, prices):
     first, second = gates
     cost = prices.cost(usage())
-    key, secret = new_key(postgres_url, budget=cost * 2.5, budget_period="day")
+    _key, secret = new_key(postgres_url, budget=cost * 2.5, budget_period="day")
     for request_id, gate in (("a", first), ("b", second)):
         principal = gate.authenticate(secret)
         gate.admit(principal, "default", 100, request_id=request_id)
@@ -134,7 +134,7 @@ def test_spend_settles_the_reservation_and_the_budget_ends_for_every_replica(gat
 
 
 def test_a_request_whose_worst_case_exceeds_what_is_left_is_refused(gates, postgres_url, prices):
-    key, secret = new_key(postgres_url, budget=prices.worst_case_cost("default", 1000), budget_period="month")
+    _key, secret = new_key(postgres_url, budget=prices.worst_case_cost("default", 1000), budget_period="month")
     gate = gates[0]
     with pytest.raises(GateError) as refused:
         gate.admit(gate.authenticate(secret), "default", 1001, request_id="big")
@@ -152,7 +152,7 @@ def test_the_worst_case_is_priced_on_the_served_models(tmp_path):
 
 def test_a_dead_replicas_reservations_lapse(monkeypatch, postgres_url, prices):
     monkeypatch.setattr(shared_admission, "LEASE_SECONDS", 0.5)
-    key, secret = new_key(postgres_url, budget=prices.worst_case_cost("default", 1000), budget_period="day")
+    _key, secret = new_key(postgres_url, budget=prices.worst_case_cost("default", 1000), budget_period="day")
     dead, alive = (LedgerGate(postgres_url, prices) for _ in range(2))
     try:
         dead.admit(dead.authenticate(secret), "default", 1000, request_id="never-recorded")
@@ -166,7 +166,7 @@ def test_a_dead_replicas_reservations_lapse(monkeypatch, postgres_url, prices):
 
 
 def test_a_rate_limit_holds_across_replicas(gates, postgres_url):
-    key, secret = new_key(postgres_url, rpm=3)
+    _key, secret = new_key(postgres_url, rpm=3)
     first, second = gates
     for gate in (first, second, first):
         gate.admit(gate.authenticate(secret), "default", 10, request_id=None)
@@ -193,7 +193,7 @@ def test_revoking_a_key_acts_on_every_replica(gates, postgres_url):
 def test_a_gate_heals_after_the_database_drops_its_sessions(monkeypatch, gates, postgres_url):
     """A PostgreSQL restart or failover ends every session; the gate's connections open new ones by themselves."""
     monkeypatch.setattr(ledger, "RETRY_SECONDS", 0.05)
-    key, secret = new_key(postgres_url, budget=1.0, budget_period="day", rpm=100)
+    _key, secret = new_key(postgres_url, budget=1.0, budget_period="day", rpm=100)
     gate = gates[0]
     gate.record(gate.authenticate(secret), usage(request_id="before")).result(timeout=30)
     killer = open_database(postgres_url)

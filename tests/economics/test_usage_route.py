@@ -42,8 +42,12 @@ def test_admin_key_required(client, gate, db_path):
     assert missing.json()["error"]["type"] == "authentication_error"  # the server's 401, not one of its own
     forbidden = client.get("/v1/usage", headers={"Authorization": f"Bearer {user}"})
     assert forbidden.status_code == 403
-    assert forbidden.json()["error"] == {"message": "The usage report needs an admin key.",
-                                         "type": "permission_error", "param": None, "code": "admin_key_required"}
+    assert forbidden.json()["error"] == {
+        "message": "The usage report needs an admin key.",
+        "type": "permission_error",
+        "param": None,
+        "code": "admin_key_required",
+    }
     ok = client.get("/v1/usage", headers={"Authorization": f"Bearer {admin}"}, params={"start": "2000-01-01"})
     assert ok.status_code == 200 and [row["group"] for row in ok.json()["data"]] == ["acme"]
 

@@ -42,8 +42,14 @@ def test_same_greedy_output_alone_and_together(llm, prompts, alone):
 
 @pytest.fixture(scope="module")
 def small_pool_llm():
-    return LLM(dtype="float32", num_kv_blocks=40, max_num_seqs=32, max_num_batched_tokens=256, enable_prefix_caching=False,
-               matmul="exact")
+    return LLM(
+        dtype="float32",
+        num_kv_blocks=40,
+        max_num_seqs=32,
+        max_num_batched_tokens=256,
+        enable_prefix_caching=False,
+        matmul="exact",
+    )
 
 
 def test_same_output_when_a_small_pool_forces_preemption(small_pool_llm, prompts, alone):

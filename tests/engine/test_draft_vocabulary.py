@@ -24,8 +24,14 @@ GREEDY = SamplingParams(max_tokens=16, temperature=0)
 @pytest.fixture(scope="module")
 def cheap_draft_llm():
     """SmolLM2 drafting for itself from its first 4096 token ids, its weights re-quantized to Q4_0."""
-    llm = LLM(speculative_model="smollm2-135m", speculative_vocab_size=SUBSET, speculative_quantization="q4_0",
-              num_speculative_tokens=3, max_num_seqs=8, **EXACT)
+    llm = LLM(
+        speculative_model="smollm2-135m",
+        speculative_vocab_size=SUBSET,
+        speculative_quantization="q4_0",
+        num_speculative_tokens=3,
+        max_num_seqs=8,
+        **EXACT,
+    )
     llm.engine.speculator.policy.num_drafts = lambda batch_size: 3  # the policy would turn self-drafting off
     return llm
 
@@ -34,8 +40,11 @@ def test_the_draft_head_computes_the_subset_in_its_own_format(cheap_draft_llm):
     drafter = cheap_draft_llm.engine.speculator.drafter
     ids = drafter.draft_ids.tolist()
     assert ids[:SUBSET] == list(range(SUBSET)) and ids == sorted(set(ids))
-    assert set(ids[SUBSET:]) == {i for i in cheap_draft_llm.engine.tokenizer.added_token_ids
-                                 | cheap_draft_llm.engine.tokenizer.stop_token_ids if i >= SUBSET}
+    assert set(ids[SUBSET:]) == {
+        i
+        for i in cheap_draft_llm.engine.tokenizer.added_token_ids | cheap_draft_llm.engine.tokenizer.stop_token_ids
+        if i >= SUBSET
+    }
     head = drafter.model.lm_head
     assert head.out_features == len(ids) and head.ggml_type == gguf.GGMLQuantizationType.Q4_0
     # The target keeps its own format: dense float32.
@@ -63,8 +72,11 @@ def test_greedy_output_is_the_target_s_and_drafts_stay_in_the_subset(cheap_draft
 
 def test_a_sampled_draft_s_q_is_zero_outside_the_subset(cheap_draft_llm):
     drafter = cheap_draft_llm.engine.speculator.drafter
-    seq = Sequence("sampled", cheap_draft_llm.engine.tokenize_prompt(PROMPTS[0]),
-                   SamplingParams(max_tokens=8, temperature=1.5, seed=1))
+    seq = Sequence(
+        "sampled",
+        cheap_draft_llm.engine.tokenize_prompt(PROMPTS[0]),
+        SamplingParams(max_tokens=8, temperature=1.5, seed=1),
+    )
     seq.num_lookahead_tokens = 3
     try:
         drafter.propose([seq])
@@ -82,8 +94,19 @@ def test_subset_drafts_keep_the_target_distribution():
     follows the target (chi-square at 0.1%)."""
     model, _, _ = load_model(None, "cpu", torch.float32, "none")
     vocab, special = SUBSET + 2048, SUBSET + 1000  # the target's first ids: vectors 8x shorter than SmolLM2's
-    drafter = DraftModelDrafter("smollm2-135m", model, 4, 16, torch.device("cpu"), torch.float32, vocab,
-                                frozenset(), True, SUBSET, frozenset({special}))
+    drafter = DraftModelDrafter(
+        "smollm2-135m",
+        model,
+        4,
+        16,
+        torch.device("cpu"),
+        torch.float32,
+        vocab,
+        frozenset(),
+        True,
+        SUBSET,
+        frozenset({special}),
+    )
     assert drafter.draft_ids[-1] == special
     inside, outside = [5, 300, special], [SUBSET + 10, SUBSET + 2000]
     p = torch.zeros(vocab)
@@ -108,12 +131,15 @@ def test_subset_drafts_keep_the_target_distribution():
     assert drafter._draft(logits, greedy, []) == special
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("speculative_vocab_size", 0, "speculative_vocab_size must be a positive integer"),
-    ("speculative_vocab_size", -5, "speculative_vocab_size must be a positive integer"),
-    ("speculative_vocab_size", 100_000, "speculative_vocab_size must not exceed the draft model's vocabulary"),
-    ("speculative_quantization", "q3_k", "speculative_quantization must be one of"),
-])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("speculative_vocab_size", 0, "speculative_vocab_size must be a positive integer"),
+        ("speculative_vocab_size", -5, "speculative_vocab_size must be a positive integer"),
+        ("speculative_vocab_size", 100_000, "speculative_vocab_size must not exceed the draft model's vocabulary"),
+        ("speculative_quantization", "q3_k", "speculative_quantization must be one of"),
+    ],
+)
 def test_bad_draft_settings_are_errors_naming_the_field(field, value, message):
     with pytest.raises(ValueError, match=message):
         LLM(speculative_model="smollm2-135m", **{field: value})

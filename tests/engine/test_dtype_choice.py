@@ -10,7 +10,9 @@ import torch
 from carpool.engine.config import resolve_dtype
 from carpool.kernels import kernel_path
 
-CHOICE = "import torch; from carpool.engine.config import resolve_dtype; print(resolve_dtype('auto', torch.device('cpu')))"
+CHOICE = (
+    "import torch; from carpool.engine.config import resolve_dtype; print(resolve_dtype('auto', torch.device('cpu')))"
+)
 
 
 def test_a_path_without_bf16_units_runs_float32():

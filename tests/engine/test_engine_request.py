@@ -20,8 +20,13 @@ def calls(llm, monkeypatch):
     counted = Counter()
     counted.seqs = []
     engine = llm.engine
-    for owner, name in ((engine.tokenizer, "encode"), (engine, "_check_length"), (engine, "_check_vocabulary"),
-                        (engine, "_check_params"), (engine, "enqueue")):
+    for owner, name in (
+        (engine.tokenizer, "encode"),
+        (engine, "_check_length"),
+        (engine, "_check_vocabulary"),
+        (engine, "_check_params"),
+        (engine, "enqueue"),
+    ):
         original = getattr(owner, name)
 
         def counting(*args, _original=original, _name=name, **kwargs):
@@ -39,6 +44,7 @@ def run_on_a_loop_thread(llm, request: EngineRequest) -> list:
     async_engine = AsyncEngine(engine=llm.engine)
     async_engine.start()
     try:
+
         async def collect():
             return [output async for output in async_engine.generate(request)]
 
@@ -55,8 +61,7 @@ def test_a_served_request_is_tokenized_and_checked_once(llm, calls):
     assert outputs[-1].finished and len(outputs[-1].token_ids) == 3
     # Past the door: enqueued as it is, no second tokenization or check (the vocabulary: prompt, logit_bias,
     # stop_token_ids, once each).
-    assert dict(calls) == {"encode": 1, "_check_length": 1, "_check_vocabulary": 3, "_check_params": 1,
-                           "enqueue": 1}
+    assert dict(calls) == {"encode": 1, "_check_length": 1, "_check_vocabulary": 3, "_check_params": 1, "enqueue": 1}
     (seq,) = calls.seqs
     assert seq.prompt_token_ids == request.prompt_token_ids and seq.params is request.params
     assert seq.priority == BY_NAME["flex"].priority and seq.cache_salt == "tenant"
@@ -97,5 +102,12 @@ def test_an_id_in_use_is_refused_on_the_engine_thread(llm):
 def test_the_package_exports_what_it_offers():
     for name in carpool.engine.__all__:
         assert getattr(carpool.engine, name) is not None, name
-    assert {"LLMEngine", "AsyncEngine", "EngineRequest", "EngineConfig", "SamplingParams", "RequestOutput",
-            "TIERS"} <= set(carpool.engine.__all__)
+    assert {
+        "LLMEngine",
+        "AsyncEngine",
+        "EngineRequest",
+        "EngineConfig",
+        "SamplingParams",
+        "RequestOutput",
+        "TIERS",
+    } <= set(carpool.engine.__all__)

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from block_invariants import check_block_invariants, run_with_aborts
 
 from carpool import LLM, SamplingParams

@@ -6,8 +6,10 @@ import torch
 
 from carpool import SamplingParams
 
-PROMPT = ("Prompt logprobs check: the quick brown fox jumps over the lazy dog, then the dog sleeps while the fox "
-          "writes a short poem about autumn leaves and quiet rivers.")
+PROMPT = (
+    "Prompt logprobs check: the quick brown fox jumps over the lazy dog, then the dog sleeps while the fox "
+    "writes a short poem about autumn leaves and quiet rivers."
+)
 
 
 def full_forward_logprobs(llm, prompt_ids: list[int]) -> torch.Tensor:
@@ -38,9 +40,13 @@ def test_prompt_logprobs_match_a_full_forward_when_chunked_and_cached(llm, token
     config = llm.engine.config
     budget, config.max_num_batched_tokens = config.max_num_batched_tokens, 16  # prefill in chunks of 16
     try:
-        asked, plain = llm.generate([prompt_ids, prompt_ids],
-                                    [SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=3),
-                                     SamplingParams(max_tokens=1, temperature=0)])
+        asked, plain = llm.generate(
+            [prompt_ids, prompt_ids],
+            [
+                SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=3),
+                SamplingParams(max_tokens=1, temperature=0),
+            ],
+        )
     finally:
         config.max_num_batched_tokens = budget
     assert plain.prompt_logprobs is None and plain.num_cached_tokens > 0  # the cache is there to hit
@@ -71,16 +77,18 @@ def test_a_later_start_reads_the_prefix_from_the_cache_and_scores_the_rest_alike
     every = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
     whole = llm.generate([prompt_ids], every)[0]  # leaves the prompt's full blocks in the prefix cache
     start = len(prompt_ids) - 5
-    later = llm.generate([prompt_ids], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0,
-                                                      prompt_logprobs_start=start))[0]
+    later = llm.generate(
+        [prompt_ids], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0, prompt_logprobs_start=start)
+    )[0]
     block = llm.engine.config.block_size
     assert whole.num_cached_tokens == 0
     assert later.num_cached_tokens == (start - 1) // block * block > 0  # row start - 1 is computed: it is read
     assert later.prompt_logprobs[:start] == [None] * start and len(later.prompt_logprobs) == len(prompt_ids)
     for position in range(start, len(prompt_ids)):
         assert later.prompt_logprobs[position].token_id == prompt_ids[position]
-        assert later.prompt_logprobs[position].logprob == pytest.approx(whole.prompt_logprobs[position].logprob,
-                                                                        abs=1e-3)
+        assert later.prompt_logprobs[position].logprob == pytest.approx(
+            whole.prompt_logprobs[position].logprob, abs=1e-3
+        )
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="prompt_logprobs_start"):
             SamplingParams(prompt_logprobs=0, prompt_logprobs_start=bad)

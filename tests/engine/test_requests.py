@@ -58,9 +58,11 @@ def test_seeded_sampling_is_reproducible_alone_and_in_a_batch(llm):
 
 def test_top_k_one_and_tiny_top_p_are_greedy(llm):
     greedy = llm.generate(["The ocean is"], GREEDY)[0].token_ids
-    for params in (SamplingParams(max_tokens=8, temperature=1.5, top_k=1, ignore_eos=True, seed=3),
-                   SamplingParams(max_tokens=8, temperature=1.5, top_p=1e-6, ignore_eos=True, seed=3),
-                   SamplingParams(max_tokens=8, temperature=1.5, min_p=1.0, ignore_eos=True, seed=3)):
+    for params in (
+        SamplingParams(max_tokens=8, temperature=1.5, top_k=1, ignore_eos=True, seed=3),
+        SamplingParams(max_tokens=8, temperature=1.5, top_p=1e-6, ignore_eos=True, seed=3),
+        SamplingParams(max_tokens=8, temperature=1.5, min_p=1.0, ignore_eos=True, seed=3),
+    ):
         assert llm.generate(["The ocean is"], params)[0].token_ids == greedy
 
 

@@ -38,5 +38,6 @@ def test_bf16_logits_sample_as_their_fp32_widening(kinds):
         assert tokens[list(kinds).index("penalized")] != 11 and tokens[list(kinds).index("biased")] == 5
     for row, seq in enumerate(sequences(kinds)):
         if not seq.params.greedy:
-            assert torch.equal(filtered_probs(logits[row], seq, frozenset()),
-                               filtered_probs(wide[row], seq, frozenset()))
+            assert torch.equal(
+                filtered_probs(logits[row], seq, frozenset()), filtered_probs(wide[row], seq, frozenset())
+            )

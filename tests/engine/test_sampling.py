@@ -16,8 +16,15 @@ def chat(llm, question: str) -> str:
     return llm.chat_prompt([{"role": "user", "content": question}])
 
 
-@pytest.mark.parametrize("kwargs", [{"temperature": 1e-45}, {"temperature": 1e-320},
-                                    {"temperature": 1.0, "top_p": 1e-45}, {"temperature": 1.0, "top_p": 1e-320}])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"temperature": 1e-45},
+        {"temperature": 1e-320},
+        {"temperature": 1.0, "top_p": 1e-45},
+        {"temperature": 1.0, "top_p": 1e-320},
+    ],
+)
 def test_tiny_temperature_or_top_p_is_greedy_not_nan(llm, kwargs):
     out = llm.generate([FRANCE], SamplingParams(max_tokens=8, seed=5, **kwargs))[0]
     assert out.token_ids == greedy(llm, FRANCE).token_ids and out.finish_reason == "length"

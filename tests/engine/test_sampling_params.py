@@ -58,8 +58,11 @@ def test_penalties_match_their_definitions():
     logits = torch.randn(3, VOCAB) * 4
     prompt, output = [5, 6, 6, 7], [7, 8, 8, 8, 9]
     params = SamplingParams(presence_penalty=0.7, frequency_penalty=0.3, repetition_penalty=1.6)
-    seqs = [sequence(SamplingParams(), prompt, output), sequence(params, prompt, output),
-            sequence(SamplingParams(presence_penalty=-1.5), prompt, output)]
+    seqs = [
+        sequence(SamplingParams(), prompt, output),
+        sequence(params, prompt, output),
+        sequence(SamplingParams(presence_penalty=-1.5), prompt, output),
+    ]
     adjusted = adjust_logits(logits, seqs, END_TOKENS)
 
     expected = logits.clone()
@@ -106,8 +109,17 @@ def test_min_tokens_keeps_eos_when_it_is_ignored_anyway():
     assert torch.isfinite(adjust_logits(torch.zeros(1, VOCAB), [seq], END_TOKENS)).all()
 
 
-@pytest.mark.parametrize("kwargs", [{"temperature": 1e-45}, {"temperature": 1e-320}, {"temperature": 1e-5},
-                                    {"top_p": 1e-45}, {"top_p": 1e-320}, {"repetition_penalty": 1e-300}])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"temperature": 1e-45},
+        {"temperature": 1e-320},
+        {"temperature": 1e-5},
+        {"top_p": 1e-45},
+        {"top_p": 1e-320},
+        {"repetition_penalty": 1e-300},
+    ],
+)
 def test_tiny_positive_values_sample_the_best_token_not_nan(kwargs):
     torch.manual_seed(1)
     logits = torch.randn(4, VOCAB) * 10

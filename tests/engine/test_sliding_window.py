@@ -3,7 +3,6 @@ greedy tokens as keeping everything, a bounded number of blocks per sequence, ex
 prefix-cache hits that need only the window's blocks."""
 
 import pytest
-
 from block_invariants import check_block_invariants, run_with_aborts
 
 from carpool import LLM, SamplingParams
@@ -12,8 +11,14 @@ from carpool.engine.sequence import Sequence
 
 # Dense fp32 weights: exact, and on this model faster than its Q4_K blocks (a 1,200-token prompt + 24 tokens:
 # 16 s against 33 s on 2 shared cores).
-ENGINE = dict(model="gemma-3-270m", dtype="float32", quantization="none", max_num_seqs=4, num_kv_blocks=256,
-              max_num_batched_tokens=512)
+ENGINE = {
+    "model": "gemma-3-270m",
+    "dtype": "float32",
+    "quantization": "none",
+    "max_num_seqs": 4,
+    "num_kv_blocks": 256,
+    "max_num_batched_tokens": 512,
+}
 # The sampled tokens' logprobs too: a greedy token can survive a few wrong keys, its logprob does not.
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=0)
 
@@ -84,7 +89,8 @@ def test_every_block_comes_back_after_finishes_and_aborts(freeing, long_prompt):
 
 def _run(manager: BlockManager, seq: Sequence) -> None:
     """Prefill seq in one chunk and release it, as the engine would."""
-    assert manager.can_admit(seq, hits := manager.match_prefix(seq), seq.num_tokens)
+    hits = manager.match_prefix(seq)
+    assert manager.can_admit(seq, hits, seq.num_tokens)
     manager.admit(seq, hits)
     manager.allocate(seq, seq.num_tokens)
     seq.num_computed_tokens = seq.num_tokens

@@ -26,8 +26,13 @@ FIXED, PER_TOKEN = 0.005, 0.0004
 
 
 def scheduler(itl_ms=None, ttft_ms=None, max_seqs=16, budget=512, aging=30.0):
-    config = EngineConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, priority_aging_seconds=aging,
-                          slo_itl_ms=itl_ms or {}, slo_ttft_ms=ttft_ms or {})
+    config = EngineConfig(
+        max_num_seqs=max_seqs,
+        max_num_batched_tokens=budget,
+        priority_aging_seconds=aging,
+        slo_itl_ms=itl_ms or {},
+        slo_ttft_ms=ttft_ms or {},
+    )
     return Scheduler(config, BlockManager(1024, 16, False))
 
 
@@ -180,12 +185,15 @@ def test_the_engine_sizes_steps_from_its_own_timings_and_exports_them():
     assert (shown["gauges"]["step_token_budget"], shown["step_budget_reason"]) == (64, "throughput")
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("slo_itl_ms", {"gold": 50}, "slo_itl_ms: tier must be one of"),
-    ("slo_itl_ms", {"priority": 0}, r"slo_itl_ms\['priority'\] must be a positive number"),
-    ("slo_ttft_ms", {"priority": "fast"}, r"slo_ttft_ms\['priority'\] must be a positive number"),
-    ("slo_ttft_ms", [("priority", 5)], "slo_ttft_ms must be a dict"),
-])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("slo_itl_ms", {"gold": 50}, "slo_itl_ms: tier must be one of"),
+        ("slo_itl_ms", {"priority": 0}, r"slo_itl_ms\['priority'\] must be a positive number"),
+        ("slo_ttft_ms", {"priority": "fast"}, r"slo_ttft_ms\['priority'\] must be a positive number"),
+        ("slo_ttft_ms", [("priority", 5)], "slo_ttft_ms must be a dict"),
+    ],
+)
 def test_bad_slos_are_refused_naming_the_field(field, value, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(**{field: value})
@@ -198,13 +206,16 @@ def test_serve_flags_become_the_engine_slos():
     assert config.slo_ttft_ms == {"priority": 800.0}
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--slo-itl-ms", "gold=50"], "--slo-itl-ms: tier must be one of"),
-    (["--slo-itl-ms", "priority"], "--slo-itl-ms: expected TIER=MS"),
-    (["--slo-ttft-ms", "priority=-3"], "--slo-ttft-ms: MS must be a positive number"),
-    (["--slo-ttft-ms", "priority=abc"], "--slo-ttft-ms: MS must be a positive number"),
-    (["--slo-itl-ms", "priority=50", "--slo-itl-ms", "priority=60"], "--slo-itl-ms: tier 'priority' given twice"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--slo-itl-ms", "gold=50"], "--slo-itl-ms: tier must be one of"),
+        (["--slo-itl-ms", "priority"], "--slo-itl-ms: expected TIER=MS"),
+        (["--slo-ttft-ms", "priority=-3"], "--slo-ttft-ms: MS must be a positive number"),
+        (["--slo-ttft-ms", "priority=abc"], "--slo-ttft-ms: MS must be a positive number"),
+        (["--slo-itl-ms", "priority=50", "--slo-itl-ms", "priority=60"], "--slo-itl-ms: tier 'priority' given twice"),
+    ],
+)
 def test_bad_slo_flags_are_refused_naming_the_flag(argv, message):
     with pytest.raises(ValueError, match=message):
         model_configs(build_parser().parse_args(["serve", *argv]))

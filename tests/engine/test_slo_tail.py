@@ -38,8 +38,14 @@ def simulate(slowdown: float, num_steps: int, users: int = 8, seed: int = 0):
     gaps, batch_tokens, names = [], 0, iter(range(1_000_000))
 
     def arrive(priority: int, prompt: int, max_tokens: int) -> None:
-        s.add(Sequence(f"r{next(names)}", list(range(100, 100 + prompt)), SamplingParams(max_tokens=max_tokens),
-                       priority=priority))
+        s.add(
+            Sequence(
+                f"r{next(names)}",
+                list(range(100, 100 + prompt)),
+                SamplingParams(max_tokens=max_tokens),
+                priority=priority,
+            )
+        )
 
     for _ in range(users):
         arrive(PRIORITY, 24, 64)

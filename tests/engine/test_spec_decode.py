@@ -101,8 +101,10 @@ def test_greedy_output_is_the_target_s(greedy_reference, drafter, batch, request
 
 def test_seeded_sampling_with_ngram_drafts_is_the_plain_sample(llm, ngram_llm):
     """Point-mass drafts are verified against the plain sampler's own seeded draw: same tokens as no speculation."""
-    params = [SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=s, presence_penalty=0.5)
-              for s in range(len(PROMPTS))]
+    params = [
+        SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=s, presence_penalty=0.5)
+        for s in range(len(PROMPTS))
+    ]
     for plain, fast in zip(llm.generate(PROMPTS, params), ngram_llm.generate(PROMPTS, params)):
         assert fast.token_ids == plain.token_ids
 
@@ -180,8 +182,9 @@ def test_preemption_under_speculation(llm):
     for i, prompt in enumerate(PROMPTS[:4]):
         spec.engine.add_request(f"p-{i}", prompt, params)
     assert run_with_aborts(spec.engine, {}) > 0
-    assert [o.token_ids for o in spec.generate(PROMPTS[:4], params)] == \
-        [o.token_ids for o in llm.generate(PROMPTS[:4], params)]
+    assert [o.token_ids for o in spec.generate(PROMPTS[:4], params)] == [
+        o.token_ids for o in llm.generate(PROMPTS[:4], params)
+    ]
 
 
 def test_a_request_can_opt_out(ngram_llm):

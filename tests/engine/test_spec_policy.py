@@ -10,8 +10,9 @@ from carpool.engine.spec_decode.ngram import NgramDrafter, NgramIndex, propose_n
 from carpool.engine.spec_decode.policy import MIN_SAMPLES, REFRESH, SpeculationPolicy
 
 
-def simulated_steps(policy: SpeculationPolicy, batch_size: int, acceptance: float, row_cost: float,
-                    steps: int = 400) -> list[int]:
+def simulated_steps(
+    policy: SpeculationPolicy, batch_size: int, acceptance: float, row_cost: float, steps: int = 400
+) -> list[int]:
     """Run the policy against a synthetic machine: a step of M rows takes 10 ms + row_cost * M, each draft is
     accepted with probability `acceptance` (expected tokens, no noise). Returns the k chosen at each step."""
     chosen = []

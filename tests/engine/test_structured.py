@@ -9,9 +9,15 @@ import pytest
 from carpool import SamplingParams
 from carpool.engine.structured import StructuredOutput
 
-PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
-          "properties": {"name": {"type": "string", "maxLength": 12},
-                         "age": {"type": "integer", "minimum": 0, "maximum": 150}}}
+PERSON = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["name", "age"],
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+    },
+}
 
 
 def chat(llm, question: str) -> str:
@@ -19,8 +25,9 @@ def chat(llm, question: str) -> str:
 
 
 def constrained(kind, value, **kwargs) -> SamplingParams:
-    return SamplingParams(**{"max_tokens": 40, "temperature": 0} | kwargs,
-                          structured=StructuredOutput(kind, value, "response_format"))
+    return SamplingParams(
+        **{"max_tokens": 40, "temperature": 0} | kwargs, structured=StructuredOutput(kind, value, "response_format")
+    )
 
 
 def check_person(text: str) -> None:
@@ -33,8 +40,14 @@ def test_json_schema_output_parses_and_validates_greedy_and_sampled(llm):
     plain = llm.generate([prompt], SamplingParams(max_tokens=40, temperature=0))[0]
     with pytest.raises(ValueError):  # the model left to itself does not answer with this JSON
         check_person(plain.text)
-    outs = llm.generate([prompt] * 3, [constrained("json", PERSON), constrained("json", PERSON, temperature=1.0, seed=1),
-                                       constrained("json", PERSON, temperature=1.0, seed=2)])
+    outs = llm.generate(
+        [prompt] * 3,
+        [
+            constrained("json", PERSON),
+            constrained("json", PERSON, temperature=1.0, seed=1),
+            constrained("json", PERSON, temperature=1.0, seed=2),
+        ],
+    )
     for out in outs:
         assert out.finish_reason == "stop", out.text
         check_person(out.text)
@@ -42,11 +55,14 @@ def test_json_schema_output_parses_and_validates_greedy_and_sampled(llm):
 
 def test_regex_choice_and_grammar(llm):
     prompt = chat(llm, "What is your favourite number?")
-    regex, choice, grammar = llm.generate([prompt] * 3, [
-        constrained("regex", r"[0-9]{3}-[a-z]{2}"),
-        constrained("choice", ["red", "green", "blue"]),
-        constrained("grammar", 'start: "yes" | "no" | "maybe " NUM\nNUM: /[0-9]/'),
-    ])
+    regex, choice, grammar = llm.generate(
+        [prompt] * 3,
+        [
+            constrained("regex", r"[0-9]{3}-[a-z]{2}"),
+            constrained("choice", ["red", "green", "blue"]),
+            constrained("grammar", 'start: "yes" | "no" | "maybe " NUM\nNUM: /[0-9]/'),
+        ],
+    )
     assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", regex.text) and regex.finish_reason == "stop"
     assert choice.text in ("red", "green", "blue")
     assert re.fullmatch(r"yes|no|maybe [0-9]", grammar.text)
@@ -68,8 +84,10 @@ def test_logprobs_are_the_models_raw_distribution(llm):
     constrained first token's logprob equals its logprob in an unconstrained run's top list."""
     prompt = chat(llm, "Pick a colour.")
     llm.generate([prompt], SamplingParams(max_tokens=1))  # both rows below then read the prompt from the cache
-    free, out = llm.generate([prompt, prompt], [SamplingParams(max_tokens=1, temperature=0, logprobs=20),
-                                                constrained("choice", ["green"], logprobs=5)])
+    free, out = llm.generate(
+        [prompt, prompt],
+        [SamplingParams(max_tokens=1, temperature=0, logprobs=20), constrained("choice", ["green"], logprobs=5)],
+    )
     first = out.logprobs[0]
     assert out.text == "green"
     assert first.top == free.logprobs[0].top[:5]
@@ -81,12 +99,15 @@ def test_max_tokens_cuts_a_constrained_output_with_length(llm):
     assert out.finish_reason == "length" and len(out.token_ids) == 3
 
 
-@pytest.mark.parametrize("kind, value, words", [
-    ("json", {"type": "object", "properties": {"a": {"not": {"type": "string"}}}}, "not"),
-    ("json", {"type": "strin"}, "strin"),
-    ("regex", "(a", "unclosed group"),
-    ("grammar", "start: foo", "foo"),
-])
+@pytest.mark.parametrize(
+    "kind, value, words",
+    [
+        ("json", {"type": "object", "properties": {"a": {"not": {"type": "string"}}}}, "not"),
+        ("json", {"type": "strin"}, "strin"),
+        ("regex", "(a", "unclosed group"),
+        ("grammar", "start: foo", "foo"),
+    ],
+)
 def test_bad_constraint_fails_at_the_door_naming_the_field(llm, kind, value, words):
     with pytest.raises(ValueError, match=rf"^response_format: .*{words}"):
         llm.engine.request("bad", [1, 2, 3], constrained(kind, value))

@@ -22,8 +22,10 @@ def accepts(compiler, spec: StructuredOutput, text: str) -> bool:
     return grammars.bind(spec).grammar.matcher().validate_tokens(tokens) == len(tokens)
 
 
-@pytest.mark.parametrize("spec", [StructuredOutput("json_object"),
-                                  StructuredOutput("json", {"type": "object", "properties": {"a": {}, "b": {}}})])
+@pytest.mark.parametrize(
+    "spec",
+    [StructuredOutput("json_object"), StructuredOutput("json", {"type": "object", "properties": {"a": {}, "b": {}}})],
+)
 def test_json_is_one_line_with_pythons_separators(compiler, spec):
     assert accepts(compiler, spec, '{"a": 1, "b": [1, 2]}')
     for spread in ('{\n  "a": 1\n}', '{ "a": 1}', '{"a":1}', '{"a": 1,  "b": 2}'):
@@ -36,7 +38,11 @@ def test_a_schema_with_its_own_layout_keeps_it(compiler):
 
 
 def test_properties_come_in_the_schemas_order(compiler):
-    schema = {"type": "object", "required": ["name", "age"], "additionalProperties": False,
-              "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}}
+    schema = {
+        "type": "object",
+        "required": ["name", "age"],
+        "additionalProperties": False,
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    }
     assert accepts(compiler, StructuredOutput("json", schema), '{"name": "Al", "age": 3}')
     assert not accepts(compiler, StructuredOutput("json", schema), '{"age": 3, "name": "Al"}')

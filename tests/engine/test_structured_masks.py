@@ -69,7 +69,9 @@ def test_word_wise_masking_equals_unpacking_every_token(vocab):
 
 
 def constrained_seq(request_id: str, **kwargs) -> Sequence:
-    params = SamplingParams(**{"max_tokens": 4, "temperature": 0} | kwargs, structured=StructuredOutput("choice", ["x"]))
+    params = SamplingParams(
+        **{"max_tokens": 4, "temperature": 0} | kwargs, structured=StructuredOutput("choice", ["x"])
+    )
     return Sequence(request_id, [1, 2, 3], params)
 
 
@@ -95,8 +97,11 @@ def test_a_grammar_only_batch_is_masked_in_place_and_other_rows_untouched(monkey
     for i, token in enumerate(allowed):
         packed[i, token // 32] = np.int32(1 << (token % 32))
     serve_masks(monkeypatch, packed)
-    seqs = [constrained_seq("a"), Sequence("b", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0)),
-            constrained_seq("c")]
+    seqs = [
+        constrained_seq("a"),
+        Sequence("b", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0)),
+        constrained_seq("c"),
+    ]
     logits = torch.randn(3, vocab)
     before = logits.clone()
     tokens, _ = sample(logits, seqs)
@@ -136,7 +141,9 @@ def test_a_matcher_forced_off_its_grammar_allows_only_the_end_tokens():
     vocab = 49152
     spec = GrammarCompiler(tokenizer, vocab).bind(StructuredOutput("choice", ["yes"]))
     seq = Sequence("s", [1, 2, 3], SamplingParams(max_tokens=8, structured=spec))
-    seq.token_ids += tokenizer.encode("yes", add_special_tokens=False) + tokenizer.encode(" no", add_special_tokens=False)
+    seq.token_ids += tokenizer.encode("yes", add_special_tokens=False) + tokenizer.encode(
+        " no", add_special_tokens=False
+    )
     ends = frozenset({0, 2, 7})
     packed = GrammarMasks([seq], vocab).packed_rows([seq], ends)
     allowed = np.flatnonzero(np.unpackbits(packed[0].view(np.uint8), bitorder="little"))

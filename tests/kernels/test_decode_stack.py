@@ -46,20 +46,28 @@ def make_layers(dtype, gemma, seed=0):
     layers = []
     for i in range(2):
         s = 10 * i + seed
-        layers.append({
-            "input_norm": norm(HIDDEN), "attention_out_norm": norm(HIDDEN) if gemma else None,
-            "mlp_in_norm": norm(HIDDEN), "mlp_out_norm": norm(HIDDEN) if gemma else None,
-            "q_norm": norm(HEAD_DIM) if gemma else None, "k_norm": norm(HEAD_DIM) if gemma else None,
-            "qkv": [(blocks(Q_SIZE, HIDDEN, Q.Q4_1, s), int(Q.Q4_1)),
-                    (blocks(2 * KV_SIZE, HIDDEN, Q.Q8_0, s + 1), int(Q.Q8_0))],
-            "qkv_bias": None if gemma else torch.randn(Q_SIZE + 2 * KV_SIZE, generator=g).to(dtype),
-            "o": [(blocks(HIDDEN, Q_SIZE, Q.Q5_0, s + 2), int(Q.Q5_0))],
-            "gate_up": [(blocks(2 * INTER, HIDDEN, Q.Q4_0, s + 3), int(Q.Q4_0))],
-            "down": [(blocks(HIDDEN, INTER, Q.Q4_K, s + 4), int(Q.Q4_K))],
-            "k_cache": torch.randn(NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=g).to(dtype),
-            "v_cache": torch.randn(NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=g).to(dtype),
-            "rotary": i, "window": 24 if gemma and i == 0 else 0,
-        })
+        layers.append(
+            {
+                "input_norm": norm(HIDDEN),
+                "attention_out_norm": norm(HIDDEN) if gemma else None,
+                "mlp_in_norm": norm(HIDDEN),
+                "mlp_out_norm": norm(HIDDEN) if gemma else None,
+                "q_norm": norm(HEAD_DIM) if gemma else None,
+                "k_norm": norm(HEAD_DIM) if gemma else None,
+                "qkv": [
+                    (blocks(Q_SIZE, HIDDEN, Q.Q4_1, s), int(Q.Q4_1)),
+                    (blocks(2 * KV_SIZE, HIDDEN, Q.Q8_0, s + 1), int(Q.Q8_0)),
+                ],
+                "qkv_bias": None if gemma else torch.randn(Q_SIZE + 2 * KV_SIZE, generator=g).to(dtype),
+                "o": [(blocks(HIDDEN, Q_SIZE, Q.Q5_0, s + 2), int(Q.Q5_0))],
+                "gate_up": [(blocks(2 * INTER, HIDDEN, Q.Q4_0, s + 3), int(Q.Q4_0))],
+                "down": [(blocks(HIDDEN, INTER, Q.Q4_K, s + 4), int(Q.Q4_K))],
+                "k_cache": torch.randn(NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=g).to(dtype),
+                "v_cache": torch.randn(NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=g).to(dtype),
+                "rotary": i,
+                "window": 24 if gemma and i == 0 else 0,
+            }
+        )
     return layers
 
 
@@ -68,9 +76,25 @@ def build_stack(layers, gemma):
     for layer in layers:
         parts = [list(p) for name in ("qkv", "o", "gate_up", "down") for p in zip(*layer[name])]
         stack.add_layer(
-            layer["input_norm"], layer["attention_out_norm"], layer["mlp_in_norm"], layer["mlp_out_norm"],
-            layer["q_norm"], layer["k_norm"], parts[0], parts[1], layer["qkv_bias"], parts[2], parts[3], parts[4],
-            parts[5], parts[6], parts[7], layer["k_cache"], layer["v_cache"], layer["rotary"], layer["window"],
+            layer["input_norm"],
+            layer["attention_out_norm"],
+            layer["mlp_in_norm"],
+            layer["mlp_out_norm"],
+            layer["q_norm"],
+            layer["k_norm"],
+            parts[0],
+            parts[1],
+            layer["qkv_bias"],
+            parts[2],
+            parts[3],
+            parts[4],
+            parts[5],
+            parts[6],
+            parts[7],
+            layer["k_cache"],
+            layer["v_cache"],
+            layer["rotary"],
+            layer["window"],
         )
     return stack
 
@@ -174,8 +198,11 @@ def test_fused_step_checks_its_metadata_before_running():
     x, positions, tables = torch.randn(1, HIDDEN), torch.tensor([3]), torch.arange(4).view(1, 4)
     previous = ops.set_matmul_mode(1)
     try:
+
         def step(positions=positions, slot=3, length=4):
-            stack.forward(x, positions, cos, sin, torch.tensor([slot]), tables, torch.tensor([length]), None, None, None)
+            stack.forward(
+                x, positions, cos, sin, torch.tensor([slot]), tables, torch.tensor([length]), None, None, None
+            )
 
         step()  # a good step runs
         with pytest.raises(RuntimeError, match="slot_mapping"):

@@ -31,7 +31,9 @@ def random_blocks(rows: int, cols: int, qtype, seed: int = 0):
     rng = np.random.default_rng(seed)
     blocks = rng.integers(0, 256, (rows, cols // block_size, block_bytes), dtype=np.uint8)
     for offset, size in F16_FIELDS[qtype]:
-        scales = size * rng.uniform(0.5, 1.5, (rows, cols // block_size)) * rng.choice([-1, 1], (rows, cols // block_size))
+        scales = (
+            size * rng.uniform(0.5, 1.5, (rows, cols // block_size)) * rng.choice([-1, 1], (rows, cols // block_size))
+        )
         blocks[..., offset : offset + 2] = scales.astype(np.float16).view(np.uint8).reshape(rows, -1, 2)
     blocks = blocks.reshape(rows, -1)
     return torch.from_numpy(blocks), torch.from_numpy(gguf.quants.dequantize(blocks, qtype).astype(np.float32))
@@ -53,7 +55,9 @@ def test_dequantize_reads_gguf_pys_own_quantization(qtype):
     weight = np.random.default_rng(1).standard_normal((5, 96)).astype(np.float32)
     blocks = gguf.quants.quantize(weight, qtype)
     reference = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).astype(np.float32))
-    assert torch.equal(torch.ops.carpool.ggml_dequantize(torch.from_numpy(blocks), int(qtype), torch.float32), reference)
+    assert torch.equal(
+        torch.ops.carpool.ggml_dequantize(torch.from_numpy(blocks), int(qtype), torch.float32), reference
+    )
 
 
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)

@@ -90,8 +90,15 @@ def test_activations_round_half_to_even(every_row_count_int8, qtype, rows):
 
 # Each format's bytes of weight integers within a block (the rest: its float and integer scales), and the byte
 # that puts every integer at the low or the high end of its range (Q8_0's are int8, the others unsigned bit fields).
-QUANT_BYTES = {Q.Q4_0: (2, 18), Q.Q4_1: (4, 20), Q.Q5_0: (2, 22), Q.Q8_0: (2, 34), Q.Q4_K: (16, 144),
-               Q.Q5_K: (16, 176), Q.Q6_K: (0, 192)}
+QUANT_BYTES = {
+    Q.Q4_0: (2, 18),
+    Q.Q4_1: (4, 20),
+    Q.Q5_0: (2, 22),
+    Q.Q8_0: (2, 34),
+    Q.Q4_K: (16, 144),
+    Q.Q5_K: (16, 176),
+    Q.Q6_K: (0, 192),
+}
 END_BYTES = {"low": {Q.Q8_0: 0x80}, "high": {Q.Q8_0: 0x7F}}
 END_BYTE_DEFAULT = {"low": 0x00, "high": 0xFF}
 

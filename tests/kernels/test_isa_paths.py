@@ -19,7 +19,8 @@ HERE = Path(__file__).parent
 NOT_KERNEL_TESTS = {Path(__file__).name, "test_kernel_choice.py"}  # this file, and tests of the choice itself
 KERNEL_TESTS = sorted(str(p) for p in HERE.glob("test_*.py") if p.name not in NOT_KERNEL_TESTS)
 RUNNABLE_PATHS = [
-    path for path in PATHS
+    path
+    for path in PATHS
     if path in built_paths() and not missing_features(path, cpu_features()) and path not in refused_paths()
 ]
 OTHER_PATHS = [path for path in RUNNABLE_PATHS if path != kernel_path()]
@@ -33,6 +34,10 @@ def test_kernel_tests_pass_on_every_path_this_cpu_runs(path):
     assert loaded.stdout.split() == [path, TORCH_CAPABILITY[path].upper()], loaded.stderr
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *KERNEL_TESTS],
-        env=env, capture_output=True, text=True, timeout=600, cwd=HERE.parent.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=HERE.parent.parent,
     )
     assert result.returncode == 0, f"{path} path:\n{result.stdout[-4000:]}{result.stderr[-2000:]}"

@@ -38,8 +38,11 @@ def test_each_cpu_gets_the_best_path_it_has_every_feature_of():
 def test_a_forced_path_is_used_or_refused_naming_what_is_missing():
     choice = choose_path(ZEN4, ALL_BUILT, forced="portable")
     assert (choice.path, choice.forced) == ("portable", True)
-    with pytest.raises(ValueError, match=r"CARPOOL_KERNEL_ISA: this CPU cannot run the avx512 kernels, it lacks "
-                                         r"avx512f, avx512bw, avx512cd, avx512dq, avx512vl, avx512_bf16, avx512_vnni"):
+    with pytest.raises(
+        ValueError,
+        match=r"CARPOOL_KERNEL_ISA: this CPU cannot run the avx512 kernels, it lacks "
+        r"avx512f, avx512bw, avx512cd, avx512dq, avx512vl, avx512_bf16, avx512_vnni",
+    ):
         choose_path(ZEN3, ALL_BUILT, forced="avx512")
     with pytest.raises(ValueError, match="lacks avx512_bf16$"):
         choose_path(ICE_LAKE, ALL_BUILT, forced="avx512")
@@ -61,14 +64,17 @@ def test_a_path_whose_probe_failed_is_passed_over_and_refused_when_forced():
 
 def run_python(code: str, **env) -> subprocess.CompletedProcess:
     """A fresh interpreter: each process loads one kernel build, chosen at import."""
-    return subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_the_environment_variable_picks_the_build_a_process_loads():
     runnable = [p for p in PATHS if p in built_paths() and not missing_features(p, cpu_features())]
     forced = runnable[-1]  # portable wherever it was built: every CPU runs it
-    code = "import logging; logging.basicConfig(level=logging.INFO)\nimport carpool.kernels as k; print(k.kernel_path())"
+    code = (
+        "import logging; logging.basicConfig(level=logging.INFO)\nimport carpool.kernels as k; print(k.kernel_path())"
+    )
     result = run_python(code, CARPOOL_KERNEL_ISA=forced)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == forced
@@ -103,11 +109,11 @@ def test_cpu_features_agree_with_the_kernel():
 @pytest.mark.skipif(not Path("/proc/cpuinfo").exists() or not X86, reason="needs Linux on x86-64")
 def test_the_cpu_is_named_with_the_family_and_model_the_os_reports():
     """A VM's brand string can be just "AMD EPYC" for Zen 3, 4 and 5 alike: figures name the family and model."""
-    info = dict(
-        (key.strip(), value.strip())
+    info = {
+        key.strip(): value.strip()
         for key, _, value in (line.partition(":") for line in Path("/proc/cpuinfo").read_text().splitlines())
         if key.strip() in ("cpu family", "model", "stepping")
-    )
+    }
     expected = f"(family {info['cpu family']}, model {info['model']}, stepping {info['stepping']})"
     assert cpu_model().endswith(expected)
 

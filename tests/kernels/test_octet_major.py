@@ -58,4 +58,3 @@ def test_only_q4_rows_are_octet_major():
     x = torch.randn(1, 256)
     with pytest.raises(RuntimeError, match="only Q4_0 .2. and Q4_1 .3. rows are octet-major"):
         torch.ops.carpool.ggml_linear(x, blocks, int(Q.Q8_0) | OCTET_MAJOR)
-

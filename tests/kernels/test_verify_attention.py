@@ -37,12 +37,15 @@ def verify_batch(dtype, head_dim, heads, kv_heads, seed):
 def sdpa_rows(q, k_cache, v_cache, tables, lens, scale, window):
     """Each row against its own keys, gathered from its table: [first key, its length), in fp32."""
     group = q.shape[1] // k_cache.shape[2]
-    keys, values = (cache[tables].flatten(1, 2).float().repeat_interleave(group, dim=2).transpose(1, 2)
-                    for cache in (k_cache, v_cache))  # [rows, heads, keys, head_dim]
+    keys, values = (
+        cache[tables].flatten(1, 2).float().repeat_interleave(group, dim=2).transpose(1, 2)
+        for cache in (k_cache, v_cache)
+    )  # [rows, heads, keys, head_dim]
     positions = torch.arange(keys.shape[2])
     mask = (positions < lens[:, None]) & (positions >= lens[:, None] - window if window else True)
-    return F.scaled_dot_product_attention(q.float()[:, :, None], keys, values, attn_mask=mask[:, None, None],
-                                          scale=scale)[:, :, 0]
+    return F.scaled_dot_product_attention(
+        q.float()[:, :, None], keys, values, attn_mask=mask[:, None, None], scale=scale
+    )[:, :, 0]
 
 
 @pytest.mark.parametrize("window", [0, 6])  # full attention; a sliding window shorter than every run's contexts
@@ -53,13 +56,15 @@ def test_verify_rows_match_sdpa_and_each_row_alone(dtype, head_dim, heads, kv_he
     scale = head_dim**-0.5
     together = ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, window)
     tolerance = {"rtol": 2e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-5}
-    torch.testing.assert_close(together.float(), sdpa_rows(q, k_cache, v_cache, tables, lens, scale, window),
-                               **tolerance)
+    torch.testing.assert_close(
+        together.float(), sdpa_rows(q, k_cache, v_cache, tables, lens, scale, window), **tolerance
+    )
     # The rows in reverse order: no row extends the one before it, so each is attended alone, as plain decoding does.
     backwards = torch.arange(len(lens) - 1, -1, -1)
     assert len(ops.paged_attention_runs(tables[backwards], lens[backwards], BLOCK_SIZE)) == len(lens) + 1
-    alone = ops.paged_decode_attention(q[backwards], k_cache, v_cache, tables[backwards], lens[backwards], scale,
-                                       window)
+    alone = ops.paged_decode_attention(
+        q[backwards], k_cache, v_cache, tables[backwards], lens[backwards], scale, window
+    )
     assert torch.equal(together, alone[backwards])
 
 
@@ -71,15 +76,27 @@ def test_a_verifying_sequences_rows_are_read_together():
     assert ops.paged_attention_runs(tables, lens, BLOCK_SIZE).tolist() == [0, 3, 5, 6, 8]
     # Only the blocks the shorter row reads must agree: 16 keys end in block 0, 17 reach block 1.
     assert ops.paged_attention_runs(torch.tensor([[7, 1], [7, 2]]), torch.tensor([16, 17]), BLOCK_SIZE).tolist() == [
-        0, 2]
+        0,
+        2,
+    ]
     assert ops.paged_attention_runs(torch.tensor([[7, 1], [7, 2]]), torch.tensor([17, 18]), BLOCK_SIZE).tolist() == [
-        0, 1, 2]
+        0,
+        1,
+        2,
+    ]
     # Plain decoding: a run per sequence; a run stops at MAX_RUN_ROWS rows.
     assert ops.paged_attention_runs(tables[:1].repeat(3, 1), torch.tensor([30, 30, 30]), BLOCK_SIZE).tolist() == [
-        0, 1, 2, 3]
+        0,
+        1,
+        2,
+        3,
+    ]
     long_run = torch.arange(1, MAX_RUN_ROWS + 3)
     assert ops.paged_attention_runs(tables[:1].repeat(len(long_run), 1), long_run, BLOCK_SIZE).tolist() == [
-        0, MAX_RUN_ROWS, len(long_run)]
+        0,
+        MAX_RUN_ROWS,
+        len(long_run),
+    ]
 
 
 @pytest.mark.parametrize("threads", [2, 4])

@@ -25,8 +25,9 @@ class RealModel:
 
     @cached_property
     def blocks(self) -> LLM:
-        return LLM(model=self.name, quantization="auto", dtype="float32", max_num_seqs=8, num_kv_blocks=512,
-                   matmul="exact")
+        return LLM(
+            model=self.name, quantization="auto", dtype="float32", max_num_seqs=8, num_kv_blocks=512, matmul="exact"
+        )
 
     @cached_property
     def hf(self):

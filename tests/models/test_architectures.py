@@ -13,7 +13,9 @@ PROMPTS = [
 ]
 # Longer than Gemma 3's 512-token sliding window and than one step's 512-token prefill budget: the prompt is
 # prefilled in two chunks and every generated token decodes past the window.
-LONG_PROMPT = " ".join(f"Item {i}: the {['red', 'green', 'blue'][i % 3]} box holds {i * 7 % 13} stones." for i in range(50))
+LONG_PROMPT = " ".join(
+    f"Item {i}: the {['red', 'green', 'blue'][i % 3]} box holds {i * 7 % 13} stones." for i in range(50)
+)
 LONG_PROMPT += "\nCount the boxes that hold more than six stones. Answer:"
 NEW_TOKENS = 16
 EXACT_LOGITS_TOLERANCE = 1e-3  # fp32 both sides, the same weights: sums in another order (measured ~6e-5)
@@ -24,10 +26,13 @@ BLOCK_LOGITS_TOLERANCE = 2e-2
 def _reference_tokens(hf, prompt: list[int]) -> list[int]:
     with torch.inference_mode():
         out = hf.generate(
-            torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
+            torch.tensor([prompt]),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            pad_token_id=0,
             attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
         )
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 def test_greedy_tokens_match_transformers(real_model):

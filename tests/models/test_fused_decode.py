@@ -13,8 +13,11 @@ from carpool.models.attention import decode_only_metadata
 # (model, dtype, quantization): GGUF blocks in both dtypes, and dense matrices (Qwen2's q/k/v bias then rides
 # in the one dense matmul, as F.linear's).
 CASES = [
-    *((name, dtype, "auto") for name in ("smollm2-135m", "qwen2.5-coder-0.5b", "gemma-3-270m")
-      for dtype in ("float32", "bfloat16")),
+    *(
+        (name, dtype, "auto")
+        for name in ("smollm2-135m", "qwen2.5-coder-0.5b", "gemma-3-270m")
+        for dtype in ("float32", "bfloat16")
+    ),
     ("qwen2.5-coder-0.5b", "float32", "none"),
 ]
 STEPS = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
@@ -46,8 +49,14 @@ def prompt(words: int) -> str:
 @pytest.mark.parametrize(("name", "dtype", "quantization"), CASES)
 def test_fused_decode_logits_equal_the_python_layers(name, dtype, quantization):
     # Every prompt prefilled in one step, so that the three sequences then decode together.
-    llm = LLM(model=name, dtype=dtype, quantization=quantization, max_num_seqs=4, num_kv_blocks=256,
-              max_num_batched_tokens=1024)
+    llm = LLM(
+        model=name,
+        dtype=dtype,
+        quantization=quantization,
+        max_num_seqs=4,
+        num_kv_blocks=256,
+        max_num_batched_tokens=1024,
+    )
     model = llm.engine.model
     both = BothPaths(model)
     model.forward = both

@@ -80,18 +80,27 @@ def test_a_truncated_file_fails_with_its_path_and_the_cause(own_cache, keep):
 def _tiny_hf_model(architecture: str):
     """A small random model of each architecture, with the features that set it apart."""
     transformers = pytest.importorskip("transformers")
-    common = dict(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6,
-        tie_word_embeddings=False,  # random tied embeddings make a model that repeats its last token
-    )
+    common = {
+        "vocab_size": 49152,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,  # random tied embeddings make a model that repeats its last token
+    }
     if architecture == "LlamaForCausalLM":
         config = transformers.LlamaConfig(**common)
     elif architecture == "Qwen2ForCausalLM":
         config = transformers.Qwen2Config(**common)
     else:
         config = transformers.Gemma3TextConfig(
-            **common, sliding_window=4, query_pre_attn_scalar=24,
+            **common,
+            sliding_window=4,
+            query_pre_attn_scalar=24,
             layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
             rope_parameters={
                 "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
@@ -123,10 +132,15 @@ def test_a_safetensors_directory_matches_transformers(tmp_path, architecture):
     output = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0))[0]
     with torch.inference_mode():
         expected = reference.generate(
-            torch.tensor([prompt]), max_new_tokens=8, do_sample=False, pad_token_id=0, output_logits=True,
-            return_dict_in_generate=True, attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            torch.tensor([prompt]),
+            max_new_tokens=8,
+            do_sample=False,
+            pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
         )
-    assert output.token_ids == expected.sequences[0, len(prompt):].tolist()
+    assert output.token_ids == expected.sequences[0, len(prompt) :].tolist()
     for step, (token, logprob) in enumerate(zip(output.token_ids, output.logprobs)):
         reference_logprob = torch.log_softmax(expected.logits[step][0], dim=-1)[token].item()
         assert logprob.logprob == pytest.approx(reference_logprob, abs=1e-4), step

@@ -6,14 +6,13 @@ import argparse
 
 import pytest
 import torch
+from test_reference import PROMPTS
 
 from carpool import LLM, SamplingParams
 from carpool.engine.args import add_engine_args, engine_config
 from carpool.engine.config import EngineConfig
 from carpool.kernels import kernel_path
 from carpool.models.quantization import resolve_matmul
-
-from test_reference import PROMPTS
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0)
 

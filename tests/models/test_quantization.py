@@ -4,6 +4,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from test_reference import PROMPTS
 
 from carpool import LLM, SamplingParams
 from carpool.engine.config import EngineConfig
@@ -19,8 +20,6 @@ from carpool.models.quantization import (
     quantizable,
     resolve_weights,
 )
-
-from test_reference import PROMPTS
 
 
 def block_types(model) -> dict[str, str]:
@@ -80,7 +79,9 @@ def random_blocks(rows: int, cols: int, qtype) -> GGMLWeight:
     blocks = np.random.default_rng(0).integers(0, 256, (rows, cols // block_size, block_bytes), dtype=np.uint8)
     Q = gguf.GGMLQuantizationType
     for offset in {Q.Q6_K: (208,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2)}.get(qtype, (0,)):  # d (and K-quants' dmin)
-        blocks[..., offset : offset + 2] = np.full(blocks.shape[:2], 1e-3, np.float16).view(np.uint8).reshape(rows, -1, 2)
+        blocks[..., offset : offset + 2] = (
+            np.full(blocks.shape[:2], 1e-3, np.float16).view(np.uint8).reshape(rows, -1, 2)
+        )
     return GGMLWeight(qtype, torch.from_numpy(blocks.reshape(rows, -1)))
 
 
@@ -114,8 +115,13 @@ def test_q4_rows_are_laid_out_for_the_path_once_for_a_tied_head(monkeypatch, gai
     monkeypatch.setattr(quantization, "OCTET_MAJOR_PATHS", {kernel_path()} if gains else set())
     q4_1 = gguf.GGMLQuantizationType.Q4_1
     tied, narrow = GGMLWeight.quantize(torch.randn(24, 512), q4_1), GGMLWeight.quantize(torch.randn(8, 64), q4_1)
-    model = torch.nn.ModuleDict({"head": torch.nn.Linear(512, 24, bias=False), "embed": torch.nn.Embedding(24, 512),
-                                 "small": torch.nn.Linear(64, 8, bias=False)})
+    model = torch.nn.ModuleDict(
+        {
+            "head": torch.nn.Linear(512, 24, bias=False),
+            "embed": torch.nn.Embedding(24, 512),
+            "small": torch.nn.Linear(64, 8, bias=False),
+        }
+    )
     install_ggml_modules(model, {"head.weight": tied, "embed.weight": tied, "small.weight": narrow}, torch.float32)
     head, embed, small = model["head"], model["embed"], model["small"]
     assert head.layout == ("octet-major" if gains else "gguf") and head.qweight is embed.qweight
@@ -146,10 +152,15 @@ def test_k_quant_matrices_go_in_row_groups_on_the_path_but_not_an_embeddings(mon
     monkeypatch.setattr(quantization, "ROW_GROUP_PATHS", {kernel_path()} if gains else set())
     proj, odd, tied = random_k_quant(24, 512), random_k_quant(12, 256, seed=1), random_k_quant(16, 256, seed=2)
     down = random_k_quant(16, 512, seed=3, qtype=gguf.GGMLQuantizationType.Q6_K)
-    model = torch.nn.ModuleDict({"proj": torch.nn.Linear(512, 24, bias=False),
-                                 "odd": torch.nn.Linear(256, 12, bias=False),
-                                 "down": torch.nn.Linear(512, 16, bias=False),
-                                 "head": torch.nn.Linear(256, 16, bias=False), "embed": torch.nn.Embedding(16, 256)})
+    model = torch.nn.ModuleDict(
+        {
+            "proj": torch.nn.Linear(512, 24, bias=False),
+            "odd": torch.nn.Linear(256, 12, bias=False),
+            "down": torch.nn.Linear(512, 16, bias=False),
+            "head": torch.nn.Linear(256, 16, bias=False),
+            "embed": torch.nn.Embedding(16, 256),
+        }
+    )
     state = {"proj.weight": proj, "odd.weight": odd, "down.weight": down, "head.weight": tied, "embed.weight": tied}
     install_ggml_modules(model, state, torch.float32)
     assert model["proj"].layout == model["down"].layout == ("row-groups" if gains else "gguf")

@@ -37,9 +37,12 @@ def test_greedy_outputs_match_transformers(llm, hf_model):
     for prompt, output in zip(prompts, ours):
         with torch.inference_mode():
             reference = hf_model.generate(
-                torch.tensor([prompt]), max_new_tokens=64, do_sample=False, pad_token_id=0,
+                torch.tensor([prompt]),
+                max_new_tokens=64,
+                do_sample=False,
+                pad_token_id=0,
                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            )[0, len(prompt):].tolist()
+            )[0, len(prompt) :].tolist()
         assert output.token_ids == reference
 
 

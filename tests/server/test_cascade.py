@@ -90,8 +90,11 @@ def test_every_attempt_is_a_ledger_row_tied_to_the_client_request(engine, strong
 
 def stream_text(app, body) -> tuple[httpx.Response, list[dict]]:
     response = post(app, "/v1/chat/completions", body | {"stream": True})
-    events = [json.loads(line[6:]) for line in response.text.splitlines()
-              if line.startswith("data: ") and line != "data: [DONE]"]
+    events = [
+        json.loads(line[6:])
+        for line in response.text.splitlines()
+        if line.startswith("data: ") and line != "data: [DONE]"
+    ]
     return response, events
 
 

@@ -87,15 +87,23 @@ def write_runs(runs, model, prompts, max_tokens, answers):
     """A --runs cache file for `model`, as `carpool cascade calibrate` writes it."""
     lines = [json.dumps({"max_tokens": max_tokens, "prompts": prompts})]
     for text, logprobs in answers:
-        lines.append(json.dumps(asdict(Attempt(text, logprobs, 20, len(logprobs), "stop",
-                                               0.001 * len(logprobs) * (3 if "big" in model else 1)))))
+        lines.append(
+            json.dumps(
+                asdict(
+                    Attempt(
+                        text, logprobs, 20, len(logprobs), "stop", 0.001 * len(logprobs) * (3 if "big" in model else 1)
+                    )
+                )
+            )
+        )
     (runs / f"{model}.jsonl").write_text("\n".join(lines) + "\n")
 
 
 def test_calibrate_command_writes_thresholds_and_draws_the_curve(tmp_path, capsys):
     questions = [f"What is {i} + 1?" for i in range(8)]
-    (tmp_path / "data.jsonl").write_text("".join(json.dumps({"question": q, "answer": f"#### {i + 1}"}) + "\n"
-                                                 for i, q in enumerate(questions)))
+    (tmp_path / "data.jsonl").write_text(
+        "".join(json.dumps({"question": q, "answer": f"#### {i + 1}"}) + "\n" for i, q in enumerate(questions))
+    )
     runs = tmp_path / "runs"
     runs.mkdir()
     # The small model is right on even questions, and sure of itself (mean logprob -0.1) only there.
@@ -103,11 +111,25 @@ def test_calibrate_command_writes_thresholds_and_draws_the_curve(tmp_path, capsy
     write_runs(runs, "small", questions, 64, small)
     write_runs(runs, "big", questions, 64, [(f"The answer is {i + 1}", [-0.05] * 4) for i in range(8)])
     toml = tmp_path / "cascades.toml"
-    toml.write_text('[[cascade]]\nname = "c"\n[[cascade.step]]\nmodel = "small"\nscorer = "mean"\nthreshold = 0.0\n'
-                    '[[cascade.step]]\nmodel = "big"\n')
+    toml.write_text(
+        '[[cascade]]\nname = "c"\n[[cascade.step]]\nmodel = "small"\nscorer = "mean"\nthreshold = 0.0\n'
+        '[[cascade.step]]\nmodel = "big"\n'
+    )
     plot = tmp_path / "curve.png"
-    args = ["--cascades", str(toml), "--cascade", "c", "--data", str(tmp_path / "data.jsonl"), "--runs", str(runs),
-            "--max-tokens", "64", "--plot", str(plot)]
+    args = [
+        "--cascades",
+        str(toml),
+        "--cascade",
+        "c",
+        "--data",
+        str(tmp_path / "data.jsonl"),
+        "--runs",
+        str(runs),
+        "--max-tokens",
+        "64",
+        "--plot",
+        str(plot),
+    ]
     assert main(["cascade", "calibrate", *args, "--target-accuracy", "1.0"]) == 0
     assert "thresholds written to" in capsys.readouterr().out
     step = load_cascades(toml)["c"].steps[0]

@@ -38,8 +38,13 @@ def count(tokenizer, texts):
 @pytest.mark.parametrize("budget", [Budget(rate=0.5), Budget(target_tokens=120)])
 def test_protected_text_stays_verbatim_and_the_result_meets_its_budget(engine, budget):
     scorer = EngineScorer(engine, "m", "default")
-    pieces = [Piece(SYSTEM, True, 0), Piece(DEMOS[:DEMOS.index(KEEP)], False, 1), Piece(KEEP, True, 1),
-              Piece(DEMOS[DEMOS.index(KEEP) + len(KEEP):] + "\n\n", False, 1), Piece(QUESTION, True, 1)]
+    pieces = [
+        Piece(SYSTEM, True, 0),
+        Piece(DEMOS[: DEMOS.index(KEEP)], False, 1),
+        Piece(KEEP, True, 1),
+        Piece(DEMOS[DEMOS.index(KEEP) + len(KEEP) :] + "\n\n", False, 1),
+        Piece(QUESTION, True, 1),
+    ]
     result = asyncio.run(compress(pieces, budget, scorer))
     system, user = result.texts
     assert system == SYSTEM and user.endswith(QUESTION) and KEEP in user
@@ -80,24 +85,29 @@ def test_compress_endpoint_answers_text_with_counts(engine):
     assert answer["messages"][0] == messages[0] and answer["messages"][1]["content"].endswith(QUESTION)
 
 
-@pytest.mark.parametrize(("path", "extra", "param"), [
-    ("/v1/chat/completions", {"prompt_compression": {"rate": 0}}, "prompt_compression"),
-    ("/v1/chat/completions", {"prompt_compression": {"rate": 1.5}}, "prompt_compression"),
-    ("/v1/chat/completions", {"prompt_compression": {}}, "prompt_compression"),
-    ("/v1/chat/completions", {"prompt_compression": {"rate": 0.5, "target_tokens": 9}}, "prompt_compression"),
-    ("/v1/chat/completions", {"prompt_compression": {"target_tokens": "9"}}, "prompt_compression"),
-    ("/v1/completions", {"prompt": [1, 2, 3], "prompt_compression": {"rate": 0.5}}, "prompt_compression"),
-    ("/v1/compress", {"prompt": "a", "messages": [{"role": "user", "content": "b"}], "rate": 0.5}, "prompt"),
-    ("/v1/compress", {"rate": 0.5}, "prompt"),
-    ("/v1/compress", {"prompt": "a", "rate": 0}, "rate"),
-    ("/v1/compress", {"prompt": "a"}, None),
-    ("/v1/compress", {"prompt": "a", "rate": 0.5, "model": "nope"}, "model"),
-])
+@pytest.mark.parametrize(
+    ("path", "extra", "param"),
+    [
+        ("/v1/chat/completions", {"prompt_compression": {"rate": 0}}, "prompt_compression"),
+        ("/v1/chat/completions", {"prompt_compression": {"rate": 1.5}}, "prompt_compression"),
+        ("/v1/chat/completions", {"prompt_compression": {}}, "prompt_compression"),
+        ("/v1/chat/completions", {"prompt_compression": {"rate": 0.5, "target_tokens": 9}}, "prompt_compression"),
+        ("/v1/chat/completions", {"prompt_compression": {"target_tokens": "9"}}, "prompt_compression"),
+        ("/v1/completions", {"prompt": [1, 2, 3], "prompt_compression": {"rate": 0.5}}, "prompt_compression"),
+        ("/v1/compress", {"prompt": "a", "messages": [{"role": "user", "content": "b"}], "rate": 0.5}, "prompt"),
+        ("/v1/compress", {"rate": 0.5}, "prompt"),
+        ("/v1/compress", {"prompt": "a", "rate": 0}, "rate"),
+        ("/v1/compress", {"prompt": "a"}, None),
+        ("/v1/compress", {"prompt": "a", "rate": 0.5, "model": "nope"}, "model"),
+    ],
+)
 def test_bad_values_are_a_400_naming_the_parameter(engine, path, extra, param):
     gate = RecordingGate()
     app = create_app({"m": engine}, gate)
-    body = {"/v1/chat/completions": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
-            "/v1/completions": {"max_tokens": 2}}.get(path, {})
+    body = {
+        "/v1/chat/completions": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
+        "/v1/completions": {"max_tokens": 2},
+    }.get(path, {})
     response = post(app, path, body | extra)
     assert response.status_code == (404 if param == "model" else 400), response.text
     assert response.json()["error"]["param"] == param
@@ -110,8 +120,23 @@ def test_the_cli_compresses_through_a_running_server(server, tmp_path, capsys):
     path = tmp_path / "prompt.txt"
     demo = DEMOS.split("\n\n")[0]  # one demonstration: the live server's engine is shared by many tests
     path.write_text(demo + "\n\n" + QUESTION)
-    assert main(["compress", str(path), "--rate", "0.6", "--protect", KEEP, "--url", server.url,
-                 "--api-key", server.api_key]) == 0
+    assert (
+        main(
+            [
+                "compress",
+                str(path),
+                "--rate",
+                "0.6",
+                "--protect",
+                KEEP,
+                "--url",
+                server.url,
+                "--api-key",
+                server.api_key,
+            ]
+        )
+        == 0
+    )
     out, err = capsys.readouterr()
     assert out.endswith(QUESTION) and KEEP in out and len(out) < len(demo) + len(QUESTION)
     assert "kept" in err
@@ -129,8 +154,9 @@ def test_a_start_that_did_not_compress_refuses_the_extension(engine):
     from carpool.server.serving import Serving
 
     serving = Serving([Backends(engine, RecordingGate(), ServerMetrics(["m"]).models["m"], TierQueues(4), "m")])
-    body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "Hi"}],
-                                                 "prompt_compression": {"rate": 0.5}})
+    body = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "Hi"}], "prompt_compression": {"rate": 0.5}}
+    )
     with pytest.raises(APIError, match="prompt_compression") as refused:
         serving.start_chat(body, Principal())
     assert refused.value.param == "prompt_compression"
@@ -142,8 +168,7 @@ def test_the_admitted_estimate_bounds_what_the_scorer_reads(engine):
     from carpool.server.compression.compressor import scoring_bound
 
     scorer = EngineScorer(engine, "m", "default")
-    demos = "\n\n".join(f"Question: {p['question']}\nAnswer: {p['answer']}"
-                        for p in itertools.islice(gsm8k(), 6))
+    demos = "\n\n".join(f"Question: {p['question']}\nAnswer: {p['answer']}" for p in itertools.islice(gsm8k(), 6))
     pieces = [Piece(SYSTEM * 20, True, 0), Piece(demos + "\n\n", False, 1), Piece(QUESTION, True, 1)]
     bound = scoring_bound(pieces, scorer)
     asyncio.run(compress(pieces, Budget(rate=0.9), scorer))
@@ -154,8 +179,12 @@ def test_a_compression_that_scores_nothing_still_settles_its_admission(engine):
     """A gate that reserves at admission holds the budget until the record: the record comes with zero tokens."""
     gate = RecordingGate()
     app = create_app({"m": engine}, gate)
-    body = {"model": "m", "messages": [{"role": "user", "content": DEMOS + "\n\n" + QUESTION}], "max_tokens": 1,
-            "prompt_compression": {"target_tokens": 100000}}
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": DEMOS + "\n\n" + QUESTION}],
+        "max_tokens": 1,
+        "prompt_compression": {"target_tokens": 100000},
+    }
     assert post(app, "/v1/chat/completions", body).status_code == 200
     scored = next(r for r in gate.records if r.purpose == "compression")
     assert scored.request_id in gate.admitted and scored.prompt_tokens == 0
@@ -169,19 +198,26 @@ def test_a_scorer_that_fails_is_still_billed_for_what_it_read(engine, monkeypatc
         raise RuntimeError("scorer broke")
 
     monkeypatch.setattr(EngineScorer, "_last", failing)
-    body = {"model": "m", "messages": [{"role": "user", "content": DEMOS + "\n\n" + QUESTION}], "max_tokens": 1,
-            "prompt_compression": {"rate": 0.5}}
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": DEMOS + "\n\n" + QUESTION}],
+        "max_tokens": 1,
+        "prompt_compression": {"rate": 0.5},
+    }
     with pytest.raises(RuntimeError):
         post(app, "/v1/chat/completions", body)
-    scored, = gate.records
+    (scored,) = gate.records
     assert scored.purpose == "compression" and scored.request_id in gate.admitted and scored.prompt_tokens > 0
 
 
-@pytest.mark.parametrize(("path", "extra", "param"), [
-    ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
-    ("/v1/completions", {"n": 2, "best_of": 1}, "best_of"),
-    ("/v1/completions", {"echo": True, "logprobs": 0}, "echo"),
-])
+@pytest.mark.parametrize(
+    ("path", "extra", "param"),
+    [
+        ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+        ("/v1/completions", {"n": 2, "best_of": 1}, "best_of"),
+        ("/v1/completions", {"echo": True, "logprobs": 0}, "echo"),
+    ],
+)
 def test_a_body_the_start_refuses_is_not_compressed_or_billed(engine, path, extra, param):
     gate = RecordingGate()
     app = create_app({"m": engine}, gate)

@@ -29,7 +29,7 @@ def test_completions_report_prompt_logprobs_in_vllm_shape(engine):
     for token, entry in zip(prompt_ids[1:], entries[1:]):
         own = entry[str(token)]
         assert own["logprob"] <= 0 and own["decoded_token"] == engine.engine.tokenizer.decode([token])
-        best = [e for e in entry.values() if e["rank"] == 1][0]
+        best = next(e for e in entry.values() if e["rank"] == 1)
         assert best["logprob"] >= own["logprob"]  # rank 1 is the likeliest token
         assert (own["rank"] == 1) == math.isclose(own["logprob"], best["logprob"], abs_tol=1e-6)
         assert len(entry) in (2, 3)  # the prompt's token and the top 2, which may include it

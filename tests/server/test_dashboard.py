@@ -7,6 +7,7 @@ from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
+import carpool.server.dashboard.data as data_module
 from carpool.economics.dashboard import ledger_panels
 from carpool.economics.db import connect
 from carpool.economics.gate import LedgerGate
@@ -14,7 +15,6 @@ from carpool.economics.keys import create_key
 from carpool.economics.prices import load_price_sheet
 from carpool.engine.async_engine import AsyncEngine
 from carpool.server.app import create_app
-import carpool.server.dashboard.data as data_module
 from carpool.server.dashboard.data import DashboardData, buckets, quantile, read_samples
 from carpool.server.gate import OpenGate
 
@@ -31,8 +31,13 @@ def ledger_server(llm, tmp_path):
     tenant_key, tenant = create_key(conn, "acme", budget=2.0, budget_period="day")
     conn.close()
     gate = LedgerGate(tmp_path / "carpool.db", load_price_sheet(None))
-    app = create_app(AsyncEngine(engine=llm.engine), gate, "tiny", batch_dir=str(tmp_path / "batches"),
-                     ledger_panels=ledger_panels(gate))
+    app = create_app(
+        AsyncEngine(engine=llm.engine),
+        gate,
+        "tiny",
+        batch_dir=str(tmp_path / "batches"),
+        ledger_panels=ledger_panels(gate),
+    )
     with TestClient(app) as http:
         yield http, admin, tenant, tenant_key
     gate.close()
@@ -60,8 +65,11 @@ def test_a_ledger_gate_makes_the_data_admin_only_even_without_the_ledger_panels(
 
 def test_spend_and_tenant_cost_come_from_the_ledger(ledger_server):
     http, admin, tenant, tenant_key = ledger_server
-    response = http.post("/v1/completions", headers=bearer(tenant),
-                         json={"model": "tiny", "prompt": "Hello", "max_tokens": 4, "service_tier": "flex"})
+    response = http.post(
+        "/v1/completions",
+        headers=bearer(tenant),
+        json={"model": "tiny", "prompt": "Hello", "max_tokens": 4, "service_tier": "flex"},
+    )
     assert response.status_code == 200
     ledger = http.get("/dashboard/data", headers=bearer(admin)).json()["ledger"]
     [acme] = [row for row in ledger["budgets"] if row["key_id"] == tenant_key.key_id]
@@ -85,8 +93,13 @@ def test_the_data_are_the_metrics(llm):
     app = create_app(AsyncEngine(engine=llm.engine), model_name="tiny")
     with TestClient(app) as http:
         for tier in ("priority", "flex"):
-            assert http.post("/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 3,
-                                                      "service_tier": tier, "ignore_eos": True}).status_code == 200
+            assert (
+                http.post(
+                    "/v1/completions",
+                    json={"model": "tiny", "prompt": "Hi", "max_tokens": 3, "service_tier": tier, "ignore_eos": True},
+                ).status_code
+                == 200
+            )
         [model] = http.get("/dashboard/data").json()["models"]
         metrics = {}
         for family in text_string_to_metric_families(http.get("/metrics").text):

@@ -23,8 +23,11 @@ from carpool.economics.keys import create_key
 
 REPO = Path(__file__).resolve().parents[2]
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
-TOTALS = {"total-requests": "carpool:request_success_total", "total-prompt-tokens": "carpool:prompt_tokens_total",
-          "total-generation-tokens": "carpool:generation_tokens_total"}
+TOTALS = {
+    "total-requests": "carpool:request_success_total",
+    "total-prompt-tokens": "carpool:prompt_tokens_total",
+    "total-generation-tokens": "carpool:generation_tokens_total",
+}
 BATCH_LINES = 4
 
 
@@ -67,9 +70,16 @@ def traffic(live: LiveServer, key: str, stop: threading.Event, failures: list) -
             i = 0
             while not stop.is_set():
                 tier = tiers[i % len(tiers)]
-                response = http.post("/v1/chat/completions", json={
-                    "model": model, "max_tokens": 24, "ignore_eos": True, "service_tier": tier,
-                    "messages": [{"role": "user", "content": f"Count to ten, take {i}."}]})
+                response = http.post(
+                    "/v1/chat/completions",
+                    json={
+                        "model": model,
+                        "max_tokens": 24,
+                        "ignore_eos": True,
+                        "service_tier": tier,
+                        "messages": [{"role": "user", "content": f"Count to ten, take {i}."}],
+                    },
+                )
                 if response.status_code != 200:
                     failures.append(response.text)
                 i += 1
@@ -84,13 +94,24 @@ def traffic(live: LiveServer, key: str, stop: threading.Event, failures: list) -
 def submit_batch(live: LiveServer, key: str) -> str:
     headers = {"Authorization": f"Bearer {key}"}
     model = served_model(live, key)
-    lines = "".join(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions", "body": {
-        "model": model, "prompt": f"Line {i}", "max_tokens": 8}}) + "\n" for i in range(BATCH_LINES))
+    lines = "".join(
+        json.dumps(
+            {
+                "custom_id": f"c{i}",
+                "method": "POST",
+                "url": "/v1/completions",
+                "body": {"model": model, "prompt": f"Line {i}", "max_tokens": 8},
+            }
+        )
+        + "\n"
+        for i in range(BATCH_LINES)
+    )
     with httpx.Client(base_url=live.url, headers=headers, timeout=60) as http:
         upload = http.post("/v1/files", files={"file": ("in.jsonl", lines.encode())}, data={"purpose": "batch"})
         file_id = upload.json()["id"]
-        return http.post("/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/completions",
-                                              "completion_window": "24h"}).json()["id"]
+        return http.post(
+            "/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/completions", "completion_window": "24h"}
+        ).json()["id"]
 
 
 @pytest.fixture
@@ -164,8 +185,10 @@ def test_the_page_shows_what_metrics_reports_while_traffic_runs(ledger_live, bro
 
     live.wait_idle()
     deadline = time.monotonic() + 120
-    while httpx.get(f"{live.url}/v1/batches/{batch_id}", headers={"Authorization": f"Bearer {admin}"}).json()[
-            "status"] != "completed":
+    while (
+        httpx.get(f"{live.url}/v1/batches/{batch_id}", headers={"Authorization": f"Bearer {admin}"}).json()["status"]
+        != "completed"
+    ):
         assert time.monotonic() < deadline
         time.sleep(0.2)
     after_next_refresh(browser)
@@ -184,8 +207,12 @@ def test_the_page_shows_what_metrics_reports_while_traffic_runs(ledger_live, bro
 def test_every_metric_the_grafana_dashboard_queries_is_exported(ledger_live):
     live, _, tenant = ledger_live
     with httpx.Client(base_url=live.url, headers={"Authorization": f"Bearer {tenant}"}, timeout=60) as http:
-        assert http.post("/v1/completions", json={"model": served_model(live, tenant), "prompt": "Hi",
-                                                  "max_tokens": 2}).status_code == 200  # a cost sample exists
+        assert (
+            http.post(
+                "/v1/completions", json={"model": served_model(live, tenant), "prompt": "Hi", "max_tokens": 2}
+            ).status_code
+            == 200
+        )  # a cost sample exists
     exported = set(metric_totals(live.url))
     dashboard = json.loads((REPO / "docs" / "grafana" / "carpool-dashboard.json").read_text())
     queries = [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]

@@ -105,8 +105,11 @@ def client_address(response) -> tuple:
     ("path", "body", "field"),
     [
         (CHAT, '{"messages": [{"role": "user", "content": %s}]}', "messages[0].content"),
-        (CHAT, '{"messages": [{"role": "user", "content": [{"type": "text", "text": %s}]}]}',
-         "messages[0].content[0].text"),
+        (
+            CHAT,
+            '{"messages": [{"role": "user", "content": [{"type": "text", "text": %s}]}]}',
+            "messages[0].content[0].text",
+        ),
         (CHAT, '{"messages": [{"role": "user", "content": "hi", "name": %s}]}', "messages[0].name"),
         (CHAT, '{"messages": [' + SAY_HI + '], "stop": ["ok", %s]}', "stop[1]"),
         (CHAT, '{"messages": [' + SAY_HI + '], "user": %s}', "user"),
@@ -128,7 +131,7 @@ def test_lone_surrogate_is_400_naming_the_field_and_keeps_the_connection(http, p
 
 
 def test_lone_surrogate_in_a_field_name_is_400(http):
-    body = ('{"messages": [' + SAY_HI + '], %s: 1}') % SURROGATE
+    body = ('{"messages": [' + SAY_HI + "], %s: 1}") % SURROGATE
     response = http.post(CHAT, content=body.encode(), headers={"Content-Type": "application/json"})
     assert "unicode" in error_of(response, 400)["message"]
     assert http.post("/tokenize", json={"prompt": "still here"}).status_code == 200

@@ -22,8 +22,9 @@ CHARACTERS = st.characters() | st.characters(categories=["Cs"]).map(str)
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(CHARACTERS, max_size=20),
-    lambda children: st.lists(children, max_size=MAX_LIST) | st.dictionaries(st.text(max_size=8), children,
-                                                                              max_size=MAX_LIST),
+    lambda children: (
+        st.lists(children, max_size=MAX_LIST) | st.dictionaries(st.text(max_size=8), children, max_size=MAX_LIST)
+    ),
     max_leaves=8,
 )
 
@@ -43,21 +44,30 @@ def from_schema(schema: dict, schemas: dict) -> st.SearchStrategy:
     if kind == "object":
         properties = {k: from_schema(v, schemas) for k, v in schema.get("properties", {}).items()}
         required = set(schema.get("required", []))
-        return st.fixed_dictionaries({k: v for k, v in properties.items() if k in required},
-                                     optional={k: v for k, v in properties.items() if k not in required})
+        return st.fixed_dictionaries(
+            {k: v for k, v in properties.items() if k in required},
+            optional={k: v for k, v in properties.items() if k not in required},
+        )
     if kind == "array":
         low = schema.get("minItems", 0)
-        return st.lists(from_schema(schema.get("items", {}), schemas), min_size=low,
-                        max_size=max(low, min(schema.get("maxItems", MAX_LIST), MAX_LIST)))
+        return st.lists(
+            from_schema(schema.get("items", {}), schemas),
+            min_size=low,
+            max_size=max(low, min(schema.get("maxItems", MAX_LIST), MAX_LIST)),
+        )
     if kind == "string":
         return st.text(min_size=schema.get("minLength", 0), max_size=40)
     if kind == "integer":
         low = schema.get("minimum", schema["exclusiveMinimum"] + 1 if "exclusiveMinimum" in schema else None)
         return st.integers(min_value=low, max_value=schema.get("maximum"))
     if kind == "number":
-        return st.floats(min_value=schema.get("minimum", schema.get("exclusiveMinimum")),
-                         max_value=schema.get("maximum"), exclude_min="exclusiveMinimum" in schema,
-                         allow_nan=False, allow_infinity=False)
+        return st.floats(
+            min_value=schema.get("minimum", schema.get("exclusiveMinimum")),
+            max_value=schema.get("maximum"),
+            exclude_min="exclusiveMinimum" in schema,
+            allow_nan=False,
+            allow_infinity=False,
+        )
     if kind == "boolean":
         return st.booleans()
     if kind == "null":

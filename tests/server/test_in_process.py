@@ -63,8 +63,11 @@ def test_unknown_key_is_refused_before_anything_else(gate_app):
 
 def test_one_usage_record_per_request(gate_app, tokenizer):
     app, gate = gate_app
-    response = call(app, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 3, "n": 2, "temperature": 0,
-                                                  "service_tier": "flex", "ignore_eos": True})
+    response = call(
+        app,
+        "/v1/chat/completions",
+        {"messages": MESSAGES, "max_tokens": 3, "n": 2, "temperature": 0, "service_tier": "flex", "ignore_eos": True},
+    )
     assert response.status_code == 200, response.text
     usage = response.json()["usage"]
     prompt_tokens = len(tokenizer.encode(tokenizer.apply_chat_template(MESSAGES)))

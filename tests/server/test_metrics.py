@@ -16,9 +16,16 @@ def test_every_promised_family_is_exported_with_its_type(server):
     text = httpx.get(f"{server.url}/metrics").text
     families = {family.name: family.type for family in text_string_to_metric_families(text)}
     promised = {
-        "histogram": ["time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
-                      "request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
-                      "iteration_tokens", "iteration_seqs"],
+        "histogram": [
+            "time_to_first_token_seconds",
+            "inter_token_latency_seconds",
+            "e2e_request_latency_seconds",
+            "request_queue_time_seconds",
+            "request_prefill_time_seconds",
+            "request_decode_time_seconds",
+            "iteration_tokens",
+            "iteration_seqs",
+        ],
         "counter": ["prompt_tokens", "generation_tokens", "request_success", "num_preemptions"],
         "gauge": ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"],
     }
@@ -29,9 +36,14 @@ def test_every_promised_family_is_exported_with_its_type(server):
 
 def test_counters_and_histograms_move_with_a_request(server, client, model):
     before = server.wait_idle()
-    response = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi there"}],
-                                              max_tokens=5, temperature=0, service_tier="flex",
-                                              extra_body={"ignore_eos": True})
+    response = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Hi there"}],
+        max_tokens=5,
+        temperature=0,
+        service_tier="flex",
+        extra_body={"ignore_eos": True},
+    )
     after = server.wait_idle()
 
     def delta(name, label_set):
@@ -41,8 +53,13 @@ def test_counters_and_histograms_move_with_a_request(server, client, model):
     assert delta("carpool:prompt_tokens_total", flex) == response.usage.prompt_tokens
     assert delta("carpool:generation_tokens_total", flex) == 5
     assert delta("carpool:request_success_total", labels(tier="flex", finished_reason="length")) == 1
-    for histogram in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
-                      "request_prefill_time_seconds", "request_decode_time_seconds"):
+    for histogram in (
+        "time_to_first_token_seconds",
+        "e2e_request_latency_seconds",
+        "request_queue_time_seconds",
+        "request_prefill_time_seconds",
+        "request_decode_time_seconds",
+    ):
         assert delta(f"carpool:{histogram}_count", flex) == 1, histogram
     assert delta("carpool:inter_token_latency_seconds_count", NO_LABELS) == 4  # 5 tokens, 4 gaps
     assert delta("carpool:iteration_tokens_count", NO_LABELS) >= 5
@@ -51,8 +68,13 @@ def test_counters_and_histograms_move_with_a_request(server, client, model):
 
 def test_disconnect_mid_stream_aborts_and_frees_the_pool(server, model):
     before = server.wait_idle()
-    body = {"model": model, "messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 4000,
-            "ignore_eos": True, "stream": True}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "Tell me a long story."}],
+        "max_tokens": 4000,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with server.http() as http, http.stream("POST", CHAT, json=body) as response:
         data_lines = (line for line in response.iter_lines() if line.startswith("data:"))
         for _ in range(3):

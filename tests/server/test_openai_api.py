@@ -26,8 +26,7 @@ def test_chat_completion(client, model):
 
 
 def test_text_completion_with_several_prompts(client, model):
-    response = client.completions.create(model=model, prompt=["1, 2, 3,", "a, b, c,"], max_tokens=3, temperature=0,
-                                         n=2)
+    response = client.completions.create(model=model, prompt=["1, 2, 3,", "a, b, c,"], max_tokens=3, temperature=0, n=2)
     assert response.object == "text_completion"
     assert [c.index for c in response.choices] == [0, 1, 2, 3]
     assert response.choices[0].text == response.choices[1].text  # greedy: both choices of one prompt agree
@@ -45,8 +44,16 @@ def test_completion_takes_token_ids(client, model, server):
 
 
 def test_streaming_chat_with_usage_chunk(client, model):
-    chunks = list(client.chat.completions.create(model=model, messages=HELLO, max_tokens=8, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=model,
+            messages=HELLO,
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert all(c.object == "chat.completion.chunk" for c in chunks)
     assert chunks[0].choices[0].delta.role == "assistant"
     *content, usage = chunks
@@ -80,16 +87,24 @@ def test_stop_sequence_cuts_the_output(client, model):
 
 
 def test_n_choices_sample_independently(client, model):
-    response = client.chat.completions.create(model=model, messages=HELLO, max_tokens=8, temperature=1.0, n=3,
-                                              seed=7)
+    response = client.chat.completions.create(model=model, messages=HELLO, max_tokens=8, temperature=1.0, n=3, seed=7)
     assert [c.index for c in response.choices] == [0, 1, 2]
     assert len({c.message.content for c in response.choices}) > 1
     assert 3 <= response.usage.completion_tokens <= 24
 
 
 def test_n_choices_stream_with_their_indices(client, model):
-    chunks = list(client.chat.completions.create(model=model, messages=HELLO, max_tokens=4, temperature=0, n=2,
-                                                 stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=model,
+            messages=HELLO,
+            max_tokens=4,
+            temperature=0,
+            n=2,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     finished = [c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason]
     assert sorted(finished) == [0, 1]
     assert chunks[-1].usage.completion_tokens == 8
@@ -97,8 +112,13 @@ def test_n_choices_stream_with_their_indices(client, model):
 
 def test_seed_reproduces_a_sampled_completion(client, model):
     def sample(seed):
-        return client.chat.completions.create(model=model, messages=HELLO, max_tokens=12, temperature=1.0,
-                                              top_p=0.95, seed=seed).choices[0].message.content
+        return (
+            client.chat.completions.create(
+                model=model, messages=HELLO, max_tokens=12, temperature=1.0, top_p=0.95, seed=seed
+            )
+            .choices[0]
+            .message.content
+        )
 
     first = sample(1234)
     assert sample(1234) == first
@@ -106,8 +126,9 @@ def test_seed_reproduces_a_sampled_completion(client, model):
 
 
 def test_logprobs(client, model):
-    response = client.chat.completions.create(model=model, messages=HELLO, max_tokens=3, temperature=0,
-                                              logprobs=True, top_logprobs=2)
+    response = client.chat.completions.create(
+        model=model, messages=HELLO, max_tokens=3, temperature=0, logprobs=True, top_logprobs=2
+    )
     content = response.choices[0].logprobs.content
     assert len(content) == 3
     assert "".join(t.token for t in content) == response.choices[0].message.content

@@ -26,16 +26,18 @@ def complete(client, model, prompt=FRANCE, **kwargs):
 
 def test_logit_bias_forces_and_forbids_tokens(client, model, token_id):
     banana = token_id(" banana")
-    forced = client.chat.completions.create(model=model, messages=SUM, max_tokens=3, temperature=0,
-                                            logit_bias={str(banana): 100})
+    forced = client.chat.completions.create(
+        model=model, messages=SUM, max_tokens=3, temperature=0, logit_bias={str(banana): 100}
+    )
     assert forced.choices[0].message.content == " banana" * 3
     plain = complete(client, model).choices[0].text
     assert plain.startswith(" Paris")
     assert not complete(client, model, logit_bias={str(token_id(" Paris")): -100}).choices[0].text.startswith(" Paris")
 
 
-@pytest.mark.parametrize("penalty", [{"frequency_penalty": 2.0}, {"presence_penalty": 2.0},
-                                     {"extra_body": {"repetition_penalty": 2.0}}])
+@pytest.mark.parametrize(
+    "penalty", [{"frequency_penalty": 2.0}, {"presence_penalty": 2.0}, {"extra_body": {"repetition_penalty": 2.0}}]
+)
 def test_penalties_stop_the_repetition(client, model, penalty):
     plain = complete(client, model, LOVE, max_tokens=10).choices[0].text
     penalized = complete(client, model, LOVE, max_tokens=10, **penalty).choices[0].text
@@ -45,8 +47,13 @@ def test_penalties_stop_the_repetition(client, model, penalty):
 def test_min_tokens_and_stop_token_ids(client, model, token_id):
     short = client.chat.completions.create(model=model, messages=SUM, max_tokens=16, temperature=0)
     assert short.choices[0].finish_reason == "stop"
-    held = client.chat.completions.create(model=model, messages=SUM, max_tokens=16, temperature=0,
-                                          extra_body={"min_tokens": short.usage.completion_tokens + 3})
+    held = client.chat.completions.create(
+        model=model,
+        messages=SUM,
+        max_tokens=16,
+        temperature=0,
+        extra_body={"min_tokens": short.usage.completion_tokens + 3},
+    )
     assert held.usage.completion_tokens >= short.usage.completion_tokens + 3
 
     counted = complete(client, model, "1, 2, 3, 4,", extra_body={"stop_token_ids": [token_id("6")]}).choices[0]
@@ -127,10 +134,19 @@ def test_unsupported_openai_parameters_are_400_naming_them(client, model, fields
 
 
 def test_unsupported_parameters_asking_for_nothing_are_accepted(client, model):
-    history = SUM + [{"role": "assistant", "content": "4", "refusal": None, "tool_calls": []},
-                     {"role": "user", "content": "Thanks"}]
-    reply = client.chat.completions.create(model=model, max_tokens=1, messages=history, tools=[],
-                                           response_format={"type": "text"}, store=False, modalities=["text"])
+    history = SUM + [
+        {"role": "assistant", "content": "4", "refusal": None, "tool_calls": []},
+        {"role": "user", "content": "Thanks"},
+    ]
+    reply = client.chat.completions.create(
+        model=model,
+        max_tokens=1,
+        messages=history,
+        tools=[],
+        response_format={"type": "text"},
+        store=False,
+        modalities=["text"],
+    )
     assert reply.choices[0].message.content is not None
     history[1]["function_call"] = {"name": "f", "arguments": "{}"}
     with pytest.raises(openai.BadRequestError) as raised:
@@ -144,6 +160,7 @@ def test_unknown_parameters_are_400_naming_them(client, model):
     assert raised.value.body["message"] == "Unrecognized request argument supplied: temprature"
     assert raised.value.body["param"] == "temprature"
     with pytest.raises(openai.BadRequestError) as raised:
-        client.chat.completions.create(model=model, max_tokens=1,
-                                       messages=[{"role": "user", "content": "hi", "colour": "red"}])
+        client.chat.completions.create(
+            model=model, max_tokens=1, messages=[{"role": "user", "content": "hi", "colour": "red"}]
+        )
     assert raised.value.body["message"] == "Unrecognized request argument supplied: messages[0].colour"

@@ -107,8 +107,9 @@ def test_admission_waiting_on_the_database_does_not_hold_up_the_event_loop(engin
         # Another replica's admission of the same key holds the key's lock for 1.5 s (a slow database, or a
         # partition, looks the same from here).
         results: list = []
-        sender = threading.Thread(target=lambda: results.extend(
-            send(app, secret, ("POST", CHAT, BODY), ("GET", "/health", None, 0.3))))  # once the chat waits
+        sender = threading.Thread(
+            target=lambda: results.extend(send(app, secret, ("POST", CHAT, BODY), ("GET", "/health", None, 0.3)))
+        )  # once the chat waits
         with blocker:
             blocker.execute("SELECT pg_advisory_xact_lock(hashtextextended(?, 0))", (key_id,))
             sender.start()
@@ -128,16 +129,30 @@ def test_batch_lines_wait_out_an_unreachable_database_instead_of_failing(engine,
     _, secret = new_key(postgres_url)
     gate = LedgerGate(postgres_url, load_price_sheet(None))
     app = create_app(engine, gate, model_name="tiny", batch_dir=str(tmp_path / "batches"), batch_db=postgres_url)
-    requests = "".join(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
-                                   "body": {"prompt": f"{i}, {i + 1},", "max_tokens": 2}}) + "\n" for i in range(4))
+    requests = "".join(
+        json.dumps(
+            {
+                "custom_id": f"c{i}",
+                "method": "POST",
+                "url": "/v1/completions",
+                "body": {"prompt": f"{i}, {i + 1},", "max_tokens": 2},
+            }
+        )
+        + "\n"
+        for i in range(4)
+    )
     auth = {"Authorization": f"Bearer {secret}"}
     try:
         with TestClient(app) as http:
-            upload = http.post("/v1/files", files={"file": ("in.jsonl", requests.encode())}, data={"purpose": "batch"},
-                               headers=auth).json()
+            upload = http.post(
+                "/v1/files", files={"file": ("in.jsonl", requests.encode())}, data={"purpose": "batch"}, headers=auth
+            ).json()
             admission = gate._admission._conn
-            batch = http.post("/v1/batches", json={"input_file_id": upload["id"], "endpoint": "/v1/completions",
-                                                   "completion_window": "24h"}, headers=auth).json()
+            batch = http.post(
+                "/v1/batches",
+                json={"input_file_id": upload["id"], "endpoint": "/v1/completions", "completion_window": "24h"},
+                headers=auth,
+            ).json()
             url = cut_off(admission, postgres_url)  # before its lines are admitted (validation comes first)
             threading.Timer(1.5, setattr, (admission, "url", url)).start()  # back 1.5 s later
             deadline = time.monotonic() + 60

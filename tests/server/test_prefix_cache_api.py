@@ -1,8 +1,7 @@
 """Prefix caching as clients see it: cached_tokens in usage, per-tenant isolation, and the /metrics counters."""
 
-from live_server import LiveServer
-
 import pytest
+from live_server import LiveServer
 
 SYSTEM = "You are the archivist of a lighthouse. Answer briefly and cite the logbook page. " * 6
 
@@ -35,9 +34,15 @@ def test_second_request_of_a_tenant_hits_and_another_tenant_does_not(open_server
     cached = [r.usage.prompt_tokens_details.cached_tokens for r in replies]
     assert cached[0] == 0 and cached[2] == 0 and cached[3] == 0
     # token-granular: every token the two prompts share, not just their whole 16-token blocks
-    first, second = (open_server.http().post("/tokenize", json={"messages": [
-        {"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]}).json()["tokens"]
-        for question in ("When was page 1 written?", "When was page 2 written?"))
+    first, second = (
+        open_server.http()
+        .post(
+            "/tokenize",
+            json={"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]},
+        )
+        .json()["tokens"]
+        for question in ("When was page 1 written?", "When was page 2 written?")
+    )
     shared = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
     assert shared >= 96 and shared % 16 and cached[1] == shared
     assert cached[4] >= 96
@@ -57,7 +62,14 @@ def test_streamed_usage_chunk_reports_cached_tokens(open_server):
     model = client.models.list().data[0].id
     ask(client, model, "Warm the cache.", user="erin")
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "And page 9?"}]
-    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=2, temperature=0, stream=True,
-                                            stream_options={"include_usage": True}, user="erin")
+    stream = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        max_tokens=2,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        user="erin",
+    )
     usage = [chunk.usage for chunk in stream if chunk.usage is not None]
     assert len(usage) == 1 and usage[0].prompt_tokens_details.cached_tokens >= 96

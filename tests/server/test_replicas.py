@@ -11,10 +11,11 @@ import pytest
 from live_server import LiveServer
 
 pytest.importorskip("ray.serve", reason="needs `make scale`")
-import psutil  # noqa: E402  (a dependency of Ray's)
+import psutil
 
-DOCUMENT = " ".join(f"Clause {i}: the tenant shall keep the premises number {i} clean and in good repair."
-                    for i in range(12))
+DOCUMENT = " ".join(
+    f"Clause {i}: the tenant shall keep the premises number {i} clean and in good repair." for i in range(12)
+)
 
 
 @pytest.fixture(scope="module")
@@ -23,9 +24,13 @@ def server(tmp_path_factory):
 
     served, cascades = default_served_name(None), tmp_path_factory.mktemp("cascades") / "cascades.toml"
     # A mean token logprob is never above 0 nor near -1000: "escalating" always escalates, "accepting" never.
-    cascades.write_text("".join(f'[[cascade]]\nname = "{name}"\n[[cascade.step]]\nmodel = "{served}"\nscorer = '
-                                f'"mean"\nthreshold = {threshold}\n[[cascade.step]]\nmodel = "{served}"\n'
-                                for name, threshold in (("escalating", 1.0), ("accepting", -1000.0))))
+    cascades.write_text(
+        "".join(
+            f'[[cascade]]\nname = "{name}"\n[[cascade.step]]\nmodel = "{served}"\nscorer = '
+            f'"mean"\nthreshold = {threshold}\n[[cascade.step]]\nmodel = "{served}"\n'
+            for name, threshold in (("escalating", 1.0), ("accepting", -1000.0))
+        )
+    )
     live = LiveServer("--replicas", "2", "--num-threads", "1", "--routing", "prefix", "--cascades", str(cascades))
     yield live
     live.stop()
@@ -37,8 +42,11 @@ def model(server):
 
 
 def routed(server) -> dict[str, float]:
-    return {dict(labels)["replica"]: value for (name, labels), value in server.metrics().items()
-            if name == "carpool:replica_requests_total"}
+    return {
+        dict(labels)["replica"]: value
+        for (name, labels), value in server.metrics().items()
+        if name == "carpool:replica_requests_total"
+    }
 
 
 def test_chat_streamed_and_whole_through_replicas(server, model):
@@ -46,8 +54,16 @@ def test_chat_streamed_and_whole_through_replicas(server, model):
     messages = [{"role": "user", "content": "Name a river."}]
     whole = client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0)
     assert whole.usage.completion_tokens == 8 and whole.choices[0].message.content
-    chunks = list(client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=model,
+            messages=messages,
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     # Not compared with `whole`'s text: the second run hits the cached prefix, and under int8-dot a prefill of
     # another shape may round a near-tie the other way (README, "matmul").
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -59,8 +75,9 @@ def test_a_repeated_prefix_stays_on_one_replica_and_hits_its_cache(server, model
     before = routed(server)
     cached = []
     for question in ("Who cleans?", "What is clause 3?", "Who repairs?", "How many clauses?"):
-        answer = client.completions.create(model=model, prompt=f"{DOCUMENT}\nQuestion: {question}\nAnswer:",
-                                           max_tokens=2, temperature=0)
+        answer = client.completions.create(
+            model=model, prompt=f"{DOCUMENT}\nQuestion: {question}\nAnswer:", max_tokens=2, temperature=0
+        )
         cached.append(answer.usage.prompt_tokens_details.cached_tokens)
     after = routed(server)
     moved = {replica: after[replica] - before.get(replica, 0) for replica in after}
@@ -92,8 +109,11 @@ def test_metrics_carry_a_replica_label(server):
 
 def replica_series(server, name: str) -> dict[str, float]:
     """{replica: value} of one of the replicas' own series, as the ingress's /metrics labels them."""
-    return {dict(labels)["replica"]: value for (sample, labels), value in server.metrics().items()
-            if sample == name and "replica" in dict(labels)}
+    return {
+        dict(labels)["replica"]: value
+        for (sample, labels), value in server.metrics().items()
+        if sample == name and "replica" in dict(labels)
+    }
 
 
 STEPS, RUNNING = "carpool:iteration_seqs_count", "carpool:num_requests_running"
@@ -103,18 +123,20 @@ def test_a_client_that_leaves_aborts_its_request_on_the_replica(server):
     # 2,000 tokens take 10 s or more at one thread: far longer than the abort is given to show.
     body = {"prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True, "stream": True}
     before = routed(server)
-    with httpx.Client(base_url=server.url, timeout=60) as http:
-        with http.stream("POST", "/v1/completions", json=body) as response:
-            # Kept in a name: a line iterator dropped mid-stream (a `next()` over a throwaway generator) is closed
-            # at once, and httpx closes the connection with it: the client would leave after its first line.
-            lines = response.iter_lines()
-            assert next(line for line in lines if line.startswith("data:"))
-            busy = next(replica for replica, count in routed(server).items() if count > before.get(replica, 0))
-            started, deadline = replica_series(server, STEPS)[busy], time.monotonic() + 10
-            while replica_series(server, STEPS)[busy] < started + 5:  # the request runs on that replica
-                assert time.monotonic() < deadline, "no step of the request showed on its replica"
-                time.sleep(0.1)
-            assert replica_series(server, RUNNING)[busy] == 1
+    with (
+        httpx.Client(base_url=server.url, timeout=60) as http,
+        http.stream("POST", "/v1/completions", json=body) as response,
+    ):
+        # Kept in a name: a line iterator dropped mid-stream (a `next()` over a throwaway generator) is closed
+        # at once, and httpx closes the connection with it: the client would leave after its first line.
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+        busy = next(replica for replica, count in routed(server).items() if count > before.get(replica, 0))
+        started, deadline = replica_series(server, STEPS)[busy], time.monotonic() + 10
+        while replica_series(server, STEPS)[busy] < started + 5:  # the request runs on that replica
+            assert time.monotonic() < deadline, "no step of the request showed on its replica"
+            time.sleep(0.1)
+        assert replica_series(server, RUNNING)[busy] == 1
     deadline = time.monotonic() + 5
     while replica_series(server, RUNNING)[busy] > 0:  # once the abort reaches the replica, the request is gone
         assert time.monotonic() < deadline, "the replica kept generating for a client that left"

@@ -3,12 +3,13 @@
 import pytest
 
 pytest.importorskip("ray.serve", reason="needs `make scale`")
-from carpool.deploy.application import parse_serve_flags, serve_flags  # noqa: E402
+from carpool.deploy.application import parse_serve_flags, serve_flags
 
 
 def test_config_args_become_serve_flags():
-    flags = serve_flags({"num_threads": 2, "model": ["smollm2-135m"], "no_warmup": True, "db": None,
-                         "routing": "round-robin"})
+    flags = serve_flags(
+        {"num_threads": 2, "model": ["smollm2-135m"], "no_warmup": True, "db": None, "routing": "round-robin"}
+    )
     args, configs = parse_serve_flags(flags)
     assert (args.replicas, args.routing, args.no_warmup) == (2, "round-robin", True)
     assert [config.num_threads for config in configs.values()] == [2]
@@ -28,8 +29,10 @@ def test_the_deployment_checks_cascades_and_the_compression_model(tmp_path):
     served = next(iter(parse_serve_flags(serve_flags(args))[1]))
     path = tmp_path / "cascades.toml"
     for model, refused in ((served, False), ("nope", True)):
-        path.write_text(f'[[cascade]]\nname = "c"\n[[cascade.step]]\nmodel = "{model}"\nscorer = "mean"\n'
-                        f'threshold = -1.0\n[[cascade.step]]\nmodel = "{served}"\n')
+        path.write_text(
+            f'[[cascade]]\nname = "c"\n[[cascade.step]]\nmodel = "{model}"\nscorer = "mean"\n'
+            f'threshold = -1.0\n[[cascade.step]]\nmodel = "{served}"\n'
+        )
         if refused:
             with pytest.raises(ValueError, match="model: 'nope' is not served"):
                 build_app(args | {"cascades": str(path)})

@@ -6,13 +6,13 @@ import asyncio
 import pytest
 
 pytest.importorskip("ray.serve", reason="needs `make scale`")
-from ray.exceptions import ActorDiedError  # noqa: E402
+from ray.exceptions import ActorDiedError
 
-from carpool.engine.outputs import RequestOutput  # noqa: E402
-from carpool.engine.request import EngineRequest  # noqa: E402
-from carpool.engine.sampling_params import SamplingParams  # noqa: E402
-from carpool.server.replicas.router import ReplicaFailed, ReplicaRouter  # noqa: E402
-from carpool.server.replicas.routing import PrefixAffinity, ReplicaLoad, RoundRobin, make_routing  # noqa: E402
+from carpool.engine.outputs import RequestOutput
+from carpool.engine.request import EngineRequest
+from carpool.engine.sampling_params import SamplingParams
+from carpool.server.replicas.router import ReplicaFailed, ReplicaRouter
+from carpool.server.replicas.routing import PrefixAffinity, ReplicaLoad, RoundRobin, make_routing
 
 BLOCK = 16
 DOC_A, DOC_B = list(range(1, 161)), list(range(500, 660))  # ten blocks each

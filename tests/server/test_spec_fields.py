@@ -24,8 +24,9 @@ def test_speculative_field_reaches_the_sampling_params():
 def test_spec_decode_metrics_are_counted_per_drafter():
     metrics = ServerMetrics(["m"])
     spec = SpecStepStats("ngram", num_drafts=2, num_draft_tokens=6, num_accepted_tokens=4, accepted_lengths=[3, 1])
-    stats = StepStats(num_tokens=8, num_seqs=2, num_prefill_tokens=0, num_decode_tokens=8, num_preemptions=0,
-                      duration=0.01, spec=spec)
+    stats = StepStats(
+        num_tokens=8, num_seqs=2, num_prefill_tokens=0, num_decode_tokens=8, num_preemptions=0, duration=0.01, spec=spec
+    )
     metrics.models["m"].on_step(stats, [])
     metrics.models["m"].on_step(stats, [])
     text = generate_latest(metrics.registry).decode()

@@ -13,8 +13,12 @@ from carpool.models.tokenizer import Tokenizer
 from carpool.server.responses import ChatFormat
 from carpool.server.tool_calls import ToolCallParser, auto_grammar, call_grammar, check_tools, parse_tool_calls
 
-CITY = {"type": "object", "additionalProperties": False, "required": ["city"],
-        "properties": {"city": {"type": "string", "maxLength": 20}}}
+CITY = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["city"],
+    "properties": {"city": {"type": "string", "maxLength": 20}},
+}
 NAMES = {"get_weather": CITY}
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
@@ -77,8 +81,9 @@ def test_a_bare_call_after_a_whitespace_first_delta_streams_as_a_call_like_the_w
 def test_a_cut_off_output_with_calls_finishes_length_and_keeps_the_unclosed_call_as_content():
     cut = f'{CALL}\n<tool_call>\n{{"name": "get_wea'
     for engine_reason, expected in (("length", "length"), ("stop", "tool_calls")):
-        output = SimpleNamespace(text=cut, delta_text=cut, finish_reason=engine_reason, finished=True, logprobs=None,
-                                 delta_logprobs=[])
+        output = SimpleNamespace(
+            text=cut, delta_text=cut, finish_reason=engine_reason, finished=True, logprobs=None, delta_logprobs=[]
+        )
         whole = ChatFormat(None, False, NAMES).choice(SimpleNamespace(index=0, last=output))
         assert whole["finish_reason"] == expected and len(whole["message"]["tool_calls"]) == 1
         assert whole["message"]["content"].startswith("<tool_call>")
@@ -106,8 +111,14 @@ def test_streamed_calls_send_no_empty_content_chunks():
     gen = SimpleNamespace(request_id="r", created=0, model_name="m", tier="standard")
     for end in range(0, len(text) + 1, 4):
         end = min(end + 1, len(text))
-        output = SimpleNamespace(text=text[:end], delta_text=text[end - 4:end], finish_reason="stop",
-                                 finished=end == len(text), logprobs=None, delta_logprobs=[])
+        output = SimpleNamespace(
+            text=text[:end],
+            delta_text=text[end - 4 : end],
+            finish_reason="stop",
+            finished=end == len(text),
+            logprobs=None,
+            delta_logprobs=[],
+        )
         chunks.append(formatter.chunk(gen, SimpleNamespace(index=0), output))
     sent = [chunk["choices"][0] for chunk in chunks if chunk is not None]
     assert [c["delta"].get("content", "absent") for c in sent] == [None] + ["absent"] * (len(sent) - 1)
@@ -150,7 +161,7 @@ def test_auto_grammar_leaves_text_free_and_holds_an_opened_call_to_its_schema(qw
         matcher = grammar.matcher()
         return matcher.validate_tokens(tokens) == len(tokens)
 
-    assert accepted("Any text at all, even {\"name\": \"get_weather\", \"arguments\": {\"town\": 5}}")
+    assert accepted('Any text at all, even {"name": "get_weather", "arguments": {"town": 5}}')
     assert accepted(f"Checking.\n{CALL}\n")
     assert accepted(f"{CALL}\n{CALL}") == parallel
     for wrong in ('{"town": "Paris"}', '{"city": 5}', '{"city": "Paris", "unit": "celsius"}'):

@@ -25,8 +25,15 @@ def wait_for(condition, timeout=30.0):
 
 def open_stream(client, model, tier, max_tokens=2000):
     """A streaming request, returned once its first chunk is in (so it holds a sequence slot)."""
-    stream = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=max_tokens, temperature=0,
-                                            stream=True, service_tier=tier, extra_body=ENDLESS)
+    stream = client.chat.completions.create(
+        model=model,
+        messages=MESSAGES,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        service_tier=tier,
+        extra_body=ENDLESS,
+    )
     next(iter(stream))
     return stream
 
@@ -50,8 +57,9 @@ def test_priority_finishes_ahead_of_queued_flex(small, model):
         async with openai.AsyncOpenAI(base_url=f"{small.url}/v1", api_key="unused", max_retries=0) as client:
 
             async def ask(tag, tier):
-                await client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=24, temperature=0,
-                                                     service_tier=tier, extra_body=ENDLESS)
+                await client.chat.completions.create(
+                    model=model, messages=MESSAGES, max_tokens=24, temperature=0, service_tier=tier, extra_body=ENDLESS
+                )
                 finished.append(tag)
 
             flex = [asyncio.create_task(ask(f"flex-{i}", "flex")) for i in range(4)]
@@ -71,7 +79,8 @@ def test_priority_preempts_when_max_num_seqs_is_full(small, model):
     flex = [open_stream(client, model, "flex") for _ in range(2)]  # both slots taken; memory is plentiful
     # Without preemption on max_num_seqs this would wait for 2000 flex tokens: the timeout fails it fast.
     response = client.with_options(timeout=60).chat.completions.create(
-        model=model, messages=MESSAGES, max_tokens=4, temperature=0, service_tier="priority", extra_body=ENDLESS)
+        model=model, messages=MESSAGES, max_tokens=4, temperature=0, service_tier="priority", extra_body=ENDLESS
+    )
     assert response.choices[0].finish_reason == "length" and response.service_tier == "priority"
     assert small.metrics()[("carpool:num_preemptions_total", NO_LABELS)] > before
     for stream in flex:  # the preempted request resumes and keeps streaming
@@ -83,8 +92,10 @@ def test_priority_preempts_when_max_num_seqs_is_full(small, model):
 def test_full_queue_answers_429(small, model):
     client = small.client()
     running = [open_stream(client, model, "default") for _ in range(2)]
-    queued = [client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=8, stream=True,
-                                             service_tier="flex") for _ in range(4)]
+    queued = [
+        client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=8, stream=True, service_tier="flex")
+        for _ in range(4)
+    ]
     wait_for(lambda: waiting(small) == 4)
     with pytest.raises(openai.RateLimitError) as raised:
         client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=8, service_tier="flex")

@@ -25,8 +25,11 @@ def app(llm, tmp_path):
 
 def as_key(app, key: str, method: str, path: str, **options) -> httpx.Response:
     async def send():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://carpool",
-                                     headers={"Authorization": f"Bearer {key}"}) as client:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app),
+            base_url="http://carpool",
+            headers={"Authorization": f"Bearer {key}"},
+        ) as client:
             return await client.request(method, path, **options)
 
     return asyncio.run(send())
@@ -60,13 +63,22 @@ def test_a_cached_prefix_is_shared_only_by_the_same_key(app):
 
 
 def test_files_are_private_to_the_key_that_uploaded_them(app):
-    uploaded = as_key(app, FIRST, "POST", "/v1/files", data={"purpose": "batch"},
-                      files={"file": ("mine.jsonl", b'{"custom_id": "a"}\n')})
+    uploaded = as_key(
+        app,
+        FIRST,
+        "POST",
+        "/v1/files",
+        data={"purpose": "batch"},
+        files={"file": ("mine.jsonl", b'{"custom_id": "a"}\n')},
+    )
     assert uploaded.status_code == 200, uploaded.text
     file_id = uploaded.json()["id"]
     assert [f["id"] for f in as_key(app, FIRST, "GET", "/v1/files").json()["data"]] == [file_id]
     assert as_key(app, SECOND, "GET", "/v1/files").json()["data"] == []
-    for method, path in (("GET", f"/v1/files/{file_id}"), ("GET", f"/v1/files/{file_id}/content"),
-                         ("DELETE", f"/v1/files/{file_id}")):
+    for method, path in (
+        ("GET", f"/v1/files/{file_id}"),
+        ("GET", f"/v1/files/{file_id}/content"),
+        ("DELETE", f"/v1/files/{file_id}"),
+    ):
         assert as_key(app, SECOND, method, path).status_code == 404
     assert as_key(app, FIRST, "GET", f"/v1/files/{file_id}").status_code == 200

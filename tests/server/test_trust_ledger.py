@@ -90,8 +90,9 @@ def test_kill_9_right_after_the_responses_loses_no_row(tmp_path):
         client = server.client()
         model = client.models.list().data[0].id
         for i in range(2):
-            client.chat.completions.create(model=model, messages=[{"role": "user", "content": f"Say {i}."}],
-                                           max_tokens=2, temperature=0)
+            client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": f"Say {i}."}], max_tokens=2, temperature=0
+            )
     finally:
         server.kill()
     assert ledger_rows(tmp_path / "carpool.db") == 2

@@ -9,7 +9,7 @@ import httpx
 import pytest
 from live_server import LiveServer, ServedApp
 
-import carpool.engine.async_engine as async_engine
+from carpool.engine import async_engine
 from carpool.engine.async_engine import AsyncEngine
 from carpool.engine.warmup import decode_batch_sizes, warm_up
 from carpool.server.app import create_app
@@ -37,8 +37,11 @@ def test_health_is_warming_until_the_warmup_ends_and_requests_wait_for_it(llm, h
         warming = client.get("/health")
         assert (warming.status_code, warming.json()) == (503, {"status": "warming", "models": ["tiny"]})
         answer: dict = {}
-        sender = threading.Thread(target=lambda: answer.update(response=client.post(
-            "/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 2})))
+        sender = threading.Thread(
+            target=lambda: answer.update(
+                response=client.post("/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 2})
+            )
+        )
         sender.start()
         time.sleep(0.5)
         assert sender.is_alive(), "a request sent during the warm-up must wait for it"

@@ -7,6 +7,6 @@ the batch size and the measured acceptance (0 when the step is compute-bound); t
 phases around the scheduler and the forward pass.
 """
 
-from carpool.engine.spec_decode.speculator import Speculator, SpecStepStats
+from carpool.engine.spec_decode.speculator import SpecStepStats, Speculator
 
-__all__ = ["Speculator", "SpecStepStats"]
+__all__ = ["SpecStepStats", "Speculator"]

@@ -34,16 +34,28 @@ _DRAFT_STREAM = 0x5DEECE66D  # the draft's seeded stream at a position, apart fr
 
 
 class DraftModelDrafter:
-    def __init__(self, name: str, model, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype,
-                 target_vocab_size: int, end_token_ids: frozenset[int], enable_prefix_caching: bool,
-                 draft_vocab_size: int | None = None, special_token_ids: frozenset[int] = frozenset()):
+    def __init__(
+        self,
+        name: str,
+        model,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        target_vocab_size: int,
+        end_token_ids: frozenset[int],
+        enable_prefix_caching: bool,
+        draft_vocab_size: int | None = None,
+        special_token_ids: frozenset[int] = frozenset(),
+    ):
         """draft_vocab_size: draft from the first that many token ids plus special_token_ids and the end tokens
         (None: DRAFT_VOCAB_SIZE where the vocabulary is larger, else all of it)."""
         self.name = name
         self.model = model
         # Token ids the draft proposes, in the order of its logits; None: all, its logits are the vocabulary's.
-        self.draft_ids = draft_vocabulary(min(model.config.vocab_size, target_vocab_size), draft_vocab_size,
-                                          special_token_ids | end_token_ids)
+        self.draft_ids = draft_vocabulary(
+            min(model.config.vocab_size, target_vocab_size), draft_vocab_size, special_token_ids | end_token_ids
+        )
         if self.draft_ids is not None:
             model.lm_head = head_rows(model.lm_head, self.draft_ids.to(device))
         self.runner = ModelRunner(model, num_blocks, block_size, device, dtype)
@@ -111,7 +123,8 @@ class DraftModelDrafter:
             return index if self.draft_ids is None else int(self.draft_ids[index])
         if self.draft_ids is not None:  # q is zero outside the subset: the tokens the draft never proposes
             logits = logits.new_full((self.vocab_size,), float("-inf")).index_copy_(
-                0, self.draft_ids.to(logits.device), logits)
+                0, self.draft_ids.to(logits.device), logits
+            )
         elif logits.shape[-1] < self.vocab_size:  # a draft with a smaller embedding never proposes the rest
             logits = torch.nn.functional.pad(logits, (0, self.vocab_size - logits.shape[-1]), value=float("-inf"))
         view = Extended(seq, seq.spec_token_ids)
@@ -126,10 +139,13 @@ class DraftModelDrafter:
         if shadow is None:
             # The draft needs no prompt logprobs: computing them would cost every prompt logit and bar the
             # draft pool's prefix cache (match_prefix serves nothing to a request that wants them).
-            shadow = Sequence(seq.request_id, seq.token_ids, replace(seq.params, prompt_logprobs=None),
-                              cache_salt=seq.cache_salt)  # the draft pool scopes its prefix cache as the target does
+            shadow = Sequence(
+                seq.request_id, seq.token_ids, replace(seq.params, prompt_logprobs=None), cache_salt=seq.cache_salt
+            )  # the draft pool scopes its prefix cache as the target does
             hits = self.block_manager.match_prefix(shadow)
-            if not self.block_manager.can_admit(shadow, hits, shadow.num_tokens - len(hits) * self.block_manager.block_size):
+            if not self.block_manager.can_admit(
+                shadow, hits, shadow.num_tokens - len(hits) * self.block_manager.block_size
+            ):
                 return False
             self.block_manager.admit(shadow, hits)
             self.shadows[seq.seq_id] = shadow
@@ -150,15 +166,15 @@ class DraftModelDrafter:
         return True
 
 
-
 def draft_vocabulary(vocab_size: int, size: int | None, always: frozenset[int]) -> torch.Tensor | None:
     """The sorted token ids a draft with vocab_size logits drafts from: the first `size` and `always` (special
     and end tokens: a chat reply's end is a draft the target accepts on every request); None: all of them."""
     if size is None:
         size = min(DRAFT_VOCAB_SIZE, vocab_size)
     if size > vocab_size:
-        raise ValueError(f"speculative_vocab_size must not exceed the draft model's vocabulary ({vocab_size} "
-                         f"tokens), got {size}")
+        raise ValueError(
+            f"speculative_vocab_size must not exceed the draft model's vocabulary ({vocab_size} tokens), got {size}"
+        )
     if size == vocab_size:
         return None
     return torch.tensor(sorted(set(range(size)) | {i for i in always if size <= i < vocab_size}), dtype=torch.long)

@@ -143,7 +143,7 @@ class SpeculationPolicy:
         k = min(k, self.max_k)
         if k != b.best:
             b.probe = (k, batch_size, tokens, seconds, self.step)  # an earlier probe with no incumbent step after it
-            return                                                  # is dropped
+            return  # is dropped
         if self.step - b.last_incumbent > INCUMBENT_GAP:
             b.window = IncumbentWindow()
         deviation = seconds / b.window.step_seconds(batch_size) - 1 if b.window.steps >= 2 else 0.0
@@ -167,8 +167,9 @@ class SpeculationPolicy:
         return {
             f"{2 ** (i - 1) + 1 if i else 1}-{2**i}": {
                 "best": b.best,
-                "vs_plain": {k: round(r.value, 3) for k, r in enumerate(b.ratios)
-                             if k == 0 or r.samples >= MIN_SAMPLES},
+                "vs_plain": {
+                    k: round(r.value, 3) for k, r in enumerate(b.ratios) if k == 0 or r.samples >= MIN_SAMPLES
+                },
             }
             for i, b in sorted(self.buckets.items())
         }
@@ -178,8 +179,13 @@ class SpeculationPolicy:
         if up <= self.max_k and b.ratios[up].samples < MIN_SAMPLES:
             return up  # exploring: the best k won, so the next one up may win too
         neighbours = dict.fromkeys((0 if b.best else -1, b.best - 1, up))  # plain decoding first
-        due = [k for k in neighbours if 0 <= k <= self.max_k and k != b.best and (
-            b.ratios[k].recheck or b.steps - b.ratios[k].last_step >= (BASELINE_REFRESH if k == 0 else REFRESH))]
+        due = [
+            k
+            for k in neighbours
+            if 0 <= k <= self.max_k
+            and k != b.best
+            and (b.ratios[k].recheck or b.steps - b.ratios[k].last_step >= (BASELINE_REFRESH if k == 0 else REFRESH))
+        ]
         return due[0] if due else None
 
     def _settle(self, b: Bucket, k: int, batch_size: int, tokens: float, seconds: float) -> None:

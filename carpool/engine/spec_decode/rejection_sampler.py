@@ -41,8 +41,9 @@ def positions(seq: Sequence) -> list:
     return [seq] + [Extended(seq, drafts[:j]) for j in range(1, len(drafts) + 1)]
 
 
-def sample_verified(logits: torch.Tensor, seqs: list[Sequence], end_token_ids: frozenset[int]
-                    ) -> list[tuple[list[int], list[TokenLogprob | None]]]:
+def sample_verified(
+    logits: torch.Tensor, seqs: list[Sequence], end_token_ids: frozenset[int]
+) -> list[tuple[list[int], list[TokenLogprob | None]]]:
     """logits: 1 + len(seq.spec_token_ids) rows per sequence, in order. The tokens each sequence gains this
     step (accepted drafts, then one sampled token) and their logprobs (the target's)."""
     views = [view for seq in seqs for view in positions(seq)]
@@ -57,8 +58,9 @@ def sample_verified(logits: torch.Tensor, seqs: list[Sequence], end_token_ids: f
         else:
             rows = views[row : row + k + 1]
             probs = torch.stack([filtered_probs(logits[row + j], view, end_token_ids) for j, view in enumerate(rows)])
-            emitted = rejection_sample(probs, seq.spec_probs, seq.spec_token_ids,
-                                       [token_generator(view, logits.device) for view in rows])
+            emitted = rejection_sample(
+                probs, seq.spec_probs, seq.spec_token_ids, [token_generator(view, logits.device) for view in rows]
+            )
             results.append((emitted, token_logprobs(logits[row : row + len(emitted)], emitted, rows[: len(emitted)])))
         row += k + 1
     return results
@@ -77,8 +79,9 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return (p - q).clamp_(min=0)
 
 
-def rejection_sample(p: torch.Tensor, q: torch.Tensor, drafts: list[int], generators: list[torch.Generator]
-                     ) -> list[int]:
+def rejection_sample(
+    p: torch.Tensor, q: torch.Tensor, drafts: list[int], generators: list[torch.Generator]
+) -> list[int]:
     """p: [k + 1, vocab] target probabilities, q: [k, vocab] the draft's, drafts: the k tokens sampled from q,
     generators: one per position. Returns the accepted drafts and one more token."""
     emitted = []

@@ -65,8 +65,13 @@ class Speculator:
             if seq.num_lookahead_tokens:
                 batch.num_new_tokens[i] -= seq.num_lookahead_tokens - len(seq.spec_token_ids)
 
-    def observe(self, batch: ScheduledBatch, sampling: list[Sequence], sampled: list[tuple[list[int], list]],
-                forward_seconds: float) -> SpecStepStats:
+    def observe(
+        self,
+        batch: ScheduledBatch,
+        sampling: list[Sequence],
+        sampled: list[tuple[list[int], list]],
+        forward_seconds: float,
+    ) -> SpecStepStats:
         # Only decode steps (plain and verifying) teach the policy: a prefill chunk in the step, the target's or
         # a draft model's first pass over a prompt, would charge its time to the decodes beside it.
         decode_only = all(n == 1 + len(seq.spec_token_ids) for seq, n in zip(batch.seqs, batch.num_new_tokens))

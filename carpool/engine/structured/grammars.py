@@ -17,12 +17,22 @@ import llguidance
 
 from carpool.engine.structured.spec import StructuredOutput
 
-_FORMATS = {"json": "json_schema", "json_object": "json_schema", "regex": "regex", "choice": "choice",
-            "grammar": "grammar"}
+_FORMATS = {
+    "json": "json_schema",
+    "json_object": "json_schema",
+    "regex": "regex",
+    "choice": "choice",
+    "grammar": "grammar",
+}
 # Bounds on what one constraint may cost to compile and per step (llguidance's defaults are ~5x these):
 # a pathological schema fails at the door with a clear message instead of stalling the engine loop.
-LIMITS = dict(max_grammar_size=100_000, initial_lexer_fuel=200_000, step_lexer_fuel=100_000,
-              step_max_items=20_000, max_lexer_states=50_000)
+LIMITS = {
+    "max_grammar_size": 100_000,
+    "initial_lexer_fuel": 200_000,
+    "step_lexer_fuel": 100_000,
+    "step_max_items": 20_000,
+    "max_lexer_states": 50_000,
+}
 COMPILE_CACHE_SIZE = 256
 # JSON on one line, with Python's separators, unless a schema sets its own `x-guidance`: llguidance's default
 # lets newlines and indentation run on, so a small model can spend max_tokens on whitespace (vLLM added
@@ -69,8 +79,9 @@ class GrammarCompiler:
         # Built on first use (0.2 s for SmolLM2, 0.7 s for Qwen2.5): servers that never see a constraint pay nothing.
         # Every end-of-turn token counts as EOS, so the grammar allows any of them once the output is complete.
         with self._lock:
-            return llguidance.LLTokenizer(self._tokenizer.to_json(), n_vocab=self._vocab_size,
-                                          eos_token=sorted(self._tokenizer.stop_token_ids))
+            return llguidance.LLTokenizer(
+                self._tokenizer.to_json(), n_vocab=self._vocab_size, eos_token=sorted(self._tokenizer.stop_token_ids)
+            )
 
     def bind(self, spec: StructuredOutput | None) -> StructuredOutput | None:
         """`spec` with its compiled grammar; ValueError naming spec.source when it does not compile."""
@@ -87,8 +98,9 @@ class GrammarCompiler:
             grammar = llguidance.grammar_from(_FORMATS[kind], text)
         except ValueError as error:
             raise ValueError(f"{source}: {error}") from None
-        matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0,
-                                       limits=llguidance.LLParserLimits(**LIMITS))
+        matcher = llguidance.LLMatcher(
+            self.ll_tokenizer, grammar, log_level=0, limits=llguidance.LLParserLimits(**LIMITS)
+        )
         if matcher.is_error():
             error = " ".join(matcher.get_error().split())  # one line: regex errors draw a caret on several
             raise ValueError(f"{source}: invalid or unsupported {kind} constraint: {error}")

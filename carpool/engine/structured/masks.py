@@ -41,8 +41,11 @@ _prefetched = threading.local()  # per engine thread: the Future of the masks as
 FEW_WORDS = 4
 # For each byte of a mask word, its 8 tokens' upper bounds: +inf where allowed (the minimum keeps the logit bit for
 # bit), -inf where not.
-_BYTE_BOUNDS = np.where(np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little") == 1,
-                        np.float32(np.inf), np.float32(-np.inf))
+_BYTE_BOUNDS = np.where(
+    np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little") == 1,
+    np.float32(np.inf),
+    np.float32(-np.inf),
+)
 
 
 class SequenceMatcher:
@@ -55,7 +58,7 @@ class SequenceMatcher:
         if output[: len(self.consumed)] != self.consumed:
             self.matcher.reset()
             self.consumed = []
-        new = output[len(self.consumed):]
+        new = output[len(self.consumed) :]
         if new:
             # A token the mask allowed is always accepted; one that is not (ignore_eos past the end) puts the
             # matcher in its error state, where the mask allows only the end tokens.
@@ -103,8 +106,11 @@ class GrammarMasks:
 
 def _constrained_to_sample(seqs: list[Sequence], num_new_tokens: list[int]) -> list[Sequence]:
     # A constrained sequence never speculates: it samples when this step reaches its last token.
-    return [seq for seq, n in zip(seqs, num_new_tokens)
-            if seq.params.structured and seq.num_computed_tokens + n == seq.num_tokens]
+    return [
+        seq
+        for seq, n in zip(seqs, num_new_tokens)
+        if seq.params.structured and seq.num_computed_tokens + n == seq.num_tokens
+    ]
 
 
 def overlaps_forward() -> bool:
@@ -135,16 +141,21 @@ def _wait_prefetched() -> GrammarMasks | None:
     return None if future is None else future.result()
 
 
-def apply_grammar_masks(logits: torch.Tensor, seqs: list[Sequence], rows: list[int],
-                        end_token_ids: frozenset[int]) -> None:
+def apply_grammar_masks(
+    logits: torch.Tensor, seqs: list[Sequence], rows: list[int], end_token_ids: frozenset[int]
+) -> None:
     """Set to -inf, in place, every token the grammar of seqs[row] does not allow next, for each row in `rows`."""
     constrained = [seqs[row] for row in rows]
     masks = _wait_prefetched()
     if masks is None or not masks.covers(constrained):
         masks = GrammarMasks(constrained, logits.shape[-1])
     packed = masks.packed_rows(constrained, end_token_ids)
-    if (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous()
-            and logits.shape[-1] % 32 == 0):
+    if (
+        logits.device.type == "cpu"
+        and logits.dtype == torch.float32
+        and logits.is_contiguous()
+        and logits.shape[-1] % 32 == 0
+    ):
         block_packed(logits.numpy(), np.asarray(rows), packed)
     else:  # another device, dtype or vocabulary size: unpacked to a bool per token and filled by torch
         blocked = np.unpackbits(np.invert(packed).view(np.uint8), axis=1, count=logits.shape[-1], bitorder="little")

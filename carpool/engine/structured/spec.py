@@ -25,19 +25,29 @@ class StructuredOutput:
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"{self.source}: kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
-        checks = {"json": (dict, str), "json_object": (type(None),), "regex": (str,), "choice": (list,),
-                  "grammar": (str,)}
+        checks = {
+            "json": (dict, str),
+            "json_object": (type(None),),
+            "regex": (str,),
+            "choice": (list,),
+            "grammar": (str,),
+        }
         if not isinstance(self.value, checks[self.kind]) or isinstance(self.value, bool):
-            raise ValueError(f"{self.source}: a {self.kind} constraint takes a "
-                             f"{' or '.join(t.__name__ for t in checks[self.kind])}, got {type(self.value).__name__}")
-        if self.kind == "choice":
-            if not self.value or len(self.value) > MAX_CHOICE_STRINGS or not all(
-                    isinstance(s, str) and s for s in self.value):
-                raise ValueError(f"{self.source}: choice must be 1 to {MAX_CHOICE_STRINGS} non-empty strings")
+            raise ValueError(
+                f"{self.source}: a {self.kind} constraint takes a "
+                f"{' or '.join(t.__name__ for t in checks[self.kind])}, got {type(self.value).__name__}"
+            )
+        if self.kind == "choice" and (
+            not self.value
+            or len(self.value) > MAX_CHOICE_STRINGS
+            or not all(isinstance(s, str) and s for s in self.value)
+        ):
+            raise ValueError(f"{self.source}: choice must be 1 to {MAX_CHOICE_STRINGS} non-empty strings")
         size = len(self.text)
         if size > MAX_SPEC_CHARS:
-            raise ValueError(f"{self.source}: the {self.kind} constraint is {size} characters; at most "
-                             f"{MAX_SPEC_CHARS} are accepted")
+            raise ValueError(
+                f"{self.source}: the {self.kind} constraint is {size} characters; at most {MAX_SPEC_CHARS} are accepted"
+            )
 
     @property
     def constraint_kind(self) -> str:

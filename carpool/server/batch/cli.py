@@ -18,8 +18,9 @@ def add_batch_parser(subparsers) -> None:
     submit = commands.add_parser("submit", help="upload a JSONL file of requests and start a batch")
     submit.add_argument("file", type=Path, help="the JSONL file: one request per line, as OpenAI's Batch API takes")
     submit.add_argument("--endpoint", default=None, help="default: the `url` of the file's first request")
-    submit.add_argument("--metadata", action="append", default=[], metavar="KEY=VALUE",
-                        help="a label kept with the batch (repeatable)")
+    submit.add_argument(
+        "--metadata", action="append", default=[], metavar="KEY=VALUE", help="a label kept with the batch (repeatable)"
+    )
     submit.add_argument("--wait", action="store_true", help="follow the batch with a progress bar until it ends")
     submit.set_defaults(func=_reporting_api_errors(_submit))
 
@@ -39,8 +40,9 @@ def add_batch_parser(subparsers) -> None:
     for command in (submit, status, results, cancel):
         command.add_argument("--url", default=os.environ.get("CARPOOL_URL", DEFAULT_URL), help="the API's base URL")
         command.add_argument("--api-key", default=None, help="default: $CARPOOL_API_KEY, else $OPENAI_API_KEY")
-        command.add_argument("--poll-interval", type=float, default=1.0,
-                             help="seconds between status checks while following a batch")
+        command.add_argument(
+            "--poll-interval", type=float, default=1.0, help="seconds between status checks while following a batch"
+        )
 
 
 def _reporting_api_errors(command):

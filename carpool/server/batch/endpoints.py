@@ -53,8 +53,9 @@ class ServingEndpoint:
                 error = refused if isinstance(refused, APIError) else APIError.from_gate_error(refused)
                 # A refusal with no retry time (a request larger than the key's per-minute limit) is "no".
                 if error.code not in WAIT_CODES or error.retry_after is None:
-                    return Outcome(error.status, error_body(error.status, error.message, error.param, error.code),
-                                   new_id("req_"))
+                    return Outcome(
+                        error.status, error_body(error.status, error.message, error.param, error.code), new_id("req_")
+                    )
                 await asyncio.sleep(error.retry_after)
         try:
             await gen.wait()
@@ -65,8 +66,9 @@ class ServingEndpoint:
         finally:
             if not gen.done.is_set():
                 gen.cancel()  # the batch was cancelled or expired, or the server is stopping
-        return Outcome(200, fmt.response(gen), gen.request_id, gen.prompt_tokens, gen.cached_tokens,
-                       gen.completion_tokens)
+        return Outcome(
+            200, fmt.response(gen), gen.request_id, gen.prompt_tokens, gen.cached_tokens, gen.completion_tokens
+        )
 
     def _parse(self, body: dict) -> BaseModel:
         try:

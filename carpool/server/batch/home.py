@@ -67,7 +67,8 @@ def claim_batch_dir(batch_dir: str | Path, db_path: str | Path | None):
             if owner != database:
                 raise BatchDirUnusable(
                     f"{root}: holds the batches of the database {owner}, not {database}; give this server a "
-                    f"--batch-dir of its own (or delete {marker} if that database is gone)")
+                    f"--batch-dir of its own (or delete {marker} if that database is gone)"
+                )
         else:
             _write_atomically(marker, database + "\n")
         if shared:
@@ -78,15 +79,16 @@ def claim_batch_dir(batch_dir: str | Path, db_path: str | Path | None):
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 lock.close()
-                raise BatchDirUnusable(f"{root}: in use by another running carpool server; give this one a "
-                                       "--batch-dir of its own") from None
+                raise BatchDirUnusable(
+                    f"{root}: in use by another running carpool server; give this one a --batch-dir of its own"
+                ) from None
         store = BatchStore(root, str(db_path) if shared else None)
         try:
             store.check_writable()
         finally:
             store.close()
         return lock
-    except (OSError, sqlite3.Error, *(postgres.errors() if shared else ())) as error:
+    except (OSError, sqlite3.Error, *(postgres.errors() if shared else ())) as error:  # noqa: B030 (a tuple)
         cause = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
         raise BatchDirUnusable(f"{root}: {cause}") from None
 

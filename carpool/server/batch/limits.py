@@ -14,4 +14,3 @@ class BatchLimits:
     max_requests: int = 50_000
     # A file that is wrong everywhere would otherwise produce a batch object as big as the file itself.
     max_reported_errors: int = 1000
-

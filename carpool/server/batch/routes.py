@@ -42,22 +42,39 @@ def create_batch_router(store: BatchStore, runner: BatchRunner, gate: Gate, limi
     @router.post("/v1/files")
     async def upload_file(request: Request, file: Annotated[UploadFile, File()], purpose: Annotated[str, Form()]):
         if purpose not in UPLOAD_PURPOSES:
-            raise APIError(400, f"purpose: this server takes uploads for {UPLOAD_PURPOSES}, got {purpose!r}",
-                           param="purpose", code="invalid_value")
+            raise APIError(
+                400,
+                f"purpose: this server takes uploads for {UPLOAD_PURPOSES}, got {purpose!r}",
+                param="purpose",
+                code="invalid_value",
+            )
         owner = _owner(_caller(request))
         try:
-            row = await asyncio.to_thread(store.save_file, owner, upload_name(file.filename), purpose, file.file,
-                                          limits.max_file_bytes, int(time.time()))
+            row = await asyncio.to_thread(
+                store.save_file,
+                owner,
+                upload_name(file.filename),
+                purpose,
+                file.file,
+                limits.max_file_bytes,
+                int(time.time()),
+            )
         except FileTooLarge as error:
             raise APIError(400, f"file: {error}", param="file", code="file_too_large") from None
         return file_object(row)
 
     @router.get("/v1/files")
-    def list_files(request: Request, after: str | None = None, limit: Annotated[int, Query(ge=1, le=10_000)] = 10_000,
-                   order: Literal["asc", "desc"] = "desc", purpose: str | None = None):
+    def list_files(
+        request: Request,
+        after: str | None = None,
+        limit: Annotated[int, Query(ge=1, le=10_000)] = 10_000,
+        order: Literal["asc", "desc"] = "desc",
+        purpose: str | None = None,
+    ):
         principal = _caller(request)
-        rows, has_more = store.list_files(_owner(principal), principal.is_admin, purpose, after, limit,
-                                          newest_first=order == "desc")
+        rows, has_more = store.list_files(
+            _owner(principal), principal.is_admin, purpose, after, limit, newest_first=order == "desc"
+        )
         return list_object([file_object(row) for row in rows], has_more)
 
     @router.get("/v1/files/{file_id}")
@@ -73,8 +90,12 @@ def create_batch_router(store: BatchStore, runner: BatchRunner, gate: Gate, limi
     def delete_file(request: Request, file_id: str):
         row = _visible_file(request, file_id)
         if store.file_in_use(row["id"]):
-            raise APIError(409, f"File {file_id!r} is the input of a batch that has not finished; cancel it first.",
-                           param="file_id", code="file_in_use")
+            raise APIError(
+                409,
+                f"File {file_id!r} is the input of a batch that has not finished; cancel it first.",
+                param="file_id",
+                code="file_in_use",
+            )
         store.delete_file(row["id"])
         return {"id": row["id"], "object": "file", "deleted": True}
 
@@ -91,18 +112,27 @@ def create_batch_router(store: BatchStore, runner: BatchRunner, gate: Gate, limi
     async def create_batch(request: Request, body: BatchCreateRequest):
         principal = _caller(request)
         if body.endpoint not in ENDPOINTS:
-            raise APIError(400, f"endpoint: batches run {ENDPOINTS}, got {body.endpoint!r}", param="endpoint",
-                           code="invalid_value")
+            raise APIError(
+                400, f"endpoint: batches run {ENDPOINTS}, got {body.endpoint!r}", param="endpoint", code="invalid_value"
+            )
         if body.completion_window not in COMPLETION_WINDOWS:
-            raise APIError(400, f"completion_window: must be one of {tuple(COMPLETION_WINDOWS)}, got "
-                                f"{body.completion_window!r}", param="completion_window", code="invalid_value")
+            raise APIError(
+                400,
+                f"completion_window: must be one of {tuple(COMPLETION_WINDOWS)}, got {body.completion_window!r}",
+                param="completion_window",
+                code="invalid_value",
+            )
         _check_metadata(body.metadata)
         input_file = store.get_file(body.input_file_id)
         if input_file is None or not _may_see(principal, input_file):
             raise APIError(404, f"No such file: {body.input_file_id!r}", param="input_file_id", code="not_found")
         if input_file["purpose"] != "batch":
-            raise APIError(400, f"input_file_id: {body.input_file_id!r} was uploaded for {input_file['purpose']!r}, "
-                                "not 'batch'", param="input_file_id", code="invalid_value")
+            raise APIError(
+                400,
+                f"input_file_id: {body.input_file_id!r} was uploaded for {input_file['purpose']!r}, not 'batch'",
+                param="input_file_id",
+                code="invalid_value",
+            )
         gate.admit(principal, BATCH_TIER, 0)  # may this key use the batch tier, and has it budget left?
         now = int(time.time())
         row = store.create_batch(
@@ -138,8 +168,12 @@ def create_batch_router(store: BatchStore, runner: BatchRunner, gate: Gate, limi
         row = store.get_batch(row["id"])
         if row["status"] in ("cancelling", "cancelled"):
             return batch_object(row)
-        raise APIError(409, f"Batch {batch_id!r} is {row['status']} and can no longer be cancelled.",
-                       param="batch_id", code="batch_not_cancellable")
+        raise APIError(
+            409,
+            f"Batch {batch_id!r} is {row['status']} and can no longer be cancelled.",
+            param="batch_id",
+            code="batch_not_cancellable",
+        )
 
     def _visible_batch(request: Request, batch_id: str) -> dict:
         row = store.get_batch(batch_id)
@@ -176,5 +210,9 @@ def _check_metadata(metadata: dict[str, str] | None) -> None:
         raise APIError(400, f"metadata: at most {MAX_METADATA_PAIRS} pairs", param="metadata", code="invalid_value")
     for key, value in metadata.items():
         if len(key) > MAX_METADATA_KEY or len(value) > MAX_METADATA_VALUE:
-            raise APIError(400, f"metadata: keys are at most {MAX_METADATA_KEY} characters and values at most "
-                                f"{MAX_METADATA_VALUE}", param="metadata", code="invalid_value")
+            raise APIError(
+                400,
+                f"metadata: keys are at most {MAX_METADATA_KEY} characters and values at most {MAX_METADATA_VALUE}",
+                param="metadata",
+                code="invalid_value",
+            )

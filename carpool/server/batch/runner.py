@@ -85,8 +85,11 @@ class BatchRunner:
             try:
                 # A lease that could lapse before the next look (with one look's time to spare) stops its batch now.
                 for batch_id in self.store.renew_claims(list(self._tasks), horizon=2 * ADOPT_SECONDS):
-                    log.warning("batch %s: its lease was lost, or may lapse while the database is away: stopped "
-                                "(another server resumes it)", batch_id)
+                    log.warning(
+                        "batch %s: its lease was lost, or may lapse while the database is away: stopped "
+                        "(another server resumes it)",
+                        batch_id,
+                    )
                     self._tasks[batch_id].cancel()
                 for batch_id in self.store.active_batch_ids():
                     if batch_id not in self._tasks:

@@ -12,8 +12,15 @@ from carpool.server.serving import Serving
 
 
 class BatchService:
-    def __init__(self, serving: Serving, gate: Gate, batch_dir: str | Path, limits: BatchLimits | None = None,
-                 max_in_flight: int | None = None, db: str | None = None):
+    def __init__(
+        self,
+        serving: Serving,
+        gate: Gate,
+        batch_dir: str | Path,
+        limits: BatchLimits | None = None,
+        max_in_flight: int | None = None,
+        db: str | None = None,
+    ):
         """`db`: the PostgreSQL URL that holds the batches' metadata for every replica (None: in `batch_dir`)."""
         self.limits = limits = limits or BatchLimits()
         # Enough batch requests to fill every sequence slot the engines have; more would only wait in their queues.

@@ -153,7 +153,9 @@ class BatchStore:
                 f"INSERT INTO batch_claims (batch_id, owner, expires_at) VALUES (?, ?, {_DB_NOW} + ?) "
                 f"ON CONFLICT (batch_id) DO UPDATE SET owner = excluded.owner, expires_at = excluded.expires_at "
                 f"WHERE batch_claims.owner = excluded.owner OR batch_claims.expires_at <= {_DB_NOW} "
-                "RETURNING batch_id", (batch_id, self.owner, CLAIM_SECONDS)).fetchone()
+                "RETURNING batch_id",
+                (batch_id, self.owner, CLAIM_SECONDS),
+            ).fetchone()
             if row is not None:
                 self._leases[batch_id] = sent + CLAIM_SECONDS
             return row is not None
@@ -167,9 +169,14 @@ class BatchStore:
         with self._lock:
             sent = time.monotonic()
             try:
-                renewed = {row[0] for row in self._conn.execute(
-                    f"UPDATE batch_claims SET expires_at = {_DB_NOW} + ? WHERE owner = ? AND batch_id = ANY(?) "
-                    f"AND expires_at > {_DB_NOW} RETURNING batch_id", (CLAIM_SECONDS, self.owner, list(batch_ids)))}
+                renewed = {
+                    row[0]
+                    for row in self._conn.execute(
+                        f"UPDATE batch_claims SET expires_at = {_DB_NOW} + ? WHERE owner = ? AND batch_id = ANY(?) "
+                        f"AND expires_at > {_DB_NOW} RETURNING batch_id",
+                        (CLAIM_SECONDS, self.owner, list(batch_ids)),
+                    )
+                }
             except postgres.errors():
                 return [batch_id for batch_id in batch_ids if self._leases.get(batch_id, 0.0) - horizon <= sent]
             for batch_id in renewed:
@@ -181,8 +188,9 @@ class BatchStore:
             with self._lock:
                 self._leases.pop(batch_id, None)
                 try:
-                    self._conn.execute("DELETE FROM batch_claims WHERE batch_id = ? AND owner = ?",
-                                       (batch_id, self.owner))
+                    self._conn.execute(
+                        "DELETE FROM batch_claims WHERE batch_id = ? AND owner = ?", (batch_id, self.owner)
+                    )
                 except postgres.errors():
                     pass  # the database is away: the lease lapses on its own
 
@@ -252,8 +260,16 @@ class BatchStore:
         filters = [("purpose = ?", purpose)] if purpose is not None else []
         return self._page("files", owner, everyone, after, limit, newest_first, filters)
 
-    def _page(self, table: str, owner: str | None, everyone: bool, after: str | None, limit: int,
-              newest_first: bool, filters: list[tuple[str, object]] = ()) -> tuple[list[dict], bool]:
+    def _page(
+        self,
+        table: str,
+        owner: str | None,
+        everyone: bool,
+        after: str | None,
+        limit: int,
+        newest_first: bool,
+        filters: list[tuple[str, object]] = (),
+    ) -> tuple[list[dict], bool]:
         """One page of the caller's rows of `table` in creation order, starting after the row `after`;
         and whether more rows follow."""
         where, args = ["TRUE"], []

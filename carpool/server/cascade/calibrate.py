@@ -60,8 +60,10 @@ def fit_scorers(cascade: Cascade, attempts: list[list[Attempt]], right: list[lis
 
 def table(cascade: Cascade, attempts: list[list[Attempt]], right: list[list[bool]]) -> Table:
     scorers: list[Scorer | None] = [step.scorer for step in cascade.steps]
-    scores = [[scorer.score(a.logprobs, a.hit_length) if scorer else math.inf for a in step]
-              for scorer, step in zip(scorers, attempts)]
+    scores = [
+        [scorer.score(a.logprobs, a.hit_length) if scorer else math.inf for a in step]
+        for scorer, step in zip(scorers, attempts)
+    ]
     return Table(scores, [[a.cost for a in step] for step in attempts], right)
 
 

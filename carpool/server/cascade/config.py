@@ -52,7 +52,7 @@ def load_cascades(path: str | Path, served: list[str] | None = None) -> dict[str
         raise ValueError(f"{where}: not valid TOML: {error}") from error
     unknown = set(raw) - {"cascade"}
     if unknown:
-        raise ValueError(f"{where}: unknown table {sorted(unknown)[0]!r} (only [[cascade]] tables)")
+        raise ValueError(f"{where}: unknown table {min(unknown)!r} (only [[cascade]] tables)")
     tables = raw.get("cascade")
     if not isinstance(tables, list) or not tables:
         raise ValueError(f"{where}: cascade: declare at least one [[cascade]] table")
@@ -68,7 +68,7 @@ def load_cascades(path: str | Path, served: list[str] | None = None) -> dict[str
 def _cascade(table: dict, where: str, served: list[str] | None) -> Cascade:
     unknown = set(table) - {"name", "step"}
     if unknown:
-        raise ValueError(f"{where}.{sorted(unknown)[0]}: unknown field (a cascade has name and [[cascade.step]])")
+        raise ValueError(f"{where}.{min(unknown)}: unknown field (a cascade has name and [[cascade.step]])")
     name = table.get("name")
     if not isinstance(name, str) or not name:
         raise ValueError(f"{where}.name: must be a non-empty string")
@@ -78,14 +78,15 @@ def _cascade(table: dict, where: str, served: list[str] | None) -> Cascade:
     steps = table.get("step")
     if not isinstance(steps, list) or len(steps) < 2:
         raise ValueError(f"{where}.step: a cascade needs at least two [[cascade.step]] tables")
-    return Cascade(name, tuple(_step(s, f"{where}.step[{i}]", i == len(steps) - 1, served)
-                               for i, s in enumerate(steps)))
+    return Cascade(
+        name, tuple(_step(s, f"{where}.step[{i}]", i == len(steps) - 1, served) for i, s in enumerate(steps))
+    )
 
 
 def _step(table: dict, where: str, last: bool, served: list[str] | None) -> Step:
     unknown = set(table) - _STEP_FIELDS
     if unknown:
-        raise ValueError(f"{where}.{sorted(unknown)[0]}: unknown field (known: {', '.join(sorted(_STEP_FIELDS))})")
+        raise ValueError(f"{where}.{min(unknown)}: unknown field (known: {', '.join(sorted(_STEP_FIELDS))})")
     model = table.get("model")
     if not isinstance(model, str) or not model:
         raise ValueError(f"{where}.model: must be a served model's name")
@@ -100,15 +101,20 @@ def _step(table: dict, where: str, last: bool, served: list[str] | None) -> Step
     if isinstance(threshold, bool) or not isinstance(threshold, int | float) or not math.isfinite(threshold):
         raise ValueError(f"{where}.threshold: must be a finite number, got {threshold!r}")
     weights = table.get("weights")
-    if weights is not None and not (isinstance(weights, list) and all(
-            isinstance(w, int | float) and not isinstance(w, bool) for w in weights)):
+    if weights is not None and not (
+        isinstance(weights, list) and all(isinstance(w, int | float) and not isinstance(w, bool) for w in weights)
+    ):
         raise ValueError(f"{where}.weights: must be a list of numbers")
     bias = table.get("bias", 0.0)
     if isinstance(bias, bool) or not isinstance(bias, int | float):
         raise ValueError(f"{where}.bias: must be a number")
     try:
-        scorer = Scorer(table.get("scorer"), table.get("tail_tokens", DEFAULT_TAIL_TOKENS),
-                        None if weights is None else tuple(float(w) for w in weights), float(bias))
+        scorer = Scorer(
+            table.get("scorer"),
+            table.get("tail_tokens", DEFAULT_TAIL_TOKENS),
+            None if weights is None else tuple(float(w) for w in weights),
+            float(bias),
+        )
     except ValueError as error:
         raise ValueError(f"{where}.{error}") from error
     return Step(model, scorer, float(threshold))
@@ -126,8 +132,10 @@ def dump_cascades(cascades: dict[str, Cascade]) -> str:
                 if step.scorer.tail_tokens != DEFAULT_TAIL_TOKENS:
                     lines.append(f"tail_tokens = {step.scorer.tail_tokens}")
                 if step.scorer.weights is not None:
-                    lines += [f"weights = [{', '.join(repr(w) for w in step.scorer.weights)}]",
-                              f"bias = {step.scorer.bias!r}"]
+                    lines += [
+                        f"weights = [{', '.join(repr(w) for w in step.scorer.weights)}]",
+                        f"bias = {step.scorer.bias!r}",
+                    ]
         lines.append("")
     return "\n".join(lines)
 

@@ -15,8 +15,14 @@ def frontier(outcomes: list[Outcome]) -> list[Outcome]:
     return points
 
 
-def draw_curve(path: str | Path, title: str, outcomes: list[Outcome], singles: dict[str, tuple[float, float]],
-               chosen: Outcome | None, metric: str = "accuracy") -> None:
+def draw_curve(
+    path: str | Path,
+    title: str,
+    outcomes: list[Outcome],
+    singles: dict[str, tuple[float, float]],
+    chosen: Outcome | None,
+    metric: str = "accuracy",
+) -> None:
     """`singles`: {model: (mean cost, accuracy)}. Costs are drawn in dollars per 1,000 requests."""
     import matplotlib
 
@@ -25,16 +31,28 @@ def draw_curve(path: str | Path, title: str, outcomes: list[Outcome], singles: d
 
     per_k = 1000.0
     fig, ax = plt.subplots(figsize=(6.4, 4.4), dpi=120)
-    ax.scatter([o.cost * per_k for o in outcomes], [o.accuracy for o in outcomes], s=6, color="0.75",
-               label="cascade, each threshold")
+    ax.scatter(
+        [o.cost * per_k for o in outcomes],
+        [o.accuracy for o in outcomes],
+        s=6,
+        color="0.75",
+        label="cascade, each threshold",
+    )
     edge = frontier(outcomes)
     ax.plot([o.cost * per_k for o in edge], [o.accuracy for o in edge], color="tab:blue", label="cascade frontier")
     for model, (cost, accuracy) in singles.items():
         ax.scatter([cost * per_k], [accuracy], s=40, marker="s", zorder=3)
         ax.annotate(model, (cost * per_k, accuracy), textcoords="offset points", xytext=(5, -12), fontsize=8)
     if chosen is not None:
-        ax.scatter([chosen.cost * per_k], [chosen.accuracy], s=120, marker="*", color="tab:red", zorder=4,
-                   label="calibrated thresholds")
+        ax.scatter(
+            [chosen.cost * per_k],
+            [chosen.accuracy],
+            s=120,
+            marker="*",
+            color="tab:red",
+            zorder=4,
+            label="calibrated thresholds",
+        )
     ax.set_xlabel("cost, $ per 1,000 requests (price sheet)")
     ax.set_ylabel(metric)
     ax.set_title(title, fontsize=10)

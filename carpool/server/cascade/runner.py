@@ -39,24 +39,35 @@ class CascadeServing:
         """The cascade as /v1/models lists it: an OpenAI model object, with its steps under `cascade` (what a
         client needs to tell it from a served model) and the context every step can take."""
         cascade = self.cascades[name]
-        steps = [{"model": step.model} | ({} if step.scorer is None else
-                                          {"scorer": step.scorer.kind, "threshold": step.threshold})
-                 for step in cascade.steps]
+        steps = [
+            {"model": step.model}
+            | ({} if step.scorer is None else {"scorer": step.scorer.kind, "threshold": step.threshold})
+            for step in cascade.steps
+        ]
         max_model_len = min(self.serving.models[step.model].engine.max_model_len for step in cascade.steps)
-        return {"id": name, "object": "model", "created": created, "owned_by": "carpool",
-                "max_model_len": max_model_len, "cascade": {"steps": steps}}
+        return {
+            "id": name,
+            "object": "model",
+            "created": created,
+            "owned_by": "carpool",
+            "max_model_len": max_model_len,
+            "cascade": {"steps": steps},
+        }
 
     def cards(self, created: int) -> list[dict]:
         return [self.card(name, created) for name in self.cascades]
 
-    async def answer(self, body: ChatCompletionRequest | CompletionRequest, principal: Principal,
-                     client_request_id: str):
+    async def answer(
+        self, body: ChatCompletionRequest | CompletionRequest, principal: Principal, client_request_id: str
+    ):
         """(generation, format, headers) of the accepted step; the generation of the last step may still run."""
         cascade = self.cascades[body.model]
         _check_single_choice(body)
         final = len(cascade.steps) - 1
-        attempts = [body.model_copy(update={"model": step.model} | ({} if i == final else _with_logprobs(body)))
-                    for i, step in enumerate(cascade.steps)]
+        attempts = [
+            body.model_copy(update={"model": step.model} | ({} if i == final else _with_logprobs(body)))
+            for i, step in enumerate(cascade.steps)
+        ]
         for attempt in attempts:  # a body a later step refuses must not run (and bill) the earlier ones
             self.serving.check(attempt, principal)
         for index, (step, attempt) in enumerate(zip(cascade.steps, attempts)):
@@ -126,7 +137,12 @@ def _ledger_fields(cascade: Cascade, index: int, step: Step, verdict: Verdict, p
                     verdict.accepted = False
                 else:
                     verdict.accepted = verdict.score >= step.threshold
-        return {"purpose": "cascade_attempt", "parent_request_id": parent, "cascade": cascade.name,
-                "cascade_step": index, "cascade_accepted": verdict.accepted}
+        return {
+            "purpose": "cascade_attempt",
+            "parent_request_id": parent,
+            "cascade": cascade.name,
+            "cascade_step": index,
+            "cascade_accepted": verdict.accepted,
+        }
 
     return fields

@@ -46,7 +46,7 @@ def load_examples(path: str | Path, offset: int = 0, limit: int | None = None, s
             if not isinstance(prompt, str):
                 raise ValueError(f"data: line {number} of {path} has no string `prompt` (or `question`)")
             examples.append(Example(prompt + suffix, record.get("answer")))
-    examples = examples[offset:None if limit is None else offset + limit]
+    examples = examples[offset : None if limit is None else offset + limit]
     if not examples:
         raise ValueError(f"data: no examples in {path} at offset {offset}")
     return examples
@@ -74,8 +74,14 @@ def same_answer(output: str, reference: str) -> bool:
     return output.strip().casefold() == reference.strip().casefold()
 
 
-def run_model(model: str, examples: list[Example], max_tokens: int, cost: Callable[[UsageRecord], float],
-              num_threads: int | None = None, llm=None) -> list[Attempt]:
+def run_model(
+    model: str,
+    examples: list[Example],
+    max_tokens: int,
+    cost: Callable[[UsageRecord], float],
+    num_threads: int | None = None,
+    llm=None,
+) -> list[Attempt]:
     """Greedy answers of `model` (a catalog name or path; `llm`: that model already loaded, a carpool.LLM) to
     every example's chat prompt, one batch."""
     from carpool.engine.sampling_params import SamplingParams
@@ -86,15 +92,40 @@ def run_model(model: str, examples: list[Example], max_tokens: int, cost: Callab
     outputs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0))
     attempts = []
     for output in outputs:
-        usage = UsageRecord("calibration", model, DEFAULT_TIER, len(output.prompt_token_ids), 0, 0,
-                            len(output.token_ids), 0.0, 0.0, 0.0, output.finish_reason)
-        attempts.append(Attempt(output.text, [lp.logprob for lp in output.logprobs], usage.prompt_tokens,
-                                usage.output_tokens, output.finish_reason, cost(usage)))
+        usage = UsageRecord(
+            "calibration",
+            model,
+            DEFAULT_TIER,
+            len(output.prompt_token_ids),
+            0,
+            0,
+            len(output.token_ids),
+            0.0,
+            0.0,
+            0.0,
+            output.finish_reason,
+        )
+        attempts.append(
+            Attempt(
+                output.text,
+                [lp.logprob for lp in output.logprobs],
+                usage.prompt_tokens,
+                usage.output_tokens,
+                output.finish_reason,
+                cost(usage),
+            )
+        )
     return attempts
 
 
-def cached_runs(runs_dir: str | Path | None, model: str, examples: list[Example], max_tokens: int,
-                cost: Callable[[UsageRecord], float], num_threads: int | None = None) -> list[Attempt]:
+def cached_runs(
+    runs_dir: str | Path | None,
+    model: str,
+    examples: list[Example],
+    max_tokens: int,
+    cost: Callable[[UsageRecord], float],
+    num_threads: int | None = None,
+) -> list[Attempt]:
     """run_model, read from `<runs_dir>/<model>.jsonl` when that file holds these very prompts and max_tokens."""
     path = None if runs_dir is None else Path(runs_dir) / f"{Path(model).name}.jsonl"
     key = {"max_tokens": max_tokens, "prompts": [example.prompt for example in examples]}

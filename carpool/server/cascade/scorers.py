@@ -32,8 +32,10 @@ class Scorer:
         if not isinstance(self.tail_tokens, int) or self.tail_tokens < 1:
             raise ValueError(f"tail_tokens: must be a positive integer, got {self.tail_tokens!r}")
         if self.kind == "logistic" and (self.weights is None or len(self.weights) != len(FEATURES)):
-            raise ValueError(f"weights: the logistic scorer needs {len(FEATURES)} weights ({', '.join(FEATURES)}),"
-                             f" got {self.weights!r} (`carpool cascade calibrate` fits them)")
+            raise ValueError(
+                f"weights: the logistic scorer needs {len(FEATURES)} weights ({', '.join(FEATURES)}),"
+                f" got {self.weights!r} (`carpool cascade calibrate` fits them)"
+            )
 
     def score(self, logprobs: list[float], hit_length: bool = False) -> float:
         if self.kind == "logistic":
@@ -55,12 +57,18 @@ def features(logprobs: list[float], hit_length: bool, tail_tokens: int = DEFAULT
     escalates rather than being accepted for lack of evidence."""
     values = logprobs or [-20.0]
     lowest = sorted(values)[:tail_tokens]
-    return [sum(values) / len(values), lowest[0], sum(lowest) / len(lowest), math.log1p(len(logprobs)),
-            float(hit_length)]
+    return [
+        sum(values) / len(values),
+        lowest[0],
+        sum(lowest) / len(lowest),
+        math.log1p(len(logprobs)),
+        float(hit_length),
+    ]
 
 
-def fit_logistic(rows: list[list[float]], labels: list[bool], steps: int = 500,
-                 l2: float = 1e-3) -> tuple[tuple[float, ...], float]:
+def fit_logistic(
+    rows: list[list[float]], labels: list[bool], steps: int = 500, l2: float = 1e-3
+) -> tuple[tuple[float, ...], float]:
     """(weights, bias) of a logistic regression of labels on feature rows: full-batch L-BFGS on the mean log loss
     with a small L2 penalty (keeps the weights finite when the features separate the labels). Features are
     standardized for the fit and the weights mapped back, so the stored scorer reads raw features."""

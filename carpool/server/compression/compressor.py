@@ -40,11 +40,13 @@ class Budget:
     def __post_init__(self):
         if (self.rate is None) == (self.target_tokens is None):
             raise ValueError("prompt_compression: give exactly one of rate and target_tokens")
-        if self.rate is not None and (isinstance(self.rate, bool) or not isinstance(self.rate, (int, float))
-                                      or not 0 < self.rate <= 1):
+        if self.rate is not None and (
+            isinstance(self.rate, bool) or not isinstance(self.rate, (int, float)) or not 0 < self.rate <= 1
+        ):
             raise ValueError(f"prompt_compression.rate must be in (0, 1] (the share of tokens kept), got {self.rate!r}")
-        if self.target_tokens is not None and (isinstance(self.target_tokens, bool)
-                                               or not isinstance(self.target_tokens, int) or self.target_tokens < 1):
+        if self.target_tokens is not None and (
+            isinstance(self.target_tokens, bool) or not isinstance(self.target_tokens, int) or self.target_tokens < 1
+        ):
             raise ValueError(f"prompt_compression.target_tokens must be a positive integer, got {self.target_tokens!r}")
 
     def tokens(self, original: int) -> int:
@@ -88,18 +90,23 @@ class _Unit:
     keep: list[bool] = field(default_factory=list)
 
 
-async def compress(pieces: list[Piece], budget: Budget, scorer: Scorer,
-                   count_tokens: Callable[[list[str]], int] | None = None) -> Compressed:
+async def compress(
+    pieces: list[Piece], budget: Budget, scorer: Scorer, count_tokens: Callable[[list[str]], int] | None = None
+) -> Compressed:
     tokenizer = scorer.tokenizer
     count = count_tokens or (lambda texts: sum(len(tokenizer.encode(t, add_special_tokens=False)) for t in texts))
     groups = sorted({p.group for p in pieces})
-    original_texts = [''.join(p.text for p in pieces if p.group == g) for g in groups]
+    original_texts = ["".join(p.text for p in pieces if p.group == g) for g in groups]
     original = count(original_texts)
     target = budget.tokens(original)
     if target >= original:
         return Compressed(original_texts, original, original, target)
-    units = [_Unit(p.group, p.protected, text, tokenizer.encode(text, add_special_tokens=False))
-             for piece in pieces for p, text in _paragraphs(piece) if text]
+    units = [
+        _Unit(p.group, p.protected, text, tokenizer.encode(text, add_special_tokens=False))
+        for piece in pieces
+        for p, text in _paragraphs(piece)
+        if text
+    ]
     compressible = [u for u in units if not u.protected]
     # The budget in the scorer's tokens: the serving model's tokenizer may cut the same text finer or coarser.
     scale = sum(len(u.ids) for u in units) / original
@@ -121,8 +128,12 @@ def scoring_bound(pieces: list[Piece], scorer: Scorer) -> int:
     iterative pass reads each window after everything before it (protected text and kept tokens), so its j-th
     window is at most all protected tokens plus the first min(C, WINDOW_TOKENS * j) compressible ones. A protected
     piece cuts a window short, so there are at most ceil(C / WINDOW_TOKENS) windows plus one per protected piece."""
-    sizes = [(p.protected, len(scorer.tokenizer.encode(text, add_special_tokens=False)))
-             for piece in pieces for p, text in _paragraphs(piece) if text]
+    sizes = [
+        (p.protected, len(scorer.tokenizer.encode(text, add_special_tokens=False)))
+        for piece in pieces
+        for p, text in _paragraphs(piece)
+        if text
+    ]
     protected = sum(size for is_protected, size in sizes if is_protected)
     compressible = [size for is_protected, size in sizes if not is_protected]
     total = sum(compressible)
@@ -184,7 +195,7 @@ async def _keep_tokens(units: list[_Unit], budget_tokens: int, scorer: Scorer) -
         # Only the window is scored: the compressed prefix was the previous window's prompt up to its kept tokens,
         # so its KV is mostly in the scorer's prefix cache (LLMLingua keeps the scorer's KV between windows too).
         prompt = _fit(prefix + ids, scorer)
-        surprisal = (await scorer.surprisals([prompt], [len(prompt) - len(ids)]))[0][-len(ids):]
+        surprisal = (await scorer.surprisals([prompt], [len(prompt) - len(ids)]))[0][-len(ids) :]
         chosen = set(sorted(range(len(ids)), key=lambda j: (-surprisal[j], j))[:quota])
         for j, (unit, i) in enumerate(window):
             unit.keep[i] = j in chosen
@@ -219,15 +230,16 @@ def _render(units: list[_Unit], groups: list[int], tokenizer) -> list[str]:
     for group in groups:
         parts = []
         for unit in (u for u in units if u.group == group):
-            parts.append(unit.text if unit.protected
-                         else tokenizer.decode([t for t, k in zip(unit.ids, unit.keep) if k]))
+            parts.append(
+                unit.text if unit.protected else tokenizer.decode([t for t, k in zip(unit.ids, unit.keep) if k])
+            )
         texts.append("".join(parts))
     return texts
 
 
 def _fit(ids: list[int], scorer: Scorer) -> list[int]:
     """The prompt's last tokens that the scorer's context holds (the tokens that matter are at the end)."""
-    return ids[-scorer.max_tokens:] if len(ids) > scorer.max_tokens else ids
+    return ids[-scorer.max_tokens :] if len(ids) > scorer.max_tokens else ids
 
 
 def _mean_finite(values: list[float]) -> float:

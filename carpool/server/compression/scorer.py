@@ -31,10 +31,13 @@ class EngineScorer(Scorer):
         no logprob (math.inf), so the engine may serve their KV from its prefix cache."""
         start = time.monotonic()
         batch = uuid.uuid4().hex[:8]
-        params = [dataclasses.replace(_SCORE, prompt_logprobs_start=max(1, first))
-                  for first in starts or [1] * len(prompts)]
-        requests = [self.engine.request(f"{self.request_id}-{batch}-{i}", ids, p, self.tier, self.cache_salt)
-                    for i, (ids, p) in enumerate(zip(prompts, params))]
+        params = [
+            dataclasses.replace(_SCORE, prompt_logprobs_start=max(1, first)) for first in starts or [1] * len(prompts)
+        ]
+        requests = [
+            self.engine.request(f"{self.request_id}-{batch}-{i}", ids, p, self.tier, self.cache_salt)
+            for i, (ids, p) in enumerate(zip(prompts, params))
+        ]
         try:
             outputs = await asyncio.gather(*(self._last(request) for request in requests))
         finally:  # prompts handed to the engine are billed, also when scoring them failed
@@ -42,8 +45,9 @@ class EngineScorer(Scorer):
             self.prompt_tokens += sum(len(ids) for ids in prompts)
         self.output_tokens += sum(len(output.token_ids) for output in outputs)
         self.cached_tokens += sum(output.num_cached_tokens for output in outputs)
-        return [[math.inf if entry is None else -entry.logprob for entry in output.prompt_logprobs]
-                for output in outputs]
+        return [
+            [math.inf if entry is None else -entry.logprob for entry in output.prompt_logprobs] for output in outputs
+        ]
 
     async def _last(self, request):
         last = None
@@ -53,10 +57,19 @@ class EngineScorer(Scorer):
 
     def usage_record(self, principal: Principal, parent_request_id: str) -> UsageRecord:
         return UsageRecord(
-            request_id=self.request_id, model=self.model_name, tier=self.tier,
-            prompt_tokens=self.prompt_tokens, cached_tokens=self.cached_tokens, cache_write_tokens=0,
+            request_id=self.request_id,
+            model=self.model_name,
+            tier=self.tier,
+            prompt_tokens=self.prompt_tokens,
+            cached_tokens=self.cached_tokens,
+            cache_write_tokens=0,
             output_tokens=self.output_tokens,
-            queue_seconds=0.0, prefill_seconds=self.seconds, decode_seconds=0.0, finish_reason="stop",
-            key_id=principal.key_id, tenant=principal.tenant, purpose="compression",
+            queue_seconds=0.0,
+            prefill_seconds=self.seconds,
+            decode_seconds=0.0,
+            finish_reason="stop",
+            key_id=principal.key_id,
+            tenant=principal.tenant,
+            purpose="compression",
             parent_request_id=parent_request_id,
         )

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 from carpool.economics.contract import Gate, Principal
+from carpool.engine.tiers import DEFAULT_TIER
 from carpool.server.compression.compressor import Budget, Compressed, Piece, compress, scoring_bound
 from carpool.server.compression.scorer import EngineScorer
 from carpool.server.errors import APIError
@@ -23,8 +24,8 @@ from carpool.server.protocol import (
     CompressRequest,
     PromptCompression,
 )
-from carpool.engine.tiers import DEFAULT_TIER
 from carpool.server.serving import ModelServing, Serving, requested_tier
+
 
 @dataclass
 class Applied:
@@ -50,25 +51,36 @@ class CompressionService:
             raise APIError(400, "prompt: give exactly one of prompt and messages", param="prompt")
         target = self.serving.model(body.model or self.model_name)
         pieces = _question_pieces(body.prompt, 0) if body.prompt is not None else _message_pieces(body.messages)
-        result = await self._compress(pieces, body, target, principal, DEFAULT_TIER, client_request_id,
-                                      _cache_salt(body, principal))
-        answer = {"object": "compression", "model": target.model_name, "scorer_model": self.model_name,
-                  "original_tokens": result.original_tokens, "compressed_tokens": result.compressed_tokens,
-                  "target_tokens": result.target_tokens, "kept_ratio": round(result.kept_ratio, 4)}
+        result = await self._compress(
+            pieces, body, target, principal, DEFAULT_TIER, client_request_id, _cache_salt(body, principal)
+        )
+        answer = {
+            "object": "compression",
+            "model": target.model_name,
+            "scorer_model": self.model_name,
+            "original_tokens": result.original_tokens,
+            "compressed_tokens": result.compressed_tokens,
+            "target_tokens": result.target_tokens,
+            "kept_ratio": round(result.kept_ratio, 4),
+        }
         if body.prompt is not None:
             return answer | {"prompt": result.texts[0]}
         return answer | {"messages": [m.model_dump(exclude_none=True) for m in _replaced(body.messages, result)]}
 
-    async def apply(self, body: ChatCompletionRequest | CompletionRequest, principal: Principal,
-                    client_request_id: str):
+    async def apply(
+        self, body: ChatCompletionRequest | CompletionRequest, principal: Principal, client_request_id: str
+    ):
         """The body with its prompt compressed (and `prompt_compression` cleared), and what it was before;
         (body, None) when the body does not ask."""
         asked = body.prompt_compression
         if asked is None:
             return body, None
         if body.model is not None and body.model not in self.serving.models:
-            raise APIError(400, f"prompt_compression: not available for {body.model!r}, which is not a served model",
-                           param="prompt_compression")
+            raise APIError(
+                400,
+                f"prompt_compression: not available for {body.model!r}, which is not a served model",
+                param="prompt_compression",
+            )
         # The start's checks first, in a thread (tokenizing, compiling a grammar): a request it would refuse
         # must not run and bill the scorer.
         await asyncio.to_thread(self.serving.check, body, principal)
@@ -76,19 +88,24 @@ class CompressionService:
         tier, salt = requested_tier(body), _cache_salt(body, principal)
         if isinstance(body, ChatCompletionRequest):
             original = len(target.engine.tokenize(target.chat_prompt(body.messages, target._tools(body)[0])))
-            result = await self._compress(_message_pieces(body.messages), asked, target, principal,
-                                          tier, client_request_id, salt)
+            result = await self._compress(
+                _message_pieces(body.messages), asked, target, principal, tier, client_request_id, salt
+            )
             body = body.model_copy(update={"messages": _replaced(body.messages, result), "prompt_compression": None})
             return body, Applied(original)
         prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
         if not all(isinstance(prompt, str) for prompt in prompts):
-            raise APIError(400, "prompt_compression: needs a text prompt (token ids cannot be compressed)",
-                           param="prompt_compression")
+            raise APIError(
+                400,
+                "prompt_compression: needs a text prompt (token ids cannot be compressed)",
+                param="prompt_compression",
+            )
         original = sum(len(target.engine.tokenize(prompt)) for prompt in prompts)
         compressed = []
         for prompt in prompts:
-            result = await self._compress(_question_pieces(prompt, 0), asked, target, principal, tier,
-                                          client_request_id, salt)
+            result = await self._compress(
+                _question_pieces(prompt, 0), asked, target, principal, tier, client_request_id, salt
+            )
             compressed.append(result.texts[0])
         prompt = compressed[0] if isinstance(body.prompt, str) else compressed
         return body.model_copy(update={"prompt": prompt, "prompt_compression": None}), Applied(original)
@@ -103,8 +120,16 @@ class CompressionService:
 
     # The work --------------------------------------------------------------------------------------------
 
-    async def _compress(self, pieces: list[Piece], asked: PromptCompression, target: ModelServing,
-                        principal: Principal, tier: str, client_request_id: str, cache_salt: str | None) -> Compressed:
+    async def _compress(
+        self,
+        pieces: list[Piece],
+        asked: PromptCompression,
+        target: ModelServing,
+        principal: Principal,
+        tier: str,
+        client_request_id: str,
+        cache_salt: str | None,
+    ) -> Compressed:
         try:
             budget = Budget(rate=asked.rate, target_tokens=asked.target_tokens)
         except ValueError as error:
@@ -115,8 +140,12 @@ class CompressionService:
         self.gate.admit(principal, tier, scoring_bound(pieces, scorer), request_id=scorer.request_id)
         tokenizer = target.tokenizer
         try:
-            result = await compress(pieces, budget, scorer, lambda texts: sum(
-                len(tokenizer.encode(text, add_special_tokens=False)) for text in texts))
+            result = await compress(
+                pieces,
+                budget,
+                scorer,
+                lambda texts: sum(len(tokenizer.encode(text, add_special_tokens=False)) for text in texts),
+            )
         finally:  # always recorded, zero tokens included: the record settles the admission's reservation, and
             # the scorer's work is billed even when the request fails during or after it
             durable = self.gate.record(principal, scorer.usage_record(principal, client_request_id))
@@ -135,8 +164,9 @@ def _num_parameters(serving: ModelServing) -> int:
 def _cache_salt(body, principal: Principal) -> str | None:
     """The scorer reads only the cached prefixes the request itself could (its key, cache_salt or user: the
     serving rule); /v1/compress has neither cache_salt nor user, so its key's."""
-    return ModelServing._cache_salt(SimpleNamespace(cache_salt=getattr(body, "cache_salt", None),
-                                                    user=getattr(body, "user", None)), principal)
+    return ModelServing._cache_salt(
+        SimpleNamespace(cache_salt=getattr(body, "cache_salt", None), user=getattr(body, "user", None)), principal
+    )
 
 
 def _question_pieces(text: str, group: int) -> list[Piece]:
@@ -179,5 +209,7 @@ def _protect(pieces: list[Piece], spans: list[str]) -> list[Piece]:
 
 
 def _replaced(messages: list[ChatMessage], result: Compressed) -> list[ChatMessage]:
-    return [message.model_copy(update={"content": text}) if message.text != text else message
-            for message, text in zip(messages, result.texts)]
+    return [
+        message.model_copy(update={"content": text}) if message.text != text else message
+        for message, text in zip(messages, result.texts)
+    ]

@@ -30,9 +30,14 @@ def _static(name: str) -> str:
     return (resources.files(__package__) / "static" / name).read_text(encoding="utf-8")
 
 
-def dashboard_router(engines: dict[str, AsyncEngine], metrics: ServerMetrics, started: float,
-                     batches: BatchService | None, ledger_panels: Callable[[], dict] | None,
-                     admin_only: bool) -> APIRouter:
+def dashboard_router(
+    engines: dict[str, AsyncEngine],
+    metrics: ServerMetrics,
+    started: float,
+    batches: BatchService | None,
+    ledger_panels: Callable[[], dict] | None,
+    admin_only: bool,
+) -> APIRouter:
     router = APIRouter()
     data = DashboardData(metrics.registry, list(engines), started)
     page, script = _static("index.html"), _static("dashboard.js")
@@ -63,8 +68,16 @@ def dashboard_router(engines: dict[str, AsyncEngine], metrics: ServerMetrics, st
 
 def _batches(batches: BatchService, principal: Principal) -> list[dict]:
     """The newest batches the caller may see (an admin sees everyone's), with their progress."""
-    rows, _ = batches.store.list_batches(principal.tenant or principal.key_id, principal.is_admin, None,
-                                         RECENT_BATCHES)
-    return [{"id": row["id"], "status": row["status"], "endpoint": row["endpoint"], "total": row["total"],
-             "completed": row["completed"], "failed": row["failed"], "created_at": row["created_at"]}
-            for row in rows]
+    rows, _ = batches.store.list_batches(principal.tenant or principal.key_id, principal.is_admin, None, RECENT_BATCHES)
+    return [
+        {
+            "id": row["id"],
+            "status": row["status"],
+            "endpoint": row["endpoint"],
+            "total": row["total"],
+            "completed": row["completed"],
+            "failed": row["failed"],
+            "created_at": row["created_at"],
+        }
+        for row in rows
+    ]

@@ -134,8 +134,9 @@ class DashboardData:
             return total(samples, sample, model_name=name, **match) - total(before, sample, model_name=name, **match)
 
         def window_histogram(family: str, **match: str) -> list[tuple[float, float]]:
-            return minus(buckets(samples, family, model_name=name, **match),
-                         buckets(before, family, model_name=name, **match))
+            return minus(
+                buckets(samples, family, model_name=name, **match), buckets(before, family, model_name=name, **match)
+            )
 
         def latency(family: str, **match: str) -> dict:
             recent = window_histogram(family, **match)
@@ -160,8 +161,9 @@ class DashboardData:
                 "step_max_seqs": total(samples, "carpool:step_max_seqs", model_name=name),
             },
             "step_budget_reason": step_budget_reason(samples, name),
-            "queued": {tier: total(samples, "carpool:num_requests_queued", model_name=name, tier=tier)
-                       for tier in TIER_NAMES},
+            "queued": {
+                tier: total(samples, "carpool:num_requests_queued", model_name=name, tier=tier) for tier in TIER_NAMES
+            },
             "window": {
                 "output_tokens_per_second": delta("carpool:generation_tokens_total") / seconds,
                 "prompt_tokens_per_second": delta("carpool:prompt_tokens_total") / seconds,
@@ -170,8 +172,9 @@ class DashboardData:
                 "itl": {tier: latency("carpool:inter_token_latency_by_tier_seconds", tier=tier) for tier in TIER_NAMES},
                 "prefill_share": ratio(prefill, prefill + decode),
                 "busy_share": (prefill + decode) / seconds,
-                "prefix_cache_hit_rate": ratio(delta("carpool:prefix_cache_hits_total"),
-                                               delta("carpool:prefix_cache_queries_total")),
+                "prefix_cache_hit_rate": ratio(
+                    delta("carpool:prefix_cache_hits_total"), delta("carpool:prefix_cache_queries_total")
+                ),
                 "step_tokens": per_bucket(window_histogram("carpool:iteration_tokens")),
                 "step_seqs": per_bucket(window_histogram("carpool:iteration_seqs")),
             },
@@ -183,8 +186,12 @@ class DashboardData:
         tiers = {}
         for tier in TIER_NAMES:
             tokens = total(samples, "carpool:prompt_tokens_total", tier=tier) + total(
-                samples, "carpool:generation_tokens_total", tier=tier)
+                samples, "carpool:generation_tokens_total", tier=tier
+            )
             cost = total(samples, "carpool:cost_total", tier=tier) if priced else None
-            tiers[tier] = {"tokens": tokens, "cost": cost,
-                           "cost_per_1k_tokens": ratio(cost * 1000, tokens) if priced else None}
+            tiers[tier] = {
+                "tokens": tokens,
+                "cost": cost,
+                "cost_per_1k_tokens": ratio(cost * 1000, tokens) if priced else None,
+            }
         return tiers

@@ -7,12 +7,24 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 # Families observed on the engine thread or read from the engine (as the text parser names them: no _total).
-REPLICA_FAMILIES = frozenset(f"carpool:{name}" for name in (
-    "iteration_tokens", "iteration_seqs", "inter_token_latency_seconds", "num_preemptions",
-    "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
-    "spec_decode_accepted_length", "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
-    "cache_config_info", "prefix_cache_blocks",
-))
+REPLICA_FAMILIES = frozenset(
+    f"carpool:{name}"
+    for name in (
+        "iteration_tokens",
+        "iteration_seqs",
+        "inter_token_latency_seconds",
+        "num_preemptions",
+        "spec_decode_num_drafts",
+        "spec_decode_num_draft_tokens",
+        "spec_decode_num_accepted_tokens",
+        "spec_decode_accepted_length",
+        "num_requests_running",
+        "num_requests_waiting",
+        "kv_cache_usage_perc",
+        "cache_config_info",
+        "prefix_cache_blocks",
+    )
+)
 
 
 class _Families:
@@ -33,13 +45,22 @@ def merge_replica_metrics(registry: CollectorRegistry, replica_texts: dict[str, 
             if family.name in REPLICA_FAMILIES and family.name in families:
                 families[family.name].samples += [
                     Sample(s.name, {"replica": replica, **s.labels}, s.value, s.timestamp, s.exemplar)
-                    for s in family.samples]
+                    for s in family.samples
+                ]
     return generate_latest(_Families(list(families.values())))
 
 
 def register_router_metrics(registry: CollectorRegistry) -> tuple[Counter, Gauge]:
-    routed = Counter("carpool:replica_requests", "Engine requests the router sent to each replica (a retry after "
-                     "a replica failed counts again).", ["model_name", "replica"], registry=registry)
-    up = Gauge("carpool:replica_up", "1 while the replica answers, 0 while the router routes around it.",
-               ["model_name", "replica"], registry=registry)
+    routed = Counter(
+        "carpool:replica_requests",
+        "Engine requests the router sent to each replica (a retry after a replica failed counts again).",
+        ["model_name", "replica"],
+        registry=registry,
+    )
+    up = Gauge(
+        "carpool:replica_up",
+        "1 while the replica answers, 0 while the router routes around it.",
+        ["model_name", "replica"],
+        registry=registry,
+    )
     return routed, up

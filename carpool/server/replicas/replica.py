@@ -37,12 +37,20 @@ class EngineReplica:
 
     def limits(self) -> dict:
         engine = self.engine.engine
-        return {"max_model_len": engine.max_model_len, "max_request_tokens": engine.max_request_tokens,
-                "block_size": engine.block_manager.block_size, "max_num_seqs": engine.config.max_num_seqs}
+        return {
+            "max_model_len": engine.max_model_len,
+            "max_request_tokens": engine.max_request_tokens,
+            "block_size": engine.block_manager.block_size,
+            "max_num_seqs": engine.config.max_num_seqs,
+        }
 
     def status(self) -> dict:
-        return {"snapshot": self.engine.snapshot(), "ready": self.engine.ready.is_set(), "pid": os.getpid(),
-                "error": None if self.engine.error is None else repr(self.engine.error)}
+        return {
+            "snapshot": self.engine.snapshot(),
+            "ready": self.engine.ready.is_set(),
+            "pid": os.getpid(),
+            "error": None if self.engine.error is None else repr(self.engine.error),
+        }
 
     def metrics_text(self) -> str:
         return self.metrics.render({self.model_name: self.engine.snapshot()}).decode()
@@ -64,7 +72,6 @@ def replica_deployment(config: EngineConfig, model_name: str, index: int, warmup
         health_check_period_s=2,
         health_check_timeout_s=30,
         logging_config={"log_level": "WARNING", "enable_access_log": False},  # the router polls twice a second
-        ray_actor_options={"num_cpus": threads,
-                           "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(threads)}}},
+        ray_actor_options={"num_cpus": threads, "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(threads)}}},
     )
     return deployment.bind(dataclasses.replace(config, num_threads=threads), model_name, index, warmup)

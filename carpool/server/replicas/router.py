@@ -36,8 +36,15 @@ class ReplicaFailed(RuntimeError):
 
 
 class ReplicaRouter:
-    def __init__(self, model_name: str, handles: list, door: RequestDoor, config: EngineConfig, routing: Routing,
-                 slots_per_replica: int):
+    def __init__(
+        self,
+        model_name: str,
+        handles: list,
+        door: RequestDoor,
+        config: EngineConfig,
+        routing: Routing,
+        slots_per_replica: int,
+    ):
         self.model_name, self.replicas, self.routing = model_name, handles, routing
         self.door = self.engine = door  # Serving compiles grammars on `engine.engine`, as with an AsyncEngine
         self.tokenizer, self.max_model_len = door.tokenizer, door.max_model_len
@@ -66,8 +73,14 @@ class ReplicaRouter:
     def max_new_tokens(self, num_prompt_tokens: int) -> int:
         return self.door.max_new_tokens(num_prompt_tokens)
 
-    def request(self, request_id: str, prompt: str | list[int], params: SamplingParams, tier: str = DEFAULT_TIER,
-                cache_salt: str | None = None) -> EngineRequest:
+    def request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        tier: str = DEFAULT_TIER,
+        cache_salt: str | None = None,
+    ) -> EngineRequest:
         return self.door.request(request_id, prompt, params, tier, cache_salt)
 
     def add_step_listener(self, listener: Callable) -> None:
@@ -91,10 +104,14 @@ class ReplicaRouter:
         blocks = sum(s.num_blocks for s in known)
         free = sum(s.num_free_blocks for s in known)
         return EngineSnapshot(
-            num_running=sum(s.num_running for s in known), num_waiting=sum(s.num_waiting for s in known),
-            kv_cache_usage=1 - free / blocks if blocks else 0.0, num_free_blocks=free, num_blocks=blocks,
+            num_running=sum(s.num_running for s in known),
+            num_waiting=sum(s.num_waiting for s in known),
+            kv_cache_usage=1 - free / blocks if blocks else 0.0,
+            num_free_blocks=free,
+            num_blocks=blocks,
             block_size=known[0].block_size if known else 0,
-            num_cached_blocks=sum(s.num_cached_blocks for s in known))
+            num_cached_blocks=sum(s.num_cached_blocks for s in known),
+        )
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         wire = _without_compiled_grammar(request)
@@ -122,14 +139,16 @@ class ReplicaRouter:
                 self._mark_down(index)
                 batch = request.tier == BATCH_TIER
                 if shown and not batch:
-                    raise ReplicaFailed(f"replica {index} of {self.model_name!r} failed mid-response; retry the "
-                                        f"request ({type(error).__name__})") from None
+                    raise ReplicaFailed(
+                        f"replica {index} of {self.model_name!r} failed mid-response; retry the "
+                        f"request ({type(error).__name__})"
+                    ) from None
                 if not batch and len(tried) >= len(self.replicas):
-                    raise ReplicaFailed(f"no replica of {self.model_name!r} could take the request; retry it") \
-                        from None
+                    raise ReplicaFailed(f"no replica of {self.model_name!r} could take the request; retry it") from None
                 if batch and asyncio.get_running_loop().time() > retry_until:
-                    raise ReplicaFailed(f"no replica of {self.model_name!r} came back in {BATCH_RETRY_SECONDS:.0f} "
-                                        "s") from None
+                    raise ReplicaFailed(
+                        f"no replica of {self.model_name!r} came back in {BATCH_RETRY_SECONDS:.0f} s"
+                    ) from None
                 if batch and not any(other.healthy for other in self.loads):
                     await asyncio.sleep(POLL_SECONDS)
             finally:
@@ -143,8 +162,9 @@ class ReplicaRouter:
         if not tried:
             return self.routing.choose(request, self.loads)
         # A retry: the least loaded replica it has not failed on yet (any, once it has tried them all).
-        untried = [load if i not in tried else dataclasses.replace(load, healthy=False)
-                   for i, load in enumerate(self.loads)]
+        untried = [
+            load if i not in tried else dataclasses.replace(load, healthy=False) for i, load in enumerate(self.loads)
+        ]
         return least_loaded(untried if any(load.healthy for load in untried) else self.loads)
 
     def _mark_down(self, index: int) -> None:
@@ -193,8 +213,9 @@ class ReplicaRouter:
         return asyncio.run_coroutine_threadsafe(self._metrics_texts(), self._loop).result(CALL_TIMEOUT + 1)
 
     async def _metrics_texts(self) -> dict[str, str]:
-        texts = await asyncio.gather(*(self._call(i, "metrics_text") for i in range(len(self.replicas))),
-                                     return_exceptions=True)
+        texts = await asyncio.gather(
+            *(self._call(i, "metrics_text") for i in range(len(self.replicas))), return_exceptions=True
+        )
         return {str(i): text for i, text in enumerate(texts) if isinstance(text, str)}
 
 

@@ -91,7 +91,7 @@ class PrefixAffinity(Routing):
         tokens, size = request.prompt_token_ids, self.block_size
         chain, hashes = hash(("salt", request.cache_salt)), []
         for start in range(0, min(len(tokens) // size, self.max_blocks) * size, size):
-            chain = hash((chain, tuple(tokens[start:start + size])))
+            chain = hash((chain, tuple(tokens[start : start + size])))
             hashes.append(chain)
         return hashes
 

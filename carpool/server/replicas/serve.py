@@ -26,8 +26,12 @@ def start_ray(address: str | None, cpus_needed: int) -> None:
     if address:
         ray.init(address=address, namespace="carpool", logging_level="warning")
     else:
-        ray.init(num_cpus=max(os.cpu_count() or 1, cpus_needed), include_dashboard=False, namespace="carpool",
-                 logging_level="warning")
+        ray.init(
+            num_cpus=max(os.cpu_count() or 1, cpus_needed),
+            include_dashboard=False,
+            namespace="carpool",
+            logging_level="warning",
+        )
     serve.start(proxy_location="Disabled")  # HTTP is the ingress's own (this process, or carpool.deploy's)
 
 
@@ -42,16 +46,26 @@ def deploy_routers(configs: dict[str, EngineConfig], replicas: int, routing: str
 
     if replicas < 1:
         raise ValueError(f"--replicas must be at least 1, got {replicas}")
-    targets = {name: [serve.RunTarget(replica_deployment(config, name, i, warmup), name=app_name(name, i),
-                                      route_prefix=None) for i in range(replicas)]
-               for name, config in configs.items()}
+    targets = {
+        name: [
+            serve.RunTarget(replica_deployment(config, name, i, warmup), name=app_name(name, i), route_prefix=None)
+            for i in range(replicas)
+        ]
+        for name, config in configs.items()
+    }
     handles = serve.run_many([target for group in targets.values() for target in group])
     routers, start = {}, 0
     for name, config in configs.items():
-        mine, start = handles[start:start + replicas], start + replicas
+        mine, start = handles[start : start + replicas], start + replicas
         limits = mine[0].limits.remote().result()
-        routers[name] = ReplicaRouter(name, mine, RequestDoor(config.model, limits), config,
-                                      make_routing(routing, limits["block_size"]), limits["max_num_seqs"])
+        routers[name] = ReplicaRouter(
+            name,
+            mine,
+            RequestDoor(config.model, limits),
+            config,
+            make_routing(routing, limits["block_size"]),
+            limits["max_num_seqs"],
+        )
     return routers
 
 
@@ -82,8 +96,8 @@ def serve_replicas(args: argparse.Namespace, configs: dict[str, EngineConfig], c
     """`cascades`: checked_extensions' (each step of a cascade is an ordinary request, routed to its model's
     replicas like any other)."""
     import_ray()
-    import uvicorn
     import ray
+    import uvicorn
     from ray import serve
 
     from carpool.server.app import create_app
@@ -95,16 +109,23 @@ def serve_replicas(args: argparse.Namespace, configs: dict[str, EngineConfig], c
     try:
         start_ray(args.ray_address, args.replicas * threads * len(configs))
         routers = deploy_routers(configs, args.replicas, args.routing, warmup=not args.no_warmup)
-        app = create_app(routers, ledger or OpenGate(args.api_key), max_queued_per_tier=args.max_queued_per_tier,
-                         max_body_bytes=args.max_body_bytes, batch_dir=str(batch_dir),
-                         batch_db=shared_batch_db(args, ledger),
-                         ledger_panels=dashboard_ledger_panels(ledger), cascades=cascades,
-                         compression_model=args.compression_model)
+        app = create_app(
+            routers,
+            ledger or OpenGate(args.api_key),
+            max_queued_per_tier=args.max_queued_per_tier,
+            max_body_bytes=args.max_body_bytes,
+            batch_dir=str(batch_dir),
+            batch_db=shared_batch_db(args, ledger),
+            ledger_panels=dashboard_ledger_panels(ledger),
+            cascades=cascades,
+            compression_model=args.compression_model,
+        )
         wire_metrics(app, routers)
         attach_ledger(app, ledger, args)
         sys.setswitchinterval(0.001)  # as in `carpool serve`: the event loop is this process's hot thread
-        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                               timeout_graceful_shutdown=5))
+        server = uvicorn.Server(
+            uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+        )
         server.run()  # on this thread: uvicorn handles SIGINT/SIGTERM gracefully
         return 0 if server.started else 1
     finally:

@@ -13,8 +13,12 @@ def chat_line(custom_id: str, content: str, max_tokens: int = 4, **body) -> dict
         "custom_id": custom_id,
         "method": "POST",
         "url": "/v1/chat/completions",
-        "body": {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, "temperature": 0,
-                 **body},
+        "body": {
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            **body,
+        },
     }
 
 

@@ -4,8 +4,8 @@ import json
 
 import openai
 import pytest
-from live_server import LiveServer
 from batch_server import chat_line, jsonl, result_lines, submit, wait_for_end, wait_until
+from live_server import LiveServer
 
 from carpool.cli import main
 
@@ -25,8 +25,12 @@ def client(server):
 def test_files_round_trip(client):
     data = jsonl([chat_line("a", "Hi")])
     uploaded = client.files.create(file=("mine.jsonl", data), purpose="batch")
-    assert (uploaded.object, uploaded.purpose, uploaded.filename, uploaded.bytes) == ("file", "batch", "mine.jsonl",
-                                                                                       len(data))
+    assert (uploaded.object, uploaded.purpose, uploaded.filename, uploaded.bytes) == (
+        "file",
+        "batch",
+        "mine.jsonl",
+        len(data),
+    )
     assert client.files.retrieve(uploaded.id).id == uploaded.id
     assert uploaded.id in [f.id for f in client.files.list()]
     assert client.files.content(uploaded.id).content == data
@@ -59,8 +63,12 @@ def test_a_chat_batch_completes_with_one_response_per_custom_id(client):
 
 
 def test_a_completions_batch_matches_the_live_endpoint(client):
-    line = {"custom_id": "c", "method": "POST", "url": "/v1/completions",
-            "body": {"prompt": "1, 2, 3,", "max_tokens": 4, "temperature": 0}}
+    line = {
+        "custom_id": "c",
+        "method": "POST",
+        "url": "/v1/completions",
+        "body": {"prompt": "1, 2, 3,", "max_tokens": 4, "temperature": 0},
+    }
     batch = wait_for_end(client, submit(client, [line], endpoint="/v1/completions").id)
     (output,) = result_lines(client, batch.output_file_id)
     model = output["response"]["body"]["model"]

@@ -35,20 +35,29 @@ class OverLimitGate(RecordingGate):
 
     def admit(self, principal, tier, estimated_tokens, request_id=None):
         if estimated_tokens > 0:  # the batch itself is admitted (0 tokens); each of its requests is refused
-            raise GateError(429, "this request's tokens exceed the key's limit", "rate_limit_exceeded", retry_after=None)
+            raise GateError(
+                429, "this request's tokens exceed the key's limit", "rate_limit_exceeded", retry_after=None
+            )
 
 
 def run_batch(gate, tmp_path, num_lines: int = 3) -> list[dict]:
     """Submit a small completions batch through the app, wait for it to complete, return its output lines."""
-    app = create_app(AsyncEngine(EngineConfig(max_num_seqs=4, num_kv_blocks=64)), gate, "smol",
-                     batch_dir=str(tmp_path))
-    lines = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
-              "body": {"prompt": f"{i}, {i + 1},", "max_tokens": 3, "temperature": 0}} for i in range(num_lines)]
+    app = create_app(AsyncEngine(EngineConfig(max_num_seqs=4, num_kv_blocks=64)), gate, "smol", batch_dir=str(tmp_path))
+    lines = [
+        {
+            "custom_id": f"c{i}",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"prompt": f"{i}, {i + 1},", "max_tokens": 3, "temperature": 0},
+        }
+        for i in range(num_lines)
+    ]
     data = "".join(json.dumps(line) + "\n" for line in lines).encode()
     with TestClient(app) as http:
         file_id = http.post("/v1/files", files={"file": ("in.jsonl", data)}, data={"purpose": "batch"}).json()["id"]
-        batch = http.post("/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/completions",
-                                               "completion_window": "24h"}).json()
+        batch = http.post(
+            "/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/completions", "completion_window": "24h"}
+        ).json()
         deadline = time.monotonic() + 60
         while batch["status"] != "completed" and time.monotonic() < deadline:
             time.sleep(0.05)

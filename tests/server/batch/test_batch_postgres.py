@@ -10,10 +10,10 @@ import pytest
 from batch_fakes import EchoEndpoint, request_line
 from test_batch_runner import TERMINAL, all_custom_ids, make_batch, new_runner, wait_for
 
+from carpool.postgres import connect_postgres
 from carpool.server.batch import runner as batch_runner
 from carpool.server.batch import store as batch_store
 from carpool.server.batch.home import BatchDirUnusable, claim_batch_dir, default_batch_dir
-from carpool.postgres import connect_postgres
 from carpool.server.batch.store import BatchStore
 
 
@@ -44,8 +44,9 @@ def test_files_batches_and_results_are_shared(stores, tmp_path):
     assert not second.transition(batch_id, "in_progress", int(time.time()), ("validating",))
 
 
-def test_a_batch_is_claimed_by_one_server_until_it_lets_go_or_its_lease_lapses(monkeypatch, stores, tmp_path,
-                                                                               postgres_url):
+def test_a_batch_is_claimed_by_one_server_until_it_lets_go_or_its_lease_lapses(
+    monkeypatch, stores, tmp_path, postgres_url
+):
     first, second = stores
     batch_id = make_batch(first, [request_line("a", "x")])
     assert first.claim(batch_id) and not second.claim(batch_id)

@@ -2,8 +2,8 @@
 
 from collections import Counter
 
-from live_server import LiveServer
 from batch_server import chat_line, result_lines, submit, wait_for_end, wait_until
+from live_server import LiveServer
 
 NUM_LINES = 8
 
@@ -13,8 +13,10 @@ def test_a_killed_server_finishes_the_batch_after_restart(tmp_path):
     server = LiveServer("--max-num-seqs", "2", home=str(tmp_path))
     try:
         client = server.client()
-        lines = [chat_line(f"job-{i}", f"Write a word that starts with {chr(97 + i)}.", max_tokens=6)
-                 for i in range(NUM_LINES)]
+        lines = [
+            chat_line(f"job-{i}", f"Write a word that starts with {chr(97 + i)}.", max_tokens=6)
+            for i in range(NUM_LINES)
+        ]
         batch = submit(client, lines)
         midway = wait_until(client, batch.id, lambda b: b.request_counts.completed >= 2)
     finally:

@@ -2,6 +2,7 @@
 
 import time
 from contextlib import asynccontextmanager
+from typing import ClassVar
 
 import pytest
 from batch_fakes import EchoEndpoint, request_line
@@ -20,7 +21,7 @@ LIMITS = BatchLimits(max_file_bytes=2000, max_requests=5)
 
 
 class KeyedGate:
-    PRINCIPALS = {
+    PRINCIPALS: ClassVar[dict[str, Principal]] = {
         "key-a": Principal(key_id="a", tenant="acme"),
         "key-a2": Principal(key_id="a2", tenant="acme"),
         "key-b": Principal(key_id="b", tenant="globex"),

@@ -40,8 +40,15 @@ def test_a_custom_id_is_answered_once(tmp_path):
     store = BatchStore(tmp_path)
     file_id = upload(store)["id"]
     batch = store.create_batch(
-        owner=None, key_id=None, tenant=None, endpoint="/v1/completions", input_file_id=file_id,
-        completion_window="24h", metadata={"k": "v"}, created_at=1, expires_at=2,
+        owner=None,
+        key_id=None,
+        tenant=None,
+        endpoint="/v1/completions",
+        input_file_id=file_id,
+        completion_window="24h",
+        metadata={"k": "v"},
+        created_at=1,
+        expires_at=2,
     )
     assert store.add_result(batch["id"], 1, "a", True, {"custom_id": "a"})
     assert not store.add_result(batch["id"], 1, "a", True, {"custom_id": "a"})
@@ -53,8 +60,15 @@ def test_a_custom_id_is_answered_once(tmp_path):
 def test_a_transition_only_happens_from_the_allowed_states(tmp_path):
     store = BatchStore(tmp_path)
     batch = store.create_batch(
-        owner=None, key_id=None, tenant=None, endpoint="/v1/completions", input_file_id="file-x",
-        completion_window="24h", metadata=None, created_at=1, expires_at=2,
+        owner=None,
+        key_id=None,
+        tenant=None,
+        endpoint="/v1/completions",
+        input_file_id="file-x",
+        completion_window="24h",
+        metadata=None,
+        created_at=1,
+        expires_at=2,
     )
     assert not store.transition(batch["id"], "finalizing", 5, ("in_progress",))
     assert store.transition(batch["id"], "cancelling", 5, ("validating", "in_progress"))
