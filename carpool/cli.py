@@ -3,18 +3,9 @@
 import argparse
 import sys
 
-from carpool.bench.cascade_cli import add_cascade_parser
-from carpool.bench.cli import add_bench_parser
-from carpool.economics.cli import add_cost_parser, add_keys_parser
-from carpool.engine.args import add_engine_args, engine_config
-from carpool.kernels.probe import add_info_parser
-from carpool.models.cli import add_models_parser
-from carpool.server.batch.cli import add_batch_parser
-from carpool.server.cli import add_serve_parser
-from carpool.server.compression.cli import add_compress_parser
-
 
 def _generate(args: argparse.Namespace) -> int:
+    from carpool.engine.args import engine_config
     from carpool.engine.llm_engine import LLMEngine
     from carpool.engine.sampling_params import SamplingParams
 
@@ -33,6 +24,8 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _add_generate(subparsers) -> None:
+    from carpool.engine.args import add_engine_args
+
     parser = subparsers.add_parser("generate", help="stream a completion for one prompt to the terminal")
     parser.add_argument("prompt", help="the user's message (sent through the chat template unless --raw)")
     parser.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
@@ -44,6 +37,18 @@ def _add_generate(subparsers) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """Every area's subcommands, imported here rather than at the top: importing them loads the kernels, whose
+    choice of path can fail (CARPOOL_KERNEL_ISA naming a path this CPU cannot run), and `main` turns that into
+    one line instead of a traceback."""
+    from carpool.bench.cli import add_bench_parser
+    from carpool.economics.cli import add_cost_parser, add_keys_parser
+    from carpool.kernels.probe import add_info_parser
+    from carpool.models.cli import add_models_parser
+    from carpool.server.batch.cli import add_batch_parser
+    from carpool.server.cascade.cli import add_cascade_parser
+    from carpool.server.cli import add_serve_parser
+    from carpool.server.compression.cli import add_compress_parser
+
     parser = argparse.ArgumentParser(prog="carpool", description="LLM serving where every token's cost is visible")
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_generate(subparsers)
@@ -60,7 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        parser = build_parser()
+    except ValueError as error:  # the kernels' path cannot load here (the message names the variable and why)
+        print(f"carpool: {error}", file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     try:
         return args.func(args) or 0
     except ValueError as error:

@@ -15,22 +15,20 @@ import argparse
 import asyncio
 import json
 import os
-import random
 import subprocess
 import sys
 import tempfile
 import time
-from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Self
 
 import httpx
 
-from carpool.bench.datasets import conversations, long_docs
 from carpool.bench.local_server import free_port, wait_healthy
 from carpool.bench.serve import percentile
-from carpool.bench.simulate import ReplicaSpec, Session, Turn, measure_step_model, poisson_arrivals, simulate
+from carpool.bench.sessions import Session, Turn, workload
+from carpool.bench.simulate import ReplicaSpec, measure_step_model, poisson_arrivals, simulate
 from carpool.engine.config import EngineConfig
 from carpool.models import Tokenizer
 from carpool.models.loader import resolve_model_dir
@@ -95,36 +93,6 @@ class Measured:
             "itl_p99_s": percentile(self.itl, 99),
             "output_tokens_per_s": self.output_tokens / self.seconds if self.seconds else 0.0,
         }
-
-
-def workload(
-    tokenizer: Tokenizer, meetings: int, max_doc_words: int, chats: int, tenants: int, max_tokens: int, seed: int = 0
-) -> list[Session]:
-    """Document questions and chat conversations as sessions, shuffled so documents interleave."""
-    by_meeting = defaultdict(list)
-    for record in long_docs():
-        if record["doc_words"] <= max_doc_words:
-            by_meeting[record["meeting_id"]].append(record)
-    sessions = []
-    chosen = sorted(by_meeting.values(), key=len, reverse=True)[:meetings]
-    for m, records in enumerate(chosen):
-        document = max(records, key=lambda r: r["doc_words"])["document"]
-        for record in records:
-            text = f"{document}\n\nQuestion: {record['question_or_instruction']}"
-            prompt = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}]))
-            sessions.append(Session([Turn(prompt, max_tokens)], salt=f"user:tenant-{m % tenants}"))
-    multi_turn = (c for c in conversations() if len(c) >= 4)
-    for c, chat in zip(range(chats), multi_turn):
-        tenant = c % tenants
-        history = [{"role": "system", "content": f"You are tenant {tenant}'s assistant. Be brief and exact."}]
-        turns = []
-        for turn in range(0, len(chat) - 1, 2):
-            history.append({"role": "user", "content": chat[turn]["content"][:600]})
-            turns.append(Turn(tokenizer.encode(tokenizer.apply_chat_template(history)), max_tokens))
-            history.append({"role": "assistant", "content": chat[turn + 1]["content"][:600]})
-        sessions.append(Session(turns[:3], salt=f"user:tenant-{tenant}"))
-    random.Random(seed).shuffle(sessions)
-    return sessions
 
 
 async def replay(url: str, sessions: list[Session], arrivals: list[float]) -> Measured:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from carpool.bench.sessions import Session
 from carpool.engine.request import EngineRequest
 from carpool.engine.sampling_params import SamplingParams
 from carpool.server.replicas.routing import ReplicaLoad, make_routing
@@ -55,20 +56,6 @@ class StepModel:
         times = np.array([step[-1] for step in steps])
         coefficients, *_ = np.linalg.lstsq(rows, times, rcond=None)
         return cls(*(max(float(c), 0.0) for c in coefficients))
-
-
-@dataclass(frozen=True)
-class Turn:
-    prompt_token_ids: list[int]
-    output_tokens: int
-
-
-@dataclass(frozen=True)
-class Session:
-    """Turns sent one after another (the next when the previous finishes), under one tenant's cache salt."""
-
-    turns: list[Turn]
-    salt: str | None = None
 
 
 @dataclass
@@ -353,7 +340,7 @@ def main(args) -> int:
     import json
     from pathlib import Path
 
-    from carpool.bench.replicas import workload
+    from carpool.bench.sessions import workload
     from carpool.engine.config import EngineConfig
     from carpool.models import Tokenizer
     from carpool.models.loader import resolve_model_dir

@@ -30,7 +30,7 @@ def serve_flags(args: dict) -> list[str]:
 def parse_serve_flags(flags: list[str]):
     """(args, {served name: EngineConfig}) as `carpool serve` would parse them."""
     from carpool.cli import build_parser
-    from carpool.server.cli import model_configs
+    from carpool.server.assembly import model_configs
 
     args = build_parser().parse_args(["serve", *flags])
     return args, model_configs(args)
@@ -48,22 +48,14 @@ class Ingress:
     """The carpool app (carpool.server.app) over ReplicaRouters to this application's engine replicas."""
 
     async def __init__(self, flags: list[str], replicas: dict[str, list]):
-        from carpool.server.app import create_app
-        from carpool.server.cli import (
-            attach_ledger,
-            checked_extensions,
-            dashboard_ledger_panels,
-            open_gate,
-            shared_batch_db,
-        )
-        from carpool.server.gate import OpenGate
-        from carpool.server.replicas.door import RequestDoor
+        from carpool.engine.door import RequestDoor
+        from carpool.server.assembly import build_app, open_stores
         from carpool.server.replicas.router import ReplicaRouter
         from carpool.server.replicas.routing import make_routing
         from carpool.server.replicas.serve import wire_metrics
 
         args, configs = parse_serve_flags(flags)
-        ledger, batch_dir, self._batch_dir_lock = open_gate(args, configs)
+        self._stores = open_stores(args, configs)
         routers = {}
         for name, config in configs.items():
             handles = replicas[name]
@@ -71,24 +63,13 @@ class Ingress:
             routers[name] = ReplicaRouter(
                 name,
                 handles,
-                RequestDoor(config.model, limits),
+                RequestDoor.for_model_files(config.model, limits["max_model_len"], limits["max_request_tokens"]),
                 config,
                 make_routing(args.routing, limits["block_size"]),
                 limits["max_num_seqs"],
             )
-        self._asgi = create_app(
-            routers,
-            ledger or OpenGate(args.api_key),
-            max_queued_per_tier=args.max_queued_per_tier,
-            max_body_bytes=args.max_body_bytes,
-            batch_dir=str(batch_dir),
-            batch_db=shared_batch_db(args, ledger),
-            ledger_panels=dashboard_ledger_panels(ledger),
-            cascades=checked_extensions(args, configs),
-            compression_model=args.compression_model,
-        )
+        self._asgi = build_app(args, configs, routers, self._stores)
         wire_metrics(self._asgi, routers)
-        attach_ledger(self._asgi, ledger, args)
 
     def __serve_build_asgi_app__(self):
         return self._asgi  # not `self.app`: Serve's ASGI wrapper owns that name
@@ -96,7 +77,7 @@ class Ingress:
 
 def build_app(args: dict):
     """The application for `serve run` (an application builder: Serve passes the config file's `args`)."""
-    from carpool.server.cli import checked_extensions
+    from carpool.server.assembly import checked_extensions
 
     flags = serve_flags(args)
     parsed, configs = parse_serve_flags(flags)

@@ -1,7 +1,8 @@
 """The engine: continuous batching over a paged KV cache, with prefix caching and service tiers.
 
 What it offers the layers above (everything else in the package is its inside):
-  LLMEngine       the step loop; `request()` is its door, where every request is tokenized and checked once
+  RequestDoor     the door (door.py), where every request is tokenized, checked and settled once
+  LLMEngine       the step loop, with a RequestDoor over its model (`request()`)
   AsyncEngine     the same engine driven from asyncio, on an EngineLoop thread: `generate(EngineRequest)`
   EngineRequest   a request that passed the door; RequestOutput what comes back, step by step
   EngineConfig, add_engine_args, engine_config: how an engine is sized, in code and on the command line
@@ -12,7 +13,8 @@ What it offers the layers above (everything else in the package is its inside):
 from carpool.engine.args import add_engine_args, engine_config
 from carpool.engine.async_engine import AsyncEngine, EngineLoop, EngineSnapshot
 from carpool.engine.config import EngineConfig
-from carpool.engine.llm_engine import ContextLengthExceeded, LLMEngine, StepStats
+from carpool.engine.door import ContextLengthExceeded, RequestDoor
+from carpool.engine.llm_engine import LLMEngine, StepStats
 from carpool.engine.outputs import RequestOutput, best_of
 from carpool.engine.request import EngineRequest
 from carpool.engine.sampling_params import SamplingParams
@@ -28,6 +30,7 @@ __all__ = [
     "EngineRequest",
     "EngineSnapshot",
     "LLMEngine",
+    "RequestDoor",
     "RequestOutput",
     "SamplingParams",
     "SequenceTimes",

@@ -23,8 +23,6 @@ from carpool.engine.config import EngineConfig
 from carpool.engine.llm_engine import LLMEngine, StepStats
 from carpool.engine.outputs import RequestOutput
 from carpool.engine.request import EngineRequest
-from carpool.engine.sampling_params import SamplingParams
-from carpool.engine.tiers import DEFAULT_TIER
 from carpool.engine.warmup import warm_up
 
 
@@ -136,6 +134,7 @@ class AsyncEngine:
         self.engine = engine or LLMEngine(config or EngineConfig())
         self.config = self.engine.config
         self.tokenizer = self.engine.tokenizer
+        self.door = self.engine.door  # where the server checks and settles each request, on its own thread
         self.max_model_len = self.engine.max_model_len
         self.engine_loop = engine_loop or EngineLoop()
         self.engine_loop.add(self)
@@ -166,26 +165,6 @@ class AsyncEngine:
         self._step_listeners.append(listener)
 
     # Requests ----------------------------------------------------------------------------------------
-
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
-        """The token ids the engine runs for a prompt (text through the tokenizer; ValueError when empty)."""
-        return self.engine.tokenize_prompt(prompt)
-
-    def max_new_tokens(self, num_prompt_tokens: int) -> int:
-        """The most tokens a prompt this long leaves room for: in the context window and in the whole KV pool."""
-        return self.engine.max_new_tokens(num_prompt_tokens)
-
-    def request(
-        self,
-        request_id: str,
-        prompt: str | list[int],
-        params: SamplingParams,
-        tier: str = DEFAULT_TIER,
-        cache_salt: str | None = None,
-    ) -> EngineRequest:
-        """The engine's door (LLMEngine.request), on the caller's thread: ValueError naming the field, or
-        ContextLengthExceeded, before anything is queued."""
-        return self.engine.request(request_id, prompt, params, tier, cache_salt)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         if self.error is not None:

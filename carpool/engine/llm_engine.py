@@ -1,7 +1,6 @@
 """The engine loop: schedule -> run -> postprocess, one iteration per call to `step()`."""
 
 import dataclasses
-import functools
 import time
 from dataclasses import dataclass
 
@@ -10,11 +9,12 @@ import torch
 from carpool.engine.block_manager import BlockManager
 from carpool.engine.config import EngineConfig, resolve_dtype
 from carpool.engine.detokenizer import Detokenizer
+from carpool.engine.door import RequestDoor
 from carpool.engine.kv_pools import kv_pool_sizes
 from carpool.engine.model_runner import ModelRunner
 from carpool.engine.outputs import RequestOutput
 from carpool.engine.request import EngineRequest
-from carpool.engine.sampling_params import SamplingParams, check_text
+from carpool.engine.sampling_params import SamplingParams
 from carpool.engine.scheduler import ScheduledBatch, Scheduler
 from carpool.engine.sequence import Sequence
 from carpool.engine.slo import StepLimits
@@ -22,16 +22,11 @@ from carpool.engine.spec_decode import SpecStepStats, Speculator
 from carpool.engine.spec_decode.draft_model import DraftModelDrafter
 from carpool.engine.spec_decode.ngram import NgramDrafter
 from carpool.engine.spec_decode.rejection_sampler import sample_verified
-from carpool.engine.structured.grammars import GrammarCompiler
 from carpool.engine.structured.masks import prefetch_grammar_masks
-from carpool.engine.tiers import BY_NAME, DEFAULT_TIER, TIER_NAMES
+from carpool.engine.tiers import DEFAULT_TIER
 from carpool.models import Tokenizer, load_model
 from carpool.models.loader import resolve_model_dir
 from carpool.models.quantization import check_quantization, matmul_mode
-
-
-class ContextLengthExceeded(ValueError):
-    """The prompt, or the prompt plus max_tokens, does not fit the context window."""
 
 
 @dataclass
@@ -97,9 +92,10 @@ class LLMEngine:
         )
         self.detokenizer = Detokenizer(self.tokenizer)
         self.speculator = self._speculator(draft_model, pools.full_blocks)
-        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
-        # The n choices of a request (and its retries) share their bad words: each list is tokenized once.
-        self._bad_words_token_ids = functools.lru_cache(maxsize=256)(self._spell_bad_words)
+        # Prompt plus output of one request: the context window, or the whole KV pool if that is smaller.
+        max_request_tokens = min(self.max_model_len, self.block_manager.num_blocks * self.block_manager.block_size)
+        self.door = RequestDoor(self.tokenizer, self.model_config, self.max_model_len, max_request_tokens)
+        self.grammars = self.door.grammars
         self.seqs: dict[str, Sequence] = {}
         self.last_step: StepStats | None = None
 
@@ -153,78 +149,9 @@ class LLMEngine:
         tier: str = DEFAULT_TIER,
         cache_salt: str | None = None,
     ) -> EngineRequest:
-        """The engine's door: the one place a request is tokenized and checked. ValueError naming the field
-        (ContextLengthExceeded when it does not fit) unless it can run. Reads nothing that changes while the
-        engine runs, so the server calls it on its own thread and bad input never reaches the engine loop."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError("params must be a SamplingParams")
-        if tier not in BY_NAME:
-            raise ValueError(f"tier must be one of {', '.join(TIER_NAMES)}, got {tier!r}")
-        if cache_salt is not None:  # hashed on the engine thread: a bad one would end the loop there
-            if not isinstance(cache_salt, str):
-                raise ValueError("cache_salt must be a string")
-            check_text("cache_salt", cache_salt)
-        token_ids = self.tokenize_prompt(prompt)
-        self._check_vocabulary("prompt", token_ids)
-        self._check_length(len(token_ids), params.max_tokens)
-        bad_words = self._check_params(params)
-        if params.structured is not None:  # compiled here, so a bad grammar is the caller's 400, not the loop's
-            params = dataclasses.replace(params, structured=self.grammars.bind(params.structured))
-        return EngineRequest(request_id, token_ids, params, tier, cache_salt, bad_words_token_ids=bad_words)
-
-    def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
-        """A prompt's token ids: text through the tokenizer, token ids as given (`request()` checks them)."""
-        if isinstance(prompt, str):
-            check_text("prompt", prompt)
-            token_ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            token_ids = list(prompt)
-        else:
-            raise ValueError("prompt must be a string or a list of token ids")
-        if not token_ids:
-            raise ValueError("prompt must not be empty")
-        return token_ids
-
-    def _check_vocabulary(self, name: str, token_ids) -> None:
-        vocab = self.model_config.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"{name}: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-
-    def _check_params(self, params: SamplingParams) -> list[list[int]]:
-        """ValueError naming the field when params name a token this model does not have; params.bad_words as
-        the token sequences to ban: each word as the tokenizer spells it alone and after a space."""
-        self._check_vocabulary("logit_bias", params.logit_bias or ())
-        self._check_vocabulary("stop_token_ids", params.stop_token_ids or ())
-        return self._bad_words_token_ids(tuple(params.bad_words or ()))
-
-    def _spell_bad_words(self, words: tuple[str, ...]) -> list[list[int]]:
-        spellings = {
-            tuple(self.tokenizer.encode(prefix + word.lstrip(), add_special_tokens=False))
-            for word in words
-            for prefix in ("", " ")
-        }
-        return [list(ids) for ids in spellings if ids]
-
-    @property
-    def max_request_tokens(self) -> int:
-        """Prompt plus output of one request: the context window, or the whole KV pool if that is smaller."""
-        return min(self.max_model_len, self.block_manager.num_blocks * self.block_manager.block_size)
-
-    def max_new_tokens(self, num_prompt_tokens: int) -> int:
-        return self.max_request_tokens - num_prompt_tokens
-
-    def _check_length(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        if num_prompt_tokens >= self.max_request_tokens:
-            raise ContextLengthExceeded(
-                f"prompt: {num_prompt_tokens} tokens do not fit the {self.max_request_tokens} tokens a request may "
-                f"hold (context window {self.max_model_len})"
-            )
-        if max_tokens > self.max_new_tokens(num_prompt_tokens):
-            raise ContextLengthExceeded(
-                f"max_tokens: {num_prompt_tokens} prompt tokens + {max_tokens} max_tokens exceed the "
-                f"{self.max_request_tokens} tokens a request may hold (context window {self.max_model_len})"
-            )
+        """Through the engine's door (carpool.engine.door): a checked, settled request, or ValueError naming the
+        field."""
+        return self.door.request(request_id, prompt, params, tier, cache_salt)
 
     def add_request(
         self,

@@ -26,7 +26,7 @@ class SamplingParams:
     It excludes min_tokens and bad_words, which could ban every token the grammar allows.
     """
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: the rest of the context window, settled at the engine's door
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 = no limit
@@ -54,7 +54,7 @@ class SamplingParams:
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self):
-        if not _is_int(self.max_tokens) or self.max_tokens <= 0:
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens <= 0):
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if not _is_finite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
@@ -87,7 +87,7 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
         if self.logit_bias is not None:
             self._check_logit_bias()
-        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= (self.max_tokens or self.min_tokens):
             raise ValueError(
                 f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}"
             )

@@ -49,7 +49,7 @@ def warm_up(engine: LLMEngine) -> WarmupReport:
     start = time.monotonic()
     vocab = engine.model_config.vocab_size
     salt = f"{WARMUP_SALT}-{next(_runs)}"  # a fresh one per run: an earlier run's cached blocks never hit
-    long_tokens = min(engine.config.max_num_batched_tokens, engine.max_request_tokens - DECODE_STEPS - 1)
+    long_tokens = min(engine.config.max_num_batched_tokens, engine.door.max_request_tokens - DECODE_STEPS - 1)
     sizes = decode_batch_sizes(engine.config.max_num_seqs)
     greedy = SamplingParams(max_tokens=DECODE_STEPS + 1, temperature=0.0, ignore_eos=True)
     sampled = SamplingParams(max_tokens=DECODE_STEPS + 1, temperature=0.8, top_p=0.9, ignore_eos=True)

@@ -12,6 +12,8 @@ import importlib
 import importlib.util
 import logging
 
+import torch  # noqa: F401  (the builds link torch's libraries, libc10 among them: loaded first)
+
 from carpool.kernels.cpu import AMX_FEATURES, amx_probe, cpu_features, cpu_model
 from carpool.kernels.isa import PATHS, choose_path, forced_path
 

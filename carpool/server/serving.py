@@ -7,7 +7,7 @@ import contextvars
 import uuid
 
 from carpool.economics.contract import Principal
-from carpool.engine.llm_engine import ContextLengthExceeded
+from carpool.engine.door import ContextLengthExceeded
 from carpool.engine.request import EngineRequest
 from carpool.engine.sampling_params import SamplingParams
 from carpool.engine.structured import StructuredOutput
@@ -271,7 +271,7 @@ class ModelServing:
 
     def _tokenize(self, prompt: str | list[int], request: GenerationRequest, renamed=None) -> list[int]:
         try:
-            return self.engine.tokenize(prompt)
+            return self.engine.door.tokenize_prompt(prompt)
         except ValueError as error:
             raise APIError.from_value_error(error, type(request).model_fields, renamed) from error
 
@@ -385,8 +385,7 @@ class ModelServing:
     ) -> SamplingParams:
         try:
             return SamplingParams(
-                # Chat without max_tokens may use the rest of the context window, as OpenAI's does.
-                max_tokens=max_tokens or max(1, self.engine.max_new_tokens(len(prompt_ids))),
+                max_tokens=max_tokens,  # None (chat without it): the rest of the window, as OpenAI's; the door settles it
                 # Each of n choices gets its own seed, so they differ yet replay the same.
                 seed=None if request.seed is None else request.seed + choice,
                 logprobs=logprobs,
@@ -410,7 +409,7 @@ class ModelServing:
         """Through the engine's door: the one check of the prompt's ids, its length and the params' tokens."""
         fields = type(request).model_fields
         try:
-            return self.engine.request(request_id, prompt_ids, params, tier, cache_salt)
+            return self.engine.door.request(request_id, prompt_ids, params, tier, cache_salt)
         except ContextLengthExceeded as error:
             raise APIError.from_value_error(error, fields, renamed, code="context_length_exceeded") from error
         except ValueError as error:

@@ -5,7 +5,8 @@ import random
 
 import pytest
 
-from carpool.bench.simulate import ReplicaSpec, Session, StepModel, Turn, poisson_arrivals, simulate
+from carpool.bench.sessions import Session, Turn
+from carpool.bench.simulate import ReplicaSpec, StepModel, poisson_arrivals, simulate
 
 STEP = StepModel(base=0.010, per_prefill_token=0.0001, per_decode_seq=0.002)
 WITH_CONTEXT = StepModel(base=0.010, per_prefill_token=0.0001, per_decode_seq=0.002, per_context_token=0.00001)

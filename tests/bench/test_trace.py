@@ -19,7 +19,7 @@ from carpool.bench.trace import (
 from carpool.cli import build_parser
 from carpool.engine.llm_engine import StepStats
 from carpool.engine.slo import StepLimits
-from carpool.server.cli import model_configs
+from carpool.server.assembly import model_configs
 from carpool.server.metrics import ServerMetrics
 
 

@@ -74,7 +74,7 @@ def test_a_sampled_draft_s_q_is_zero_outside_the_subset(cheap_draft_llm):
     drafter = cheap_draft_llm.engine.speculator.drafter
     seq = Sequence(
         "sampled",
-        cheap_draft_llm.engine.tokenize_prompt(PROMPTS[0]),
+        cheap_draft_llm.engine.door.tokenize_prompt(PROMPTS[0]),
         SamplingParams(max_tokens=8, temperature=1.5, seed=1),
     )
     seq.num_lookahead_tokens = 3

@@ -1,5 +1,5 @@
-"""The engine's door: a request is tokenized and checked once, in `request()`, and crosses to the engine thread as
-that EngineRequest; nothing past the door checks it again."""
+"""The engine's door (carpool.engine.door): a request is tokenized, checked and settled once, in `request()`, and
+crosses to the engine thread as that EngineRequest; nothing past the door checks or derives it again."""
 
 import asyncio
 from collections import Counter
@@ -22,9 +22,9 @@ def calls(llm, monkeypatch):
     engine = llm.engine
     for owner, name in (
         (engine.tokenizer, "encode"),
-        (engine, "_check_length"),
-        (engine, "_check_vocabulary"),
-        (engine, "_check_params"),
+        (engine.door, "_check_length"),
+        (engine.door, "_check_vocabulary"),
+        (engine.door, "_check_params"),
         (engine, "enqueue"),
     ):
         original = getattr(owner, name)
@@ -55,7 +55,7 @@ def run_on_a_loop_thread(llm, request: EngineRequest) -> list:
 
 def test_a_served_request_is_tokenized_and_checked_once(llm, calls):
     async_engine = AsyncEngine(engine=llm.engine)
-    request = async_engine.request("door-once", "Name a colour.", PARAMS, tier="flex", cache_salt="tenant")
+    request = async_engine.door.request("door-once", "Name a colour.", PARAMS, tier="flex", cache_salt="tenant")
     assert dict(calls) == {"encode": 1, "_check_length": 1, "_check_vocabulary": 3, "_check_params": 1}
     outputs = run_on_a_loop_thread(llm, request)
     assert outputs[-1].finished and len(outputs[-1].token_ids) == 3
@@ -81,7 +81,7 @@ def test_the_door_names_what_is_wrong(llm):
     with pytest.raises(ValueError, match="^params"):
         engine.request("r", "hi", {"max_tokens": 3})
     with pytest.raises(ContextLengthExceeded, match="^max_tokens"):
-        engine.request("r", "hi", SamplingParams(max_tokens=engine.max_request_tokens))
+        engine.request("r", "hi", SamplingParams(max_tokens=engine.door.max_request_tokens))
     for salt in (123, "\ud800"):  # hashed on the engine thread, where it would end the loop
         with pytest.raises(ValueError, match="^cache_salt"):
             engine.request("r", "hi", PARAMS, cache_salt=salt)
@@ -111,3 +111,11 @@ def test_the_package_exports_what_it_offers():
         "RequestOutput",
         "TIERS",
     } <= set(carpool.engine.__all__)
+
+
+def test_the_door_settles_a_missing_max_tokens_to_the_rest_of_the_window(llm):
+    door = llm.engine.door
+    request = door.request("rest", "Name a colour.", SamplingParams(max_tokens=None, min_tokens=2))
+    assert request.params.max_tokens == door.max_request_tokens - len(request.prompt_token_ids)
+    with pytest.raises(ContextLengthExceeded, match="^prompt: "):
+        door.request("full", [1] * door.max_request_tokens, SamplingParams(max_tokens=None))

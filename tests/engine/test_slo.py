@@ -16,7 +16,7 @@ from carpool.engine.scheduler import Scheduler
 from carpool.engine.sequence import Sequence
 from carpool.engine.slo import StepTimeModel
 from carpool.engine.tiers import BY_NAME
-from carpool.server.cli import model_configs
+from carpool.server.assembly import model_configs
 from carpool.server.dashboard.data import DashboardData
 from carpool.server.metrics import ServerMetrics
 

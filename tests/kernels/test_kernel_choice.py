@@ -87,6 +87,23 @@ def test_the_environment_variable_picks_the_build_a_process_loads():
         assert refused.returncode != 0 and "this CPU cannot run" in refused.stderr
 
 
+def test_the_carpool_command_says_in_one_line_why_a_forced_path_cannot_load():
+    unsupported = [p for p in PATHS if missing_features(p, cpu_features())]
+    cases = {"sse9": "CARPOOL_KERNEL_ISA: unknown kernel path 'sse9'"}
+    if unsupported:  # on this CPU: the line names the features it lacks
+        cases[unsupported[0]] = f"CARPOOL_KERNEL_ISA: this CPU cannot run the {unsupported[0]} kernels, it lacks"
+    for forced, expected in cases.items():
+        result = subprocess.run(
+            [sys.executable, "-m", "carpool.cli", "info"],
+            env={**os.environ, "CARPOOL_KERNEL_ISA": forced},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert result.returncode == 2 and result.stdout == ""
+        assert result.stderr.count("\n") == 1 and result.stderr.startswith(f"carpool: {expected}"), result.stderr
+
+
 def test_this_process_runs_the_best_path_this_cpu_has():
     if os.environ.get("CARPOOL_KERNEL_ISA"):
         pytest.skip("a forced path")

@@ -263,7 +263,7 @@ def prefilled_while(engine, work) -> int:
     result = asyncio.run(work)
 
     async def mark():
-        async for _ in engine.generate(engine.request("mark", [1, 2], SamplingParams(max_tokens=1))):
+        async for _ in engine.generate(engine.door.request("mark", [1, 2], SamplingParams(max_tokens=1))):
             pass
 
     asyncio.run(mark())

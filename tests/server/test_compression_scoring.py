@@ -24,7 +24,7 @@ def test_completions_report_prompt_logprobs_in_vllm_shape(engine):
     app = create_app({"m": engine})
     answer = post(app, {"prompt": PROMPT, "max_tokens": 1, "prompt_logprobs": 2}).json()
     entries = answer["choices"][0]["prompt_logprobs"]
-    prompt_ids = engine.tokenize(PROMPT)
+    prompt_ids = engine.door.tokenize_prompt(PROMPT)
     assert len(entries) == len(prompt_ids) == answer["usage"]["prompt_tokens"] and entries[0] is None
     for token, entry in zip(prompt_ids[1:], entries[1:]):
         own = entry[str(token)]

@@ -20,7 +20,7 @@ DOCUMENT = " ".join(
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from carpool.server.cli import default_served_name
+    from carpool.server.assembly import default_served_name
 
     served, cascades = default_served_name(None), tmp_path_factory.mktemp("cascades") / "cascades.toml"
     # A mean token logprob is never above 0 nor near -1000: "escalating" always escalates, "accepting" never.

@@ -4,7 +4,7 @@ import pytest
 
 from carpool.cli import build_parser, main
 from carpool.engine.config import EngineConfig
-from carpool.server.cli import default_served_name, model_configs
+from carpool.server.assembly import default_served_name, model_configs
 
 
 def configs(*argv: str) -> dict[str, EngineConfig]:

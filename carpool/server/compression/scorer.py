@@ -21,7 +21,7 @@ class EngineScorer(Scorer):
         """`cache_salt`: whose cached prefixes its requests may read (the client request's scope, see Serving)."""
         self.engine, self.model_name, self.tier, self.cache_salt = engine, model_name, tier, cache_salt
         self.tokenizer = engine.engine.tokenizer
-        self.max_tokens = engine.engine.max_request_tokens - _SCORE.max_tokens
+        self.max_tokens = engine.engine.door.max_request_tokens - _SCORE.max_tokens
         self.request_id = f"compress-{uuid.uuid4().hex}"  # its ledger row's
         self.prompt_tokens = self.cached_tokens = self.output_tokens = 0
         self.seconds = 0.0
@@ -35,7 +35,7 @@ class EngineScorer(Scorer):
             dataclasses.replace(_SCORE, prompt_logprobs_start=max(1, first)) for first in starts or [1] * len(prompts)
         ]
         requests = [
-            self.engine.request(f"{self.request_id}-{batch}-{i}", ids, p, self.tier, self.cache_salt)
+            self.engine.door.request(f"{self.request_id}-{batch}-{i}", ids, p, self.tier, self.cache_salt)
             for i, (ids, p) in enumerate(zip(prompts, params))
         ]
         try:

@@ -87,7 +87,9 @@ class CompressionService:
         target = self.serving.model(body.model)
         tier, salt = requested_tier(body), _cache_salt(body, principal)
         if isinstance(body, ChatCompletionRequest):
-            original = len(target.engine.tokenize(target.chat_prompt(body.messages, target._tools(body)[0])))
+            original = len(
+                target.engine.door.tokenize_prompt(target.chat_prompt(body.messages, target._tools(body)[0]))
+            )
             result = await self._compress(
                 _message_pieces(body.messages), asked, target, principal, tier, client_request_id, salt
             )
@@ -100,7 +102,7 @@ class CompressionService:
                 "prompt_compression: needs a text prompt (token ids cannot be compressed)",
                 param="prompt_compression",
             )
-        original = sum(len(target.engine.tokenize(prompt)) for prompt in prompts)
+        original = sum(len(target.engine.door.tokenize_prompt(prompt)) for prompt in prompts)
         compressed = []
         for prompt in prompts:
             result = await self._compress(

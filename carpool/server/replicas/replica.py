@@ -39,7 +39,7 @@ class EngineReplica:
         engine = self.engine.engine
         return {
             "max_model_len": engine.max_model_len,
-            "max_request_tokens": engine.max_request_tokens,
+            "max_request_tokens": engine.door.max_request_tokens,
             "block_size": engine.block_manager.block_size,
             "max_num_seqs": engine.config.max_num_seqs,
         }

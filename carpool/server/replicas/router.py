@@ -19,11 +19,10 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from carpool.engine.async_engine import EngineSnapshot
 from carpool.engine.config import EngineConfig
+from carpool.engine.door import RequestDoor
 from carpool.engine.outputs import RequestOutput
 from carpool.engine.request import EngineRequest
-from carpool.engine.sampling_params import SamplingParams
-from carpool.engine.tiers import BATCH_TIER, DEFAULT_TIER
-from carpool.server.replicas.door import RequestDoor
+from carpool.engine.tiers import BATCH_TIER
 from carpool.server.replicas.routing import ReplicaLoad, Routing, least_loaded
 
 POLL_SECONDS = 0.5  # replicas' KV usage and health; in-flight counts are the router's own, always current
@@ -66,22 +65,6 @@ class ReplicaRouter:
         if self.ready.is_set() and not any(load.healthy for load in self.loads):
             return RuntimeError("no replica is reachable (Ray is restarting them)")
         return None
-
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
-        return self.door.tokenize_prompt(prompt)
-
-    def max_new_tokens(self, num_prompt_tokens: int) -> int:
-        return self.door.max_new_tokens(num_prompt_tokens)
-
-    def request(
-        self,
-        request_id: str,
-        prompt: str | list[int],
-        params: SamplingParams,
-        tier: str = DEFAULT_TIER,
-        cache_salt: str | None = None,
-    ) -> EngineRequest:
-        return self.door.request(request_id, prompt, params, tier, cache_salt)
 
     def add_step_listener(self, listener: Callable) -> None:
         """Steps run on the replicas: their per-step series come from the replicas' own registries (labelled

@@ -39,7 +39,7 @@ def deploy_routers(configs: dict[str, EngineConfig], replicas: int, routing: str
     """{served name: ReplicaRouter} once every replica has loaded its model (all load at once)."""
     from ray import serve
 
-    from carpool.server.replicas.door import RequestDoor
+    from carpool.engine.door import RequestDoor
     from carpool.server.replicas.replica import replica_deployment
     from carpool.server.replicas.router import ReplicaRouter
     from carpool.server.replicas.routing import make_routing
@@ -61,7 +61,7 @@ def deploy_routers(configs: dict[str, EngineConfig], replicas: int, routing: str
         routers[name] = ReplicaRouter(
             name,
             mine,
-            RequestDoor(config.model, limits),
+            RequestDoor.for_model_files(config.model, limits["max_model_len"], limits["max_request_tokens"]),
             config,
             make_routing(routing, limits["block_size"]),
             limits["max_num_seqs"],
@@ -92,36 +92,22 @@ def wire_metrics(app, routers: dict) -> None:
     metrics.render_replicas = render
 
 
-def serve_replicas(args: argparse.Namespace, configs: dict[str, EngineConfig], cascades: dict | None = None) -> int:
-    """`cascades`: checked_extensions' (each step of a cascade is an ordinary request, routed to its model's
-    replicas like any other)."""
+def serve_replicas(args: argparse.Namespace, configs: dict[str, EngineConfig]) -> int:
+    """Each step of a cascade is an ordinary request, routed to its model's replicas like any other."""
     import_ray()
     import ray
     import uvicorn
     from ray import serve
 
-    from carpool.server.app import create_app
-    from carpool.server.cli import attach_ledger, dashboard_ledger_panels, open_gate, shared_batch_db
-    from carpool.server.gate import OpenGate
+    from carpool.server.assembly import build_app, open_stores
 
-    ledger, batch_dir, batch_dir_lock = open_gate(args, configs)
+    stores = open_stores(args, configs)
     threads = max(config.num_threads or 1 for config in configs.values())
     try:
         start_ray(args.ray_address, args.replicas * threads * len(configs))
         routers = deploy_routers(configs, args.replicas, args.routing, warmup=not args.no_warmup)
-        app = create_app(
-            routers,
-            ledger or OpenGate(args.api_key),
-            max_queued_per_tier=args.max_queued_per_tier,
-            max_body_bytes=args.max_body_bytes,
-            batch_dir=str(batch_dir),
-            batch_db=shared_batch_db(args, ledger),
-            ledger_panels=dashboard_ledger_panels(ledger),
-            cascades=cascades,
-            compression_model=args.compression_model,
-        )
+        app = build_app(args, configs, routers, stores)
         wire_metrics(app, routers)
-        attach_ledger(app, ledger, args)
         sys.setswitchinterval(0.001)  # as in `carpool serve`: the event loop is this process's hot thread
         server = uvicorn.Server(
             uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
@@ -135,6 +121,4 @@ def serve_replicas(args: argparse.Namespace, configs: dict[str, EngineConfig], c
                     for index in range(args.replicas):
                         serve.delete(app_name(name, index), _blocking=False)
             ray.shutdown()
-        if ledger:
-            ledger.close()
-        batch_dir_lock.close()
+        stores.close()

@@ -1,6 +1,7 @@
 """`carpool cascade calibrate` and `carpool cascade evaluate`: run a cascade's models on a (labeled) set once,
 then fit thresholds (written back to the TOML) or report accuracy and cost of each model and of the cascade.
-Offline tools that price answers with the price sheet, so they live beside the benchmarks, not in the server."""
+Offline tools over the cascades the server runs (`carpool serve --cascades`), pricing answers with the price sheet:
+like `carpool serve`'s own command line, a command line may read concrete economics."""
 
 import argparse
 import json
