@@ -1,5 +1,7 @@
 """carpool.deploy: a config file's `args` become `carpool serve`'s own flags, checked by its own parser."""
 
+import pathlib
+
 import pytest
 
 pytest.importorskip("ray.serve", reason="needs `make scale`")
@@ -57,8 +59,14 @@ def test_serve_replicas_hands_the_compression_model_and_the_cascades_to_the_app(
     monkeypatch.setattr(serve, "deploy_routers", lambda *args, **kwargs: {})
     monkeypatch.setattr(carpool.server.app, "create_app", create_app)
     args, configs = parse_serve_flags(serve_flags({"model": ["smollm2-135m"], "db": str(tmp_path / "l.db")}))
-    args.compression_model = next(iter(configs))
-    cascades = {"c": object()}
+    served = next(iter(configs))
+    args.compression_model = served
+    args.cascades = str(tmp_path / "cascades.toml")
+    pathlib.Path(args.cascades).write_text(
+        f'[[cascade]]\nname = "c"\n[[cascade.step]]\nmodel = "{served}"\nscorer = "mean"\n'
+        f'threshold = -1.0\n[[cascade.step]]\nmodel = "{served}"\n'
+    )
     with pytest.raises(Built) as built:
-        serve.serve_replicas(args, configs, cascades)
-    assert built.value.args == (args.compression_model, cascades)
+        serve.serve_replicas(args, configs)
+    compression_model, cascades = built.value.args
+    assert compression_model == served and list(cascades) == ["c"]
