@@ -9,6 +9,7 @@ from carpool.bench import (
     replicas,
     serve,
     simulate,
+    soak,
     spec,
     structured,
     trace,
@@ -26,6 +27,7 @@ MODES = (
     compression.add_parser,
     replicas.add_parser,
     simulate.add_parser,
+    soak.add_parser,
 )
 
 

@@ -1,0 +1,28 @@
+"""`carpool bench soak`, three minutes of it: mixed traffic, a kill -9 and a full disk, then the money invariants."""
+
+import json
+import os
+
+import pytest
+
+from carpool.bench import soak
+from carpool.cli import build_parser
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the full-disk window mounts a tmpfs (CI runs as root)")
+def test_three_minutes_under_fire_keep_every_invariant(tmp_path):
+    out = tmp_path / "soak.json"
+    args = build_parser().parse_args(
+        ["bench", "soak", "--minutes", "3", "--streams", "8", "--no-warmup", "--out", str(out)]
+    )
+    soak.main(args)
+    report = json.loads(out.read_text())
+    assert [fault["fault"] for fault in report["faults"]] == ["kill -9", "disk full"]
+    assert "skipped" not in report["faults"][1]
+    assert report["outcomes"]["whole"] > 0 and report["outcomes"]["left"] > 0
+    ledger = report["ledger"]
+    assert ledger["doubled_ids"] == [] and ledger["whole_without_row"] == [] and ledger["over_budget"] == {}
+    assert report["invariants"]["ledger"], ledger["billed_without_delivery"]
+    assert report["invariants"]["batches_each_line_once"], report["batches"]
+    assert report["invariants"]["kv_free_when_idle"], report["idle_kv_usage"]
+    assert len(report["rss_mb"]) > 10 and out.with_suffix(".png").exists()  # flatness: the hour-long run's figure
