@@ -10,6 +10,7 @@ from carpool.cli import build_parser
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the full-disk window mounts a tmpfs (CI runs as root)")
+@pytest.mark.timeout(1800)  # three minutes of traffic, two server starts and the batches' end, on a busy machine too
 def test_three_minutes_under_fire_keep_every_invariant(tmp_path):
     out = tmp_path / "soak.json"
     args = build_parser().parse_args(
