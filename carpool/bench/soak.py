@@ -66,7 +66,7 @@ def add_parser(modes) -> None:
     parser.add_argument("--no-faults", action="store_true", help="traffic only: no kill -9, no full disk")
     parser.add_argument("--budget", type=float, default=0.0002, help="each budgeted tenant's daily budget, dollars")
     parser.add_argument("--no-warmup", action="store_true", help="start (and restart) the server without warm-up")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="the traffic's random choices (default: 0)")
     parser.add_argument("--out", default="bench-results/soak.json", help="report (JSON; the RSS plot beside it)")
     parser.set_defaults(func=main)
 
