@@ -72,12 +72,13 @@ lint: $(VENV)/.dev
 	$(BIN)/ruff format --check .
 
 # The documentation site (MkDocs, Material theme: mkdocs.yml, pages in docs/) into site/. `make test` builds it
-# with --strict into a scratch folder: a broken link, anchor or nav entry stops it there (about 5 s).
+# with --strict into a scratch folder: a broken link, anchor or nav entry stops it there (about 5 s). The variable
+# silences Material's banner about its successor, printed on every build.
 docs: $(VENV)/.dev
-	$(BIN)/mkdocs build --strict
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 docs-check: $(VENV)/.dev
-	$(BIN)/mkdocs build --strict --quiet --site-dir "$$(mktemp -d)"
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir build/docs-check
 
 # llama.cpp's server, built from source (about 15 minutes on 2 cores), for side-by-side benchmarks only.
 # Not GGML_NATIVE: -march=native turns AMX on wherever CPUID lists it, and llama.cpp's AMX kernels die on one of our

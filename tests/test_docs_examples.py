@@ -5,8 +5,9 @@ What runs, by the fence's language:
   talks to `http://127.0.0.1:8000` (the address `make serve` listens on) runs against a real `carpool serve`
   started for these tests (tests/live_server.py), the address rewritten to its port.
 - sh: run by bash (`set -euo pipefail`) in a scratch folder, with `carpool` and `python` on the PATH (this
-  checkout and this interpreter, as in an activated venv), a scratch `CARPOOL_DB` and `CARPOOL_BATCH_DIR`, and the
-  same rewrite for the live server.
+  checkout and this interpreter, as in an activated venv; `carpool` through tests/cli_fork_server.py, so thirty
+  calls do not import torch thirty times), a scratch `CARPOOL_DB` and `CARPOOL_BATCH_DIR`, and the same rewrite
+  for the live server.
 - toml, json, jsonl: parsed; a TOML file declaring `[[cascade]]` is loaded as `carpool serve --cascades` would
   load it, a price sheet as `--prices` would.
 Anything else (mermaid, text) is not code. A block that cannot run here (it starts a long-lived server, runs a
@@ -18,7 +19,6 @@ import json
 import os
 import re
 import shutil
-import stat
 import subprocess
 import sys
 import tomllib
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from cli_fork_server import CliForkServer
 from live_server import LiveServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -79,16 +80,16 @@ def live():
 
 @pytest.fixture(scope="module")
 def carpool_on_path(tmp_path_factory) -> Path:
-    """`carpool` running this checkout's code, and `python` the interpreter it runs in, as in an activated venv."""
+    """`carpool` running this checkout's code (forked from one process that imported it: a call costs
+    milliseconds, not the seconds of importing torch), and `python` its interpreter, as in an activated venv."""
     folder = tmp_path_factory.mktemp("bin")
-    for name, line in (
-        ("carpool", f'exec "{sys.executable}" -m carpool.cli "$@"'),
-        ("python", f'exec "{sys.executable}" "$@"'),
-    ):
-        command = folder / name
-        command.write_text(f"#!/bin/sh\n{line}\n")
-        command.chmod(command.stat().st_mode | stat.S_IEXEC)
-    return folder
+    server = CliForkServer()
+    server.install(folder)
+    python = folder / "python"
+    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    python.chmod(0o755)
+    yield folder
+    server.stop()
 
 
 def test_the_pages_have_examples_and_every_marker_gives_a_reason():
@@ -162,6 +163,17 @@ def _check_toml(code: str, folder: Path) -> None:
         path = folder / "prices.toml"
         path.write_text(code)
         load_price_sheet(path)
+
+
+def test_the_readme_links_resolve():
+    """README.md lives outside docs/, where `mkdocs build --strict` checks every link: its links are checked here."""
+    text = (ROOT / "README.md").read_text()
+    for target in re.findall(r"\]\(([^)#]+\.md)(?:#([\w-]+))?\)", text):
+        page = ROOT / target[0]
+        assert page.is_file(), target[0]
+        if target[1]:
+            headings = re.findall(r"^#+ (.+)$", page.read_text(), re.MULTILINE)
+            assert target[1] in {re.sub(r"[^\w\- ]", "", h).strip().lower().replace(" ", "-") for h in headings}, target
 
 
 def test_the_runner_runs_shell_with_carpool_on_the_path(carpool_on_path, tmp_path):
