@@ -192,3 +192,30 @@ def test_a_marker_applies_only_to_the_block_right_after_it(tmp_path, monkeypatch
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     first, second = examples()
     assert first.not_run == "needs a GPU machine" and second.not_run is None
+
+
+def test_the_api_reference_names_every_route():
+    """Every path the server's modules declare (`@app.get("/...")`, `@router.post("/...")`) is in docs/api.md
+    (the dashboard's page paths, named through a constant, are listed there by hand)."""
+    routes = set()
+    for path in (ROOT / "carpool").rglob("*.py"):
+        routes.update(
+            re.findall(r'@(?:app|router)\.(?:get|post|put|delete)\(\s*(?:PAGE_PATHS\[\d\]|"([^"]+)")', path.read_text())
+        )
+    routes.discard("")
+    reference = (ROOT / "docs" / "api.md").read_text()
+    missing = sorted(route for route in routes if re.sub(r"\{(\w+)(:path)?\}", "{\\1}", route) not in reference)
+    assert len(routes) >= 15 and missing == []
+
+
+def test_the_api_reference_names_every_request_field():
+    """Every field a completion body may carry, standard or extension or refused, is in docs/api.md."""
+    from carpool.server.protocol import ChatCompletionRequest, CompletionRequest
+
+    reference = (ROOT / "docs" / "api.md").read_text()
+    fields = {
+        field.alias or name
+        for model in (ChatCompletionRequest, CompletionRequest)
+        for name, field in model.model_fields.items()
+    }
+    assert sorted(name for name in fields if f"`{name}`" not in reference) == []
