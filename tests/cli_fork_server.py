@@ -7,6 +7,8 @@ arguments, environment, working directory and standard streams (passed over a Un
 real process with the exit status and output the real command would give. The server itself never runs torch
 code: a child forked after OpenMP's threads started could hang in its first parallel region.
 
+A call that sets a variable carpool reads at import (IMPORT_TIME_VARIABLES: `CARPOOL_KERNEL_ISA=avx2 carpool info`)
+otherwise than the server's environment runs `python -m carpool.cli` itself, so it sees what it asked for.
 `install(folder)` writes the `carpool` client script there; put the folder on PATH.
 """
 
@@ -18,9 +20,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# Read when carpool is imported (the kernels' path, torch's own instruction set): a call that sets one of these
+# otherwise than the server's environment runs as a process of its own instead.
+IMPORT_TIME_VARIABLES = ("CARPOOL_KERNEL_ISA", "ATEN_CPU_CAPABILITY", "OMP_NUM_THREADS")
+
 SERVER = r"""
 import json, os, signal, socket, sys
 import carpool.cli
+carpool.cli.build_parser()  # imports every area's subcommands, torch and the kernels; runs none of their code
 
 signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
 listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -60,6 +67,8 @@ while True:
 
 CLIENT = r"""#!{python} -S
 import json, os, socket, sys
+if any(os.environ.get(name) != value for name, value in {imported!r}.items()):
+    os.execv({python!r}, [{python!r}, "-m", "carpool.cli", *sys.argv[1:]])
 conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 conn.connect({address!r})
 call = {{"argv": sys.argv[1:], "env": dict(os.environ), "cwd": os.getcwd()}}
@@ -83,7 +92,8 @@ class CliForkServer:
 
     def install(self, folder: Path) -> None:
         command = folder / "carpool"
-        command.write_text(CLIENT.format(python=sys.executable, address=self.address))
+        imported = {name: os.environ.get(name) for name in IMPORT_TIME_VARIABLES}
+        command.write_text(CLIENT.format(python=sys.executable, address=self.address, imported=imported))
         command.chmod(0o755)
 
     def stop(self) -> None:
