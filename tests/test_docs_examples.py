@@ -219,3 +219,17 @@ def test_the_api_reference_names_every_request_field():
         for name, field in model.model_fields.items()
     }
     assert sorted(name for name in fields if f"`{name}`" not in reference) == []
+
+
+def test_the_paths_the_pages_name_exist():
+    """A page that names a file (`carpool/engine/door.py`, `kernels/csrc/ggml_gemm.cpp`) names one that exists."""
+    named = {
+        (str(path.relative_to(ROOT)), name)
+        for path in PAGES
+        if str(path.relative_to(ROOT)) not in RECORDS
+        for name in re.findall(r"`((?:carpool|tests|docs|kernels)/[\w./-]+)`", path.read_text())
+    }
+    assert len(named) >= 20
+    assert (
+        sorted(item for item in named if not ((ROOT / item[1]).exists() or (ROOT / "carpool" / item[1]).exists())) == []
+    )
