@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: serve test lint kernels venv dev scale chromium postgres models peers peers-avx2 peers-avxvnni clean
+.PHONY: serve test lint docs docs-check kernels venv dev scale chromium postgres models peers peers-avx2 peers-avxvnni clean
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -63,13 +63,22 @@ postgres:
 serve: $(VENV)/.runtime
 	$(BIN)/carpool serve --host $(HOST) --port $(PORT)
 
-test: $(VENV)/.dev chromium postgres lint
+test: $(VENV)/.dev chromium postgres lint docs-check
 	$(BIN)/python -m pytest -q
 
 # Ruff's lint and its formatter (line length 120, pyproject.toml): the whole tree clean, or `make test` stops here.
 lint: $(VENV)/.dev
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+
+# The documentation site (MkDocs, Material theme: mkdocs.yml, pages in docs/) into site/. `make test` builds it
+# with --strict into a scratch folder: a broken link, anchor or nav entry stops it there (about 5 s). The variable
+# silences Material's banner about its successor, printed on every build.
+docs: $(VENV)/.dev
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+docs-check: $(VENV)/.dev
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir build/docs-check
 
 # llama.cpp's server, built from source (about 15 minutes on 2 cores), for side-by-side benchmarks only.
 # Not GGML_NATIVE: -march=native turns AMX on wherever CPUID lists it, and llama.cpp's AMX kernels die on one of our
@@ -115,4 +124,4 @@ peers-avx2 peers-avxvnni: peers-%: .peers-%/bin/llama-cpp-server
 	$(call link_llama_server,.peers-$*)
 
 clean:
-	rm -rf $(VENV) .peers .peers-avx2 .peers-avxvnni
+	rm -rf $(VENV) .peers .peers-avx2 .peers-avxvnni site

@@ -13,7 +13,7 @@ B A, A B, ...), every round on prompts of its own (the same for every server wit
 neighbours' load drifts over the minutes one server's run takes; alternating spreads that drift over both sides, and
 the report gives each round's ratios beside the pooled figures (all requests of all rounds). One 32-stream run of
 Qwen2.5-Coder-1.5B against llama.cpp's server on the project's 2-core VM read 2.09-2.40x from run to run, with the
-hour and which server went first; four rounds of it, 2.12-2.24x (docs/benchmarks.md).
+hour and which server went first; four rounds of it, 2.12-2.24x (docs/benchmarks/journal.md).
 """
 
 import argparse

@@ -18,7 +18,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=defaults.dtype,
         choices=["auto", *DTYPES],
         help="weights, activations and KV cache (default: auto, bfloat16 where the hardware has "
-        "native bf16 units; float32 reproduces the reference implementation exactly)",
+        "native bf16 units; float32 reproduces the reference implementation exactly only with --matmul exact)",
     )
     parser.add_argument(
         "--quantization",

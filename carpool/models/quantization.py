@@ -124,7 +124,7 @@ class GGMLWeight:
 def resolve_matmul(matmul: str, path: str) -> str:
     """The mode `matmul` (one of MATMUL_SETTINGS) names on kernel path `path`. "auto": "int8-dot-all" on avx2 and
     avxvnni (INT8_PROMPT_PATHS), whose exact path multiplies prompt chunks in fp32 FMAs (no bf16 units; avx2's int8
-    kernels 1.5-2.0x faster at 128-512 rows, one thread, docs/benchmarks.md), else "int8-dot": prompts stay exact
+    kernels 1.5-2.0x faster at 128-512 rows, one thread, docs/benchmarks/journal.md), else "int8-dot": prompts stay exact
     where bf16 units are as fast end to end (avx512's 32-weight formats; its K-quants take every row,
     int8_dot_max_rows), where AMX tiles beat the int8 kernels (amx: batches above 16 rows and prompts run exact) or
     where there is no batched int8 kernel (portable)."""

@@ -5,7 +5,7 @@ cut to its first 6 layers (45 MiB; the shallower model's near-ties make token-fo
     .venv/bin/python tests/cuda/check.py cut .gpucheck/smollm2-6layers.gguf      # here, once
     python3 tests/cuda/check.py .gpucheck/smollm2-6layers.gguf [cuda|cpu]         # there (cpu: a dry run here)
 
-There the kernels must be built first and the packages its image lacks carried as wheels: docs/benchmarks.md
+There the kernels must be built first and the packages its image lacks carried as wheels: docs/benchmarks/journal.md
 ("CUDA") has the whole command. Each check prints PASS or FAIL and the run goes on; the last line counts failures.
 """
 

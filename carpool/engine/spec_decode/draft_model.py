@@ -12,7 +12,7 @@ only the rows of the first N token ids plus the special ones, so a pass computes
 Byte-level BPE numbers tokens in merge order, which follows corpus frequency, so the first ids are a data-free
 stand-in for the most frequent. Qwen2.5-Coder-0.5B's head is 146 MB of Q8_0 for 151,936 tokens, over a third of
 the 409 MB a draft pass reads; at N = 65536 (the default) it is 63 MB, and a pass costs 15% less CPU time
-(docs/benchmarks.md). Speculation stays lossless: the target verifies, and a sampled draft's q is the
+(docs/benchmarks/journal.md). Speculation stays lossless: the target verifies, and a sampled draft's q is the
 distribution it was drawn from (zero outside the subset).
 """
 
