@@ -63,6 +63,8 @@ class UsageRecord:
     cascade_accepted: bool | None = None
     constraint_kind: str | None = None
     original_prompt_tokens: int | None = None
+    cache_write_5m_tokens: int = 0  # prompt tokens written under a 5-minute cache breakpoint (billed as writes)
+    cache_write_1h_tokens: int = 0  # prompt tokens written under a 1-hour cache breakpoint
 
     @property
     def uncached_prompt_tokens(self) -> int:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from carpool.engine.config import EngineConfig
 from carpool.engine.llm_engine import LLMEngine, StepStats
 from carpool.engine.outputs import RequestOutput
-from carpool.engine.request import EngineRequest
+from carpool.engine.request import CacheBreakpoint, EngineRequest
 from carpool.engine.sampling_params import SamplingParams
 from carpool.engine.tiers import DEFAULT_TIER
 from carpool.engine.warmup import warm_up
@@ -182,10 +182,11 @@ class AsyncEngine:
         params: SamplingParams,
         tier: str = DEFAULT_TIER,
         cache_salt: str | None = None,
+        cache_breakpoints: tuple[CacheBreakpoint, ...] = (),
     ) -> EngineRequest:
         """The engine's door (LLMEngine.request), on the caller's thread: ValueError naming the field, or
         ContextLengthExceeded, before anything is queued."""
-        return self.engine.request(request_id, prompt, params, tier, cache_salt)
+        return self.engine.request(request_id, prompt, params, tier, cache_salt, cache_breakpoints)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         if self.error is not None:

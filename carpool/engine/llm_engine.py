@@ -13,7 +13,7 @@ from carpool.engine.detokenizer import Detokenizer
 from carpool.engine.kv_pools import kv_pool_sizes
 from carpool.engine.model_runner import ModelRunner
 from carpool.engine.outputs import RequestOutput
-from carpool.engine.request import EngineRequest
+from carpool.engine.request import CacheBreakpoint, EngineRequest
 from carpool.engine.sampling_params import SamplingParams, check_text
 from carpool.engine.scheduler import ScheduledBatch, Scheduler
 from carpool.engine.sequence import Sequence
@@ -152,6 +152,7 @@ class LLMEngine:
         params: SamplingParams,
         tier: str = DEFAULT_TIER,
         cache_salt: str | None = None,
+        cache_breakpoints: tuple[CacheBreakpoint, ...] = (),
     ) -> EngineRequest:
         """The engine's door: the one place a request is tokenized and checked. ValueError naming the field
         (ContextLengthExceeded when it does not fit) unless it can run. Reads nothing that changes while the
@@ -170,7 +171,15 @@ class LLMEngine:
         bad_words = self._check_params(params)
         if params.structured is not None:  # compiled here, so a bad grammar is the caller's 400, not the loop's
             params = dataclasses.replace(params, structured=self.grammars.bind(params.structured))
-        return EngineRequest(request_id, token_ids, params, tier, cache_salt, bad_words_token_ids=bad_words)
+        return EngineRequest(
+            request_id,
+            token_ids,
+            params,
+            tier,
+            cache_salt,
+            bad_words_token_ids=bad_words,
+            cache_breakpoints=tuple(cache_breakpoints),
+        )
 
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
         """A prompt's token ids: text through the tokenizer, token ids as given (`request()` checks them)."""

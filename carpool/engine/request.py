@@ -8,6 +8,15 @@ from carpool.engine.tiers import BY_NAME, DEFAULT_TIER
 
 
 @dataclass(frozen=True)
+class CacheBreakpoint:
+    """A prompt prefix of `num_tokens` tokens to keep cached for `ttl_seconds` (300 or 3600): an Anthropic
+    `cache_control` breakpoint, as token positions."""
+
+    num_tokens: int
+    ttl_seconds: float
+
+
+@dataclass(frozen=True)
 class EngineRequest:
     """Made by `LLMEngine.request()` (or `AsyncEngine.request()`, the same door on the server's thread), which
     checks everything about it that can be wrong: the prompt's token ids are in the vocabulary, prompt plus
@@ -21,6 +30,7 @@ class EngineRequest:
     cache_salt: str | None = None  # whose cached prefixes it may reuse (None: the shared cache)
     arrival_time: float = field(default_factory=time.monotonic)  # when it came to the door, for queue time
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # params.bad_words as the model spells them
+    cache_breakpoints: tuple[CacheBreakpoint, ...] = ()
 
     @property
     def priority(self) -> int:
