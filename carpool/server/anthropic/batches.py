@@ -126,9 +126,12 @@ def create_message_batches_router(batches: BatchService, gate: Gate) -> APIRoute
         row = _visible(request, batch_id)
         if row["status"] not in _ENDED:
             raise APIError(404, f"Message batch {batch_id!r} has not ended: its results come when it does.")
-        files = [store.file_path(row[name]) for name in ("output_file_id", "error_file_id") if row[name]]
+        if _cancelled_before_running(row):
+            lines = (_canceled_line(raw) for _, raw in iter_lines(store.file_path(row["input_file_id"])))
+        else:
+            files = [store.file_path(row[name]) for name in ("output_file_id", "error_file_id") if row[name]]
+            lines = (_result_line(raw) for path in files for _, raw in iter_lines(path))
         # A generator of plain lines: Starlette reads it on a worker thread, a page of the file at a time.
-        lines = (_result_line(raw) for path in files for _, raw in iter_lines(path))
         return StreamingResponse(lines, media_type="application/binary")
 
     def _visible(request: Request, batch_id: str) -> dict:
@@ -142,6 +145,8 @@ def create_message_batches_router(batches: BatchService, gate: Gate) -> APIRoute
         counts = {"processing": 0, "succeeded": 0, "errored": 0, "canceled": 0, "expired": 0}
         if not ended:  # as Anthropic counts: every request is processing until the whole batch ends
             counts["processing"] = row["total"]
+        elif _cancelled_before_running(row):
+            counts["canceled"] = sum(1 for _ in iter_lines(store.file_path(row["input_file_id"])))
         else:
             counts["succeeded"] = row["completed"]
             if row["error_file_id"]:
@@ -200,6 +205,16 @@ def _input_lines(body, max_requests: int) -> bytes:
         line = {"custom_id": custom_id, "method": "POST", "url": ENDPOINT, "body": item["params"]}
         lines.append(json.dumps(line, ensure_ascii=False) + "\n")
     return "".join(lines).encode()
+
+
+def _cancelled_before_running(row: dict) -> bool:
+    """Cancelled before its lines were even checked: the runner answered none of them (an OpenAI batch then has
+    no files), but each of a message batch's requests is a result, `canceled`."""
+    return row["status"] == "cancelled" and row["in_progress_at"] is None
+
+
+def _canceled_line(raw: bytes) -> str:
+    return json.dumps({"custom_id": json.loads(raw)["custom_id"], "result": {"type": "canceled"}}) + "\n"
 
 
 def _result_type(record: dict) -> str:

@@ -7,8 +7,9 @@ counts as one), and a 1-hour breakpoint may not come after a 5-minute one. Both 
 
 The chat template renders the conversation as a whole (Qwen's puts the tools inside the system turn, after the
 system text), so a block's end has no place in the prompt's text until rendered: the request is rendered again cut
-after the marked block (later tools, later system blocks, or every later message and block dropped; no generation
-prompt), and the breakpoint is the length of the common token prefix of that rendering and the full prompt's.
+after the marked block (for a tool: later tools and every message dropped; for a system block: later system
+blocks and every message; for a message block: every later block and message; no generation prompt), and the
+breakpoint is the length of the common token prefix of that rendering and the full prompt's.
 A cut's rendering differs from the full prompt only after the block, so the common prefix ends at the block's end
 (or a token short of it, where a token spans the block's end and what follows it in the full prompt).
 """
@@ -16,10 +17,14 @@ A cut's rendering differs from the full prompt only after the block, so the comm
 from dataclasses import dataclass
 from itertools import pairwise
 
-from carpool.server.anthropic.protocol import CacheControl, CountTokensRequest, ToolChoice
+from carpool.server.anthropic.protocol import CacheControl, CountTokensRequest, MessageParam, TextBlock, ToolChoice
 from carpool.server.errors import APIError
 
 MAX_BREAKPOINTS = 4
+# A user turn no message starts like: its text is a control character no client writes first.
+_SENTINEL = MessageParam.model_construct(
+    role="user", content=[TextBlock.model_construct(type="text", text="\x00", cache_control=None)]
+)
 
 
 @dataclass(frozen=True)
@@ -92,9 +97,14 @@ def cut(request: CountTokensRequest, mark: Mark) -> CountTokensRequest:
         # A named tool may be one of those dropped; the tools render the same whatever the choice (but "none").
         if choice is not None and choice.type != "none":
             choice = ToolChoice(type="auto")
-        return request.model_copy(update={"tools": request.tools[: mark.tool + 1], "tool_choice": choice})
+        # No messages; but a template needs some turn, and with no system a user turn that differs from the
+        # first message at its first character (the common prefix then takes in that turn's header too: the
+        # tokens every conversation with these tools starts its first message with).
+        messages = [] if request.system else [_SENTINEL]
+        update = {"tools": request.tools[: mark.tool + 1], "tool_choice": choice, "messages": messages}
+        return request.model_copy(update=update)
     if mark.system is not None:
-        return request.model_copy(update={"system": request.system[: mark.system + 1]})
+        return request.model_copy(update={"system": request.system[: mark.system + 1], "messages": []})
     message = request.messages[mark.message]
     if isinstance(message.content, list):
         message = message.model_copy(update={"content": message.content[: mark.block + 1]})
