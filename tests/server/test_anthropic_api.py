@@ -303,6 +303,7 @@ def test_message_batch_end_to_end_at_the_batch_tier(server, client):
     ]
     batch = client.messages.batches.create(requests=requests)
     assert batch.id.startswith("msgbatch_") and batch.processing_status == "in_progress"
+    assert batch.request_counts.processing == 3
     batch = _wait_for_end(client, batch.id)
     counts = batch.request_counts
     assert (counts.succeeded, counts.errored, counts.canceled, counts.expired, counts.processing) == (2, 1, 0, 0, 0)

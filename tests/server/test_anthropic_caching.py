@@ -4,15 +4,18 @@ engine request carries them, and the rules on count and TTL order; plus the stop
 of the official SDK for every status the server answers."""
 
 import asyncio
+from types import SimpleNamespace
 
 import anthropic
 import pytest
 from fastapi import FastAPI, Request
 from live_server import ServedApp
 
-from carpool.economics.contract import Principal
+from carpool.economics.contract import Principal, UsageRecord
 from carpool.engine.outputs import RequestOutput
 from carpool.engine.request import CacheBreakpoint
+from carpool.models.loader import resolve_model_dir
+from carpool.models.tokenizer import Tokenizer
 from carpool.server.admission import TierQueues
 from carpool.server.anthropic.caching import marks
 from carpool.server.anthropic.convert import cache_breakpoints, checked_chat_request, start_message
@@ -23,7 +26,7 @@ from carpool.server.errors import APIError, install_error_handlers
 from carpool.server.gate import RecordingGate
 from carpool.server.generation import Backends
 from carpool.server.metrics import ServerMetrics
-from carpool.server.serving import Serving
+from carpool.server.serving import ModelServing, Serving
 
 SYSTEM = ["You are a careful assistant who answers questions about the weather.", "Always answer in English."]
 FIRST, SECOND = "What is the weather like in Paris today?", "And in Rome tomorrow, please?"
@@ -168,3 +171,64 @@ def test_an_unhandled_error_is_an_api_error_500_with_a_request_id():
         answer = http.post("/v1/messages", json={})
     assert answer.status_code == 500 and answer.json()["error"]["type"] == "api_error"
     assert "request-id" in answer.headers
+
+
+class _TokenizerOnly:
+    """What ModelServing reads of an engine to render and count a chat prompt: its tokenizer, no weights."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def tokenize(self, prompt: str) -> list[int]:
+        return self.tokenizer.encode(prompt)
+
+
+TOOLS = [
+    {"name": "get_weather", "description": "The weather in a city", "input_schema": {"type": "object"}},
+    {"name": "get_time", "description": "The time in a zone", "input_schema": {"type": "object"}},
+]
+
+
+@pytest.mark.parametrize("system", [None, SYSTEM[0]])
+def test_a_tool_breakpoint_ends_with_its_tool_in_qwens_template(system):
+    """Qwen renders the tools inside the system turn, after the system text: a breakpoint on the last tool ends
+    with the tools, not with the whole prompt, with a system prompt or without one."""
+    tokenizer = Tokenizer.from_dir(resolve_model_dir("qwen2.5-coder-0.5b"))
+    model = ModelServing(Backends(_TokenizerOnly(tokenizer), RecordingGate(), None, TierQueues(4), "m"))
+    for marked in (0, 1):
+        tools = [
+            tool | ({"cache_control": {"type": "ephemeral"}} if i == marked else {}) for i, tool in enumerate(TOOLS)
+        ]
+        request = _request(tools=tools, system=system) if system else _request(tools=tools, system=None)
+        chat = checked_chat_request(request)
+        [breakpoint] = cache_breakpoints(request, model, chat)
+        text = tokenizer.decode(model.chat_prompt_ids(chat)[: breakpoint.num_tokens])
+        assert TOOLS[marked]["description"] in text and FIRST not in text
+        assert (TOOLS[1]["description"] in text) == (marked == 1)
+
+
+def test_usage_splits_the_prompt_into_reads_writes_by_ttl_and_the_rest(tokenizer):
+    record = UsageRecord(
+        request_id="chatcmpl-1",
+        model="m",
+        tier="batch",
+        prompt_tokens=3000,
+        cached_tokens=1200,
+        cache_write_tokens=1500,
+        output_tokens=7,
+        queue_seconds=0,
+        prefill_seconds=0,
+        decode_seconds=0,
+        finish_reason="stop",
+        cache_write_5m_tokens=500,
+        cache_write_1h_tokens=1000,
+    )
+    usage = MessageFormat.usage(SimpleNamespace(usage_record=lambda: record))
+    assert usage == {
+        "input_tokens": 300,
+        "cache_creation_input_tokens": 1500,
+        "cache_read_input_tokens": 1200,
+        "cache_creation": {"ephemeral_5m_input_tokens": 500, "ephemeral_1h_input_tokens": 1000},
+        "output_tokens": 7,
+        "service_tier": "batch",
+    }

@@ -143,7 +143,9 @@ def create_message_batches_router(batches: BatchService, gate: Gate) -> APIRoute
     def _batch_object(row: dict, request: Request) -> dict:
         ended = row["status"] in _ENDED
         counts = {"processing": 0, "succeeded": 0, "errored": 0, "canceled": 0, "expired": 0}
-        if not ended:  # as Anthropic counts: every request is processing until the whole batch ends
+        if row["status"] == "validating":  # a moment after creation: the runner has not counted the lines yet
+            counts["processing"] = sum(1 for _ in iter_lines(store.file_path(row["input_file_id"])))
+        elif not ended:  # as Anthropic counts: every request is processing until the whole batch ends
             counts["processing"] = row["total"]
         elif _cancelled_before_running(row):
             counts["canceled"] = sum(1 for _ in iter_lines(store.file_path(row["input_file_id"])))
