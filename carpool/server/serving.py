@@ -436,7 +436,9 @@ class ModelServing:
         """Through the engine's door: the one check of the prompt's ids, its length and the params' tokens."""
         fields = type(request).model_fields
         try:
-            return self.engine.request(request_id, prompt_ids, params, tier, cache_salt, cache_breakpoints)
+            return self.engine.request(
+                request_id, prompt_ids, params, tier, cache_salt, cache_breakpoints=cache_breakpoints
+            )
         except ContextLengthExceeded as error:
             raise APIError.from_value_error(error, fields, renamed, code="context_length_exceeded") from error
         except ValueError as error:

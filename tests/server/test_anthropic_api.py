@@ -372,3 +372,19 @@ def _wait_for_end(client, batch_id: str, timeout: float = 240):
             return batch
         assert time.monotonic() < deadline, batch
         time.sleep(0.2)
+
+
+def test_cache_control_breakpoints_are_taken_and_count_tokens_agrees(client):
+    ask = {
+        "model": SMOL,
+        "system": [{"type": "text", "text": "You are terse.", "cache_control": {"type": "ephemeral", "ttl": "1h"}}],
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "Say hi.", "cache_control": {"type": "ephemeral"}}]}
+        ],
+        "cache_control": {"type": "ephemeral"},
+    }
+    usage = client.messages.create(max_tokens=2, **ask).usage
+    counted = client.messages.count_tokens(**ask).input_tokens
+    assert counted == usage.input_tokens + usage.cache_read_input_tokens + usage.cache_creation_input_tokens
+    creation = usage.cache_creation
+    assert usage.cache_creation_input_tokens == creation.ephemeral_5m_input_tokens + creation.ephemeral_1h_input_tokens

@@ -232,3 +232,17 @@ def test_usage_splits_the_prompt_into_reads_writes_by_ttl_and_the_rest(tokenizer
         "output_tokens": 7,
         "service_tier": "batch",
     }
+
+
+def test_marks_that_end_at_one_token_are_one_breakpoint_for_the_door():
+    """Qwen renders the tools after the system text: a breakpoint on the last tool and one on the last system
+    block both end the system turn. The door takes ascending prefixes with TTLs that never grow."""
+    tokenizer = Tokenizer.from_dir(resolve_model_dir("qwen2.5-coder-0.5b"))
+    model = ModelServing(Backends(_TokenizerOnly(tokenizer), RecordingGate(), None, TierQueues(4), "m"))
+    tools = [TOOLS[0], TOOLS[1] | {"cache_control": {"type": "ephemeral", "ttl": "1h"}}]
+    system = [{"type": "text", "text": SYSTEM[0], "cache_control": {"type": "ephemeral"}}]
+    request = _request(tools=tools, system=system, cache_control={"type": "ephemeral"})
+    chat = checked_chat_request(request)
+    breakpoints = cache_breakpoints(request, model, chat)
+    assert [point.ttl_seconds for point in breakpoints] == [3600, 300]
+    assert breakpoints[0].num_tokens < breakpoints[1].num_tokens < len(model.chat_prompt_ids(chat))

@@ -206,13 +206,29 @@ def cache_breakpoints(
     if not found:
         return ()
     full = model.chat_prompt_ids(chat)
-    return tuple(
-        CacheBreakpoint(
-            common_prefix_length(full, model.chat_prompt_ids(chat_request(cut(request, mark)), False)),
-            mark.control.ttl_seconds,
-        )
-        for mark in found
+    return _for_the_door(
+        [
+            CacheBreakpoint(
+                common_prefix_length(full, model.chat_prompt_ids(chat_request(cut(request, mark)), False)),
+                mark.control.ttl_seconds,
+            )
+            for mark in found
+        ]
     )
+
+
+def _for_the_door(breakpoints: list[CacheBreakpoint]) -> tuple[CacheBreakpoint, ...]:
+    """Ascending prefixes whose TTLs never grow, as the engine's door takes them. A template may put two marked
+    blocks' ends at one token (Qwen renders the tools after the system text, so the last tool and the last system
+    block both end the system turn), or in another order than Anthropic's: a prefix that a longer prefix pinned at
+    least as long contains is pinned by that one already (its blocks are the longer prefix's first blocks)."""
+    kept: list[CacheBreakpoint] = []
+    for point in sorted(breakpoints, key=lambda point: (point.num_tokens, -point.ttl_seconds)):
+        while kept and kept[-1].ttl_seconds <= point.ttl_seconds:
+            kept.pop()
+        if not kept or kept[-1].num_tokens < point.num_tokens:
+            kept.append(point)
+    return tuple(kept)
 
 
 def count_tokens(serving: Serving, request: CountTokensRequest) -> dict:
