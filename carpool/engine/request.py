@@ -19,6 +19,9 @@ class CacheBreakpoint:
     ttl_seconds: float
 
 
+MAX_CACHE_BREAKPOINTS = 4
+
+
 @dataclass(frozen=True)
 class EngineRequest:
     """Made by `LLMEngine.request()` (or `AsyncEngine.request()`, the same door on the server's thread), which

@@ -2,8 +2,8 @@
 prompt tokens (a CacheBreakpoint for the engine's door).
 
 A breakpoint on a block caches the prompt up to and including that block, in the order tools, system, messages.
-At most MAX_BREAKPOINTS per request (a top-level `cache_control`, which marks the last block of the last message,
-counts as one), and a 1-hour breakpoint may not come after a 5-minute one. Both are 400s naming the block.
+At most MAX_CACHE_BREAKPOINTS (4) per request (a top-level `cache_control`, which marks the last block of the last
+message, counts as one), and a 1-hour breakpoint may not come after a 5-minute one. Both are 400s naming the block.
 
 The chat template renders the conversation as a whole (Qwen's puts the tools inside the system turn, after the
 system text), so a block's end has no place in the prompt's text until rendered: the request is rendered again cut
@@ -17,10 +17,10 @@ A cut's rendering differs from the full prompt only after the block, so the comm
 from dataclasses import dataclass
 from itertools import pairwise
 
+from carpool.engine.request import MAX_CACHE_BREAKPOINTS
 from carpool.server.anthropic.protocol import CacheControl, CountTokensRequest, MessageParam, TextBlock, ToolChoice
 from carpool.server.errors import APIError
 
-MAX_BREAKPOINTS = 4
 # A user turn no message starts like: its text is a control character no client writes first.
 _SENTINEL = MessageParam.model_construct(
     role="user", content=[TextBlock.model_construct(type="text", text="\x00", cache_control=None)]
@@ -72,11 +72,11 @@ def marks(request: CountTokensRequest) -> list[Mark]:
                 f"cache_control: the last block ({last.where}) has a cache_control of another ttl already",
                 param="cache_control",
             )
-    if len(found) > MAX_BREAKPOINTS:
+    if len(found) > MAX_CACHE_BREAKPOINTS:
         raise APIError(
             400,
-            f"{found[MAX_BREAKPOINTS].where}.cache_control: at most {MAX_BREAKPOINTS} blocks may have cache_control "
-            f"(a top-level cache_control counts as one), got {len(found)}",
+            f"{found[MAX_CACHE_BREAKPOINTS].where}.cache_control: at most {MAX_CACHE_BREAKPOINTS} blocks may have "
+            f"cache_control (a top-level cache_control counts as one), got {len(found)}",
             param="cache_control",
         )
     for before, after in pairwise(found):
