@@ -92,7 +92,10 @@ def test_breakpoints_reach_the_engine_request_in_prompt_order(serving):
         await gen.done.wait()
         return gen.choices[0].request
 
-    engine_request = asyncio.run(started(_marked(_marked(_request(), "system0", "1h"), "message1")))
+    # Past the minimum cacheable prefix (1024 tokens by default), below which the door drops a breakpoint.
+    long_system = [{"type": "text", "text": "The weather is mild and dry today. " * 200}, {"type": "text", "text": "x"}]
+    request = _marked(_marked(_request(system=long_system), "system0", "1h"), "message1")
+    engine_request = asyncio.run(started(request))
     breakpoints = engine_request.cache_breakpoints
     assert [b.ttl_seconds for b in breakpoints] == [3600, 300]
     assert breakpoints[0].num_tokens < breakpoints[1].num_tokens <= len(engine_request.prompt_token_ids)
