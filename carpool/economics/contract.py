@@ -63,6 +63,10 @@ class UsageRecord:
     cascade_accepted: bool | None = None
     constraint_kind: str | None = None
     original_prompt_tokens: int | None = None
+    # Prompt tokens written under a cache breakpoint's TTL pin (Anthropic's cache_control), by TTL: not in
+    # cache_write_tokens. A TTL up to 5 minutes counts as 5m, a longer one as 1h.
+    cache_write_5m_tokens: int = 0
+    cache_write_1h_tokens: int = 0
 
     @property
     def uncached_prompt_tokens(self) -> int:

@@ -9,7 +9,7 @@ the engine runs, so the server calls it on its own thread and bad input never re
 import dataclasses
 import functools
 
-from carpool.engine.request import EngineRequest
+from carpool.engine.request import CacheBreakpoint, EngineRequest
 from carpool.engine.sampling_params import SamplingParams, check_text
 from carpool.engine.structured.grammars import GrammarCompiler
 from carpool.engine.tiers import BY_NAME, DEFAULT_TIER, TIER_NAMES
@@ -42,6 +42,7 @@ class RequestDoor:
         params: SamplingParams,
         tier: str = DEFAULT_TIER,
         cache_salt: str | None = None,
+        cache_breakpoints: tuple[CacheBreakpoint, ...] = (),
     ) -> EngineRequest:
         """A request that can run, settled: its tier checked, its prompt as token ids in the vocabulary, its
         `max_tokens` fixed (None: the rest of the window, as OpenAI's chat does) and fitting the window and the KV
@@ -64,7 +65,15 @@ class RequestDoor:
         bad_words = self._check_params(params)
         if params.structured is not None:  # compiled here, so a bad grammar is the caller's 400, not the loop's
             params = dataclasses.replace(params, structured=self.grammars.bind(params.structured))
-        return EngineRequest(request_id, token_ids, params, tier, cache_salt, bad_words_token_ids=bad_words)
+        return EngineRequest(
+            request_id,
+            token_ids,
+            params,
+            tier,
+            cache_salt,
+            bad_words_token_ids=bad_words,
+            cache_breakpoints=tuple(cache_breakpoints),
+        )
 
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
         """A prompt's token ids: text through the tokenizer, token ids as given (`request()` checks them)."""

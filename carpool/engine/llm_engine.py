@@ -13,7 +13,7 @@ from carpool.engine.door import RequestDoor
 from carpool.engine.kv_pools import kv_pool_sizes
 from carpool.engine.model_runner import ModelRunner
 from carpool.engine.outputs import RequestOutput
-from carpool.engine.request import EngineRequest
+from carpool.engine.request import CacheBreakpoint, EngineRequest
 from carpool.engine.sampling_params import SamplingParams
 from carpool.engine.scheduler import ScheduledBatch, Scheduler
 from carpool.engine.sequence import Sequence
@@ -148,10 +148,11 @@ class LLMEngine:
         params: SamplingParams,
         tier: str = DEFAULT_TIER,
         cache_salt: str | None = None,
+        cache_breakpoints: tuple[CacheBreakpoint, ...] = (),
     ) -> EngineRequest:
         """Through the engine's door (carpool.engine.door): a checked, settled request, or ValueError naming the
         field."""
-        return self.door.request(request_id, prompt, params, tier, cache_salt)
+        return self.door.request(request_id, prompt, params, tier, cache_salt, cache_breakpoints)
 
     def add_request(
         self,

@@ -8,6 +8,21 @@ from carpool.engine.tiers import BY_NAME, DEFAULT_TIER
 
 
 @dataclass(frozen=True)
+class CacheBreakpoint:
+    """Keep the prompt's first `num_tokens` tokens cached for `ttl_seconds` (300 or 3600 on the Anthropic route),
+    renewed by every request that reads them: their full KV blocks are pinned, out of LRU eviction's reach
+    (carpool.engine.block_manager). The pins live in the prefix cache that every route shares, under the tenant's
+    salt: a prefix pinned through /v1/messages is read by /v1/chat/completions (automatic caching) when the tenant
+    salt and the tokens match, and such a read renews the pin as any hit does."""
+
+    num_tokens: int
+    ttl_seconds: float
+
+
+MAX_CACHE_BREAKPOINTS = 4
+
+
+@dataclass(frozen=True)
 class EngineRequest:
     """Made by `LLMEngine.request()` (or `AsyncEngine.request()`, the same door on the server's thread), which
     checks everything about it that can be wrong: the prompt's token ids are in the vocabulary, prompt plus
@@ -21,6 +36,8 @@ class EngineRequest:
     cache_salt: str | None = None  # whose cached prefixes it may reuse (None: the shared cache)
     arrival_time: float = field(default_factory=time.monotonic)  # when it came to the door, for queue time
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # params.bad_words as the model spells them
+    # Prefixes to pin, ascending; the door drops those shorter than the engine's cache_min_tokens.
+    cache_breakpoints: tuple[CacheBreakpoint, ...] = ()
 
     @property
     def priority(self) -> int:

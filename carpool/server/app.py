@@ -16,6 +16,8 @@ from carpool.economics.contract import Gate, GateError, Principal
 from carpool.engine.async_engine import AsyncEngine
 from carpool.server import limits
 from carpool.server.admission import TierQueues, register_queue_metrics
+from carpool.server.anthropic.errors import AnthropicErrors
+from carpool.server.anthropic.routes import anthropic_routers
 from carpool.server.auth import Authenticate, request_principal
 from carpool.server.batch.service import BatchService
 from carpool.server.body_limit import BodyLimit
@@ -23,6 +25,7 @@ from carpool.server.cascade.config import Cascade
 from carpool.server.cascade.runner import CascadeServing
 from carpool.server.compression import CompressionService
 from carpool.server.dashboard import dashboard_router
+from carpool.server.disconnect import CLIENT_CLOSED_REQUEST, finished_before_disconnect
 from carpool.server.errors import APIError, error_body, install_error_handlers
 from carpool.server.gate import OpenGate
 from carpool.server.generation import Backends, Generation, GenerationFailed
@@ -37,9 +40,6 @@ from carpool.server.protocol import (
 from carpool.server.request_id import RequestId
 from carpool.server.responses import ChatFormat, CompletionFormat
 from carpool.server.serving import Serving
-
-CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the response
-
 
 Caller = Annotated[Principal, Depends(request_principal)]
 
@@ -92,11 +92,16 @@ def create_app(
     install_error_handlers(app)
     # A batch input file may be far larger than any single request (multipart overhead allowed for).
     uploads = {"/v1/files": batches.limits.max_file_bytes + 2**20} if batches else {}
+    if batches:  # a Message Batches body holds its requests inline, as large as an input file
+        uploads["/v1/messages/batches"] = batches.limits.max_file_bytes
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes, path_limits=uploads)
     app.add_middleware(Authenticate, gate=gate)  # before the body limit: nobody unknown gets a body read
+    app.add_middleware(AnthropicErrors)  # Anthropic's error shape on /v1/messages, whoever refused the request
     app.add_middleware(RequestId)  # outermost: every response carries x-request-id, a 401 or 413 too
     if batches:
         app.include_router(batches.router)
+    for router in anthropic_routers(serving, batches, gate):
+        app.include_router(router)
     # Admin-only whenever keys come from a key store (which has admins), not only when the ledger panels are
     # shown: a later panel must not reach tenants because a caller left `ledger_panels` out.
     app.include_router(
@@ -218,7 +223,7 @@ async def _respond(
             headers={"Cache-Control": "no-cache"} | (headers or {}),
             background=BackgroundTask(gen.cancel),
         )
-    if not await _finished_before_disconnect(request, gen):
+    if not await finished_before_disconnect(request, gen):
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     try:
         await gen.wait()
@@ -247,21 +252,3 @@ async def _events(gen: Generation, fmt: ChatFormat | CompletionFormat, include_u
 
 def _event(body: dict) -> str:
     return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
-
-
-async def _finished_before_disconnect(request: Request, gen: Generation) -> bool:
-    """Wait for a whole (non-streamed) response; a client that hangs up first cancels its generation."""
-
-    async def disconnected():
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watcher, finished = asyncio.create_task(disconnected()), asyncio.create_task(gen.done.wait())
-    try:
-        await asyncio.wait({watcher, finished}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        finished.cancel()
-        if not gen.done.is_set():
-            gen.cancel()
-    return gen.done.is_set()

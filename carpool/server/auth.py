@@ -42,5 +42,8 @@ def request_principal(request: Request) -> Principal:
 
 
 def bearer_key(headers: dict[bytes, bytes]) -> str | None:
+    """The key of `Authorization: Bearer`, else of `x-api-key` (what Anthropic's clients send): the same keys."""
     scheme, _, key = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
-    return (key.strip() or None) if scheme.lower() == "bearer" else None
+    if scheme.lower() == "bearer" and key.strip():
+        return key.strip()
+    return headers.get(b"x-api-key", b"").decode("latin-1").strip() or None

@@ -8,7 +8,7 @@ import uuid
 
 from carpool.economics.contract import Principal
 from carpool.engine.door import ContextLengthExceeded
-from carpool.engine.request import EngineRequest
+from carpool.engine.request import CacheBreakpoint, EngineRequest
 from carpool.engine.sampling_params import SamplingParams
 from carpool.engine.structured import StructuredOutput
 from carpool.engine.tiers import BY_PRIORITY, DEFAULT_TIER
@@ -65,8 +65,10 @@ class Serving:
     def compile_constraint(self, request: GenerationRequest, spec: StructuredOutput) -> None:
         self.model(request.model).compile_constraint(spec)
 
-    def start_chat(self, request: ChatCompletionRequest, principal: Principal) -> tuple[Generation, ChatFormat]:
-        return self.model(request.model).start_chat(request, principal)
+    def start_chat(
+        self, request: ChatCompletionRequest, principal: Principal, cache_breakpoints: tuple[CacheBreakpoint, ...] = ()
+    ) -> tuple[Generation, ChatFormat]:
+        return self.model(request.model).start_chat(request, principal, cache_breakpoints=cache_breakpoints)
 
     async def started(self, start, request: GenerationRequest, principal: Principal):
         """`start(request, principal)` (start_chat or start_completion). With a gate whose admission is a round
@@ -110,7 +112,9 @@ class ModelServing:
         self.model_name = backends.model_name
         self.tokenizer = backends.engine.tokenizer
 
-    def chat_prompt(self, messages: list[ChatMessage], tools: list[dict] | None = None) -> str:
+    def chat_prompt(
+        self, messages: list[ChatMessage], tools: list[dict] | None = None, add_generation_prompt: bool = True
+    ) -> str:
         turns = [
             {"role": "system" if m.role == "developer" else m.role, "content": m.text}
             | ({"name": m.name} if m.name is not None else {})
@@ -135,16 +139,28 @@ class ModelServing:
             for m in messages
         ]
         try:
-            return self.tokenizer.apply_chat_template(turns, tools=tools)
+            return self.tokenizer.apply_chat_template(turns, add_generation_prompt, tools=tools)
         except Exception as error:  # a chat template is code run on the caller's input: its failures are theirs
             message = str(error) if str(error).startswith("messages") else f"messages: {error}"
             raise APIError(400, message, param="messages") from error
 
+    def chat_prompt_ids(self, request: ChatCompletionRequest, add_generation_prompt: bool = True) -> list[int]:
+        """The token ids of the prompt a chat request runs: its messages and (unless tool_choice is "none") its
+        tools through the chat template."""
+        tools = self._tools(request)[0]
+        prompt = self.chat_prompt(request.messages, tools, add_generation_prompt)
+        return self._tokenize(prompt, request, {"prompt": "messages"})
+
     # Generation -----------------------------------------------------------------------------------------
 
     def start_chat(
-        self, request: ChatCompletionRequest, principal: Principal, check_only: bool = False
+        self,
+        request: ChatCompletionRequest,
+        principal: Principal,
+        check_only: bool = False,
+        cache_breakpoints: tuple[CacheBreakpoint, ...] = (),
     ) -> tuple[Generation, ChatFormat] | None:
+        """`cache_breakpoints`: prefixes of the prompt to keep cached for a TTL (the Anthropic route's)."""
         renamed = {"prompt": "messages"}
         if request.max_completion_tokens is not None:
             renamed["max_tokens"] = "max_completion_tokens"
@@ -163,6 +179,7 @@ class ModelServing:
             renamed,
             structured=structured or self._structured(request),
             check_only=check_only,
+            cache_breakpoints=cache_breakpoints,
         )
         if check_only:
             return None
@@ -287,6 +304,7 @@ class ModelServing:
         echoes: list[str | list[int]] | None = None,
         structured: StructuredOutput | None = None,
         check_only: bool = False,
+        cache_breakpoints: tuple[CacheBreakpoint, ...] = (),
     ) -> Generation | None:
         """Each prompt runs best_of (default n) candidates; with best_of > n the n best of each are returned.
         check_only: every check, then None (nothing reserved or admitted)."""
@@ -320,7 +338,14 @@ class ModelServing:
                 )
                 try:
                     engine_request = self._engine_request(
-                        request, f"{request_id}-{len(choices)}", prompt_ids, params, tier, cache_salt, renamed
+                        request,
+                        f"{request_id}-{len(choices)}",
+                        prompt_ids,
+                        params,
+                        tier,
+                        cache_salt,
+                        renamed,
+                        cache_breakpoints,
                     )
                 except APIError as error:  # a prompt still to be compressed may be longer than the context
                     if (
@@ -405,11 +430,14 @@ class ModelServing:
         tier: str,
         cache_salt: str | None,
         renamed: dict,
+        cache_breakpoints: tuple[CacheBreakpoint, ...] = (),
     ) -> EngineRequest:
         """Through the engine's door: the one check of the prompt's ids, its length and the params' tokens."""
         fields = type(request).model_fields
         try:
-            return self.engine.door.request(request_id, prompt_ids, params, tier, cache_salt)
+            return self.engine.door.request(
+                request_id, prompt_ids, params, tier, cache_salt, cache_breakpoints=cache_breakpoints
+            )
         except ContextLengthExceeded as error:
             raise APIError.from_value_error(error, fields, renamed, code="context_length_exceeded") from error
         except ValueError as error:

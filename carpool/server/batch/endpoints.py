@@ -13,6 +13,8 @@ from pydantic import BaseModel, ValidationError
 
 from carpool.economics.contract import GateError, Principal
 from carpool.engine.tiers import BATCH_TIER
+from carpool.server.anthropic.convert import start_message
+from carpool.server.anthropic.protocol import MessagesRequest
 from carpool.server.batch.runner import BatchEndpoint, Outcome
 from carpool.server.batch.store import new_id
 from carpool.server.batch.validation import InvalidBody
@@ -86,4 +88,6 @@ def serving_endpoints(serving: Serving) -> dict[str, BatchEndpoint]:
         # Started as the live routes start theirs: the gate's admission off the event loop when it asks for it.
         "/v1/chat/completions": ServingEndpoint(ChatCompletionRequest, partial(serving.started, serving.start_chat)),
         "/v1/completions": ServingEndpoint(CompletionRequest, partial(serving.started, serving.start_completion)),
+        # Anthropic's Message Batches (carpool.server.anthropic.batches): lines of the Messages API.
+        "/v1/messages": ServingEndpoint(MessagesRequest, partial(serving.started, partial(start_message, serving))),
     }

@@ -48,7 +48,7 @@ def create_batch_router(store: BatchStore, runner: BatchRunner, gate: Gate, limi
                 param="purpose",
                 code="invalid_value",
             )
-        owner = _owner(_caller(request))
+        owner = owner_of(_caller(request))
         try:
             row = await asyncio.to_thread(
                 store.save_file,
@@ -73,7 +73,7 @@ def create_batch_router(store: BatchStore, runner: BatchRunner, gate: Gate, limi
     ):
         principal = _caller(request)
         rows, has_more = store.list_files(
-            _owner(principal), principal.is_admin, purpose, after, limit, newest_first=order == "desc"
+            owner_of(principal), principal.is_admin, purpose, after, limit, newest_first=order == "desc"
         )
         return list_object([file_object(row) for row in rows], has_more)
 
@@ -101,7 +101,7 @@ def create_batch_router(store: BatchStore, runner: BatchRunner, gate: Gate, limi
 
     def _visible_file(request: Request, file_id: str) -> dict:
         row = store.get_file(file_id)
-        if row is None or not _may_see(_caller(request), row):
+        if row is None or not may_see(_caller(request), row):
             raise APIError(404, f"No such file: {file_id!r}", param="file_id", code="not_found")
         return row
 
@@ -124,7 +124,7 @@ def create_batch_router(store: BatchStore, runner: BatchRunner, gate: Gate, limi
             )
         _check_metadata(body.metadata)
         input_file = store.get_file(body.input_file_id)
-        if input_file is None or not _may_see(principal, input_file):
+        if input_file is None or not may_see(principal, input_file):
             raise APIError(404, f"No such file: {body.input_file_id!r}", param="input_file_id", code="not_found")
         if input_file["purpose"] != "batch":
             raise APIError(
@@ -136,7 +136,7 @@ def create_batch_router(store: BatchStore, runner: BatchRunner, gate: Gate, limi
         gate.admit(principal, BATCH_TIER, 0)  # may this key use the batch tier, and has it budget left?
         now = int(time.time())
         row = store.create_batch(
-            owner=_owner(principal),
+            owner=owner_of(principal),
             key_id=principal.key_id,
             tenant=principal.tenant,
             endpoint=body.endpoint,
@@ -152,7 +152,7 @@ def create_batch_router(store: BatchStore, runner: BatchRunner, gate: Gate, limi
     @router.get("/v1/batches")
     def list_batches(request: Request, after: str | None = None, limit: Annotated[int, Query(ge=1, le=100)] = 20):
         principal = _caller(request)
-        rows, has_more = store.list_batches(_owner(principal), principal.is_admin, after, limit)
+        rows, has_more = store.list_batches(owner_of(principal), principal.is_admin, after, limit)
         return list_object([batch_object(row) for row in rows], has_more)
 
     @router.get("/v1/batches/{batch_id}")
@@ -177,7 +177,7 @@ def create_batch_router(store: BatchStore, runner: BatchRunner, gate: Gate, limi
 
     def _visible_batch(request: Request, batch_id: str) -> dict:
         row = store.get_batch(batch_id)
-        if row is None or not _may_see(_caller(request), row):
+        if row is None or not may_see(_caller(request), row):
             raise APIError(404, f"No such batch: {batch_id!r}", param="batch_id", code="not_found")
         return row
 
@@ -195,12 +195,12 @@ def _caller(request: Request) -> Principal:
     return request.state.principal
 
 
-def _owner(principal: Principal) -> str | None:
+def owner_of(principal: Principal) -> str | None:
     return principal.tenant or principal.key_id
 
 
-def _may_see(principal: Principal, row: dict) -> bool:
-    return principal.is_admin or row["owner"] == _owner(principal)
+def may_see(principal: Principal, row: dict) -> bool:
+    return principal.is_admin or row["owner"] == owner_of(principal)
 
 
 def _check_metadata(metadata: dict[str, str] | None) -> None:

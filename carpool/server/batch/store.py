@@ -340,9 +340,30 @@ class BatchStore:
         rows = self._query("SELECT * FROM batches WHERE id = ?", (batch_id,))
         return rows[0] if rows else None
 
-    def list_batches(self, owner: str | None, everyone: bool, after: str | None, limit: int) -> tuple[list[dict], bool]:
-        """Newest first, as OpenAI lists them."""
-        return self._page("batches", owner, everyone, after, limit, newest_first=True)
+    def list_batches(
+        self,
+        owner: str | None,
+        everyone: bool,
+        after: str | None,
+        limit: int,
+        endpoint: str | None = None,
+        newest_first: bool = True,
+    ) -> tuple[list[dict], bool]:
+        """Newest first, as OpenAI lists them; `endpoint`: only the batches of that endpoint."""
+        filters = [("endpoint = ?", endpoint)] if endpoint is not None else []
+        return self._page("batches", owner, everyone, after, limit, newest_first, filters)
+
+    def delete_batch(self, batch_id: str) -> None:
+        """A finished batch, its results and its files (input, output and error), for good."""
+        batch = self.get_batch(batch_id)
+        file_ids = [batch[name] for name in ("input_file_id", "output_file_id", "error_file_id") if batch[name]]
+        with self._lock, self._conn:
+            self._conn.execute("DELETE FROM results WHERE batch_id = ?", (batch_id,))
+            self._conn.execute("DELETE FROM batches WHERE id = ?", (batch_id,))
+            for file_id in file_ids:
+                self._conn.execute("DELETE FROM files WHERE id = ?", (file_id,))
+        for file_id in file_ids:
+            self.file_path(file_id).unlink(missing_ok=True)
 
     def active_batch_ids(self) -> list[str]:
         marks = ",".join("?" * len(ACTIVE))
