@@ -1,6 +1,5 @@
 """The OpenAI-compatible HTTP server: `create_app(engines, gate)` gives the ASGI app for one or more models."""
 
-import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -23,6 +22,7 @@ from carpool.server.cascade.config import Cascade
 from carpool.server.cascade.runner import CascadeServing
 from carpool.server.compression import CompressionService
 from carpool.server.dashboard import dashboard_router
+from carpool.server.disconnect import CLIENT_CLOSED_REQUEST, finished_before_disconnect
 from carpool.server.errors import APIError, error_body, install_error_handlers
 from carpool.server.gate import OpenGate
 from carpool.server.generation import Backends, Generation, GenerationFailed
@@ -36,10 +36,9 @@ from carpool.server.protocol import (
 )
 from carpool.server.request_id import RequestId
 from carpool.server.responses import ChatFormat, CompletionFormat
+from carpool.server.responses_api.routes import create_responses_router
+from carpool.server.responses_api.store import ResponseStore
 from carpool.server.serving import Serving
-
-CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the response
-
 
 Caller = Annotated[Principal, Depends(request_principal)]
 
@@ -74,6 +73,7 @@ def create_app(
     register_queue_metrics(metrics.registry, {backend.model_name: backend.queues for backend in backends})
     # The Batch API, if given a home; `batch_db`: the PostgreSQL URL replicas share its metadata in.
     batches = BatchService(serving, gate, batch_dir, db=batch_db) if batch_dir else None
+    responses = ResponseStore(batch_dir, db=batch_db)  # stored where the batches are (in memory without a home)
     started = int(time.time())
 
     @asynccontextmanager
@@ -85,6 +85,7 @@ def create_app(
         yield
         if batches:
             await batches.stop()
+        responses.close()
         for engine in engines.values():
             engine.stop()
 
@@ -97,6 +98,7 @@ def create_app(
     app.add_middleware(RequestId)  # outermost: every response carries x-request-id, a 401 or 413 too
     if batches:
         app.include_router(batches.router)
+    app.include_router(create_responses_router(serving, responses))
     # Admin-only whenever keys come from a key store (which has admins), not only when the ledger panels are
     # shown: a later panel must not reach tenants because a caller left `ledger_panels` out.
     app.include_router(
@@ -104,12 +106,6 @@ def create_app(
             engines, metrics, time.time(), batches, ledger_panels, admin_only=not isinstance(gate, OpenGate)
         )
     )
-
-    async def _compile_constraint(body: ChatCompletionRequest | CompletionRequest) -> None:
-        """Off the event loop (see ModelServing.compile_constraint), and no thread hop for requests without one."""
-        spec = serving.constraint(body)
-        if spec is not None:
-            await asyncio.to_thread(serving.compile_constraint, body, spec)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request, caller: Caller):
@@ -121,7 +117,7 @@ def create_app(
                 body.stream,
                 body.stream_options,
             )
-        await _compile_constraint(body)
+        await serving.precompile(body)
         started_chat = await serving.started(serving.start_chat, body, caller)
         return await _respond(
             request, *compression.started(started_chat, compressed), None, body.stream, body.stream_options
@@ -137,7 +133,7 @@ def create_app(
                 body.stream,
                 body.stream_options,
             )
-        await _compile_constraint(body)
+        await serving.precompile(body)
         started_completion = await serving.started(serving.start_completion, body, caller)
         return await _respond(
             request, *compression.started(started_completion, compressed), None, body.stream, body.stream_options
@@ -218,7 +214,7 @@ async def _respond(
             headers={"Cache-Control": "no-cache"} | (headers or {}),
             background=BackgroundTask(gen.cancel),
         )
-    if not await _finished_before_disconnect(request, gen):
+    if not await finished_before_disconnect(request, gen):
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     try:
         await gen.wait()
@@ -247,21 +243,3 @@ async def _events(gen: Generation, fmt: ChatFormat | CompletionFormat, include_u
 
 def _event(body: dict) -> str:
     return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
-
-
-async def _finished_before_disconnect(request: Request, gen: Generation) -> bool:
-    """Wait for a whole (non-streamed) response; a client that hangs up first cancels its generation."""
-
-    async def disconnected():
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watcher, finished = asyncio.create_task(disconnected()), asyncio.create_task(gen.done.wait())
-    try:
-        await asyncio.wait({watcher, finished}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        finished.cancel()
-        if not gen.done.is_set():
-            gen.cancel()
-    return gen.done.is_set()
