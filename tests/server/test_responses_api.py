@@ -175,6 +175,11 @@ def test_stored_responses_continue_and_are_private_to_their_key(server, client):
     with pytest.raises(openai.NotFoundError) as gone:
         client.responses.retrieve(first.id)
     assert first.id in gone.value.body["message"]
+    labelled = client.responses.create(
+        model=SMOL, input="Hi", metadata={"order": "42"}, service_tier="flex", user="ann", max_output_tokens=2
+    )
+    kept = client.responses.retrieve(labelled.id)
+    assert kept.metadata == {"order": "42"} and kept.service_tier == "flex" and kept.user == "ann"
     unstored = client.responses.create(model=SMOL, input="Hi", store=False, max_output_tokens=2)
     assert unstored.store is False
     with pytest.raises(openai.NotFoundError):
@@ -201,6 +206,10 @@ def test_stored_responses_continue_and_are_private_to_their_key(server, client):
         ({"frequency_penalty": 1}, "frequency_penalty", "Unrecognized request argument"),
         ({"previous_response_id": "resp_nope"}, "previous_response_id", "resp_nope"),
         ({"model": "nope"}, "model", "nope"),
+        ({"input": None}, "input", "input"),
+        ({"input": [{"role": "assistant", "content": "Hi", "phase": "final_answer"}]}, "input", "not supported"),
+        ({"truncation": "auto"}, "truncation", ""),
+        ({"metadata": {"k": "v" * 513}}, "metadata", ""),
         ({"max_output_tokens": 100000}, "max_output_tokens", "max_output_tokens"),
     ],
 )
@@ -220,3 +229,11 @@ def test_tools_on_a_model_without_tool_support_are_refused(client):
 
 def test_a_client_without_a_key_is_refused(server):
     assert httpx.post(f"{server.url}/v1/responses", json={"input": "Hi"}).status_code == 401
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_request(server, client):
+    with client.responses.create(model=SMOL, input="Count to fifty.", max_output_tokens=200, stream=True) as stream:
+        for event in stream:
+            if event.type == "response.output_text.delta":
+                break
+    server.wait_idle()

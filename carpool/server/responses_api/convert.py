@@ -26,7 +26,7 @@ ITEMS = TypeAdapter(list[Item])
 _RENAMED = (
     (re.compile(r"^messages\b"), "input"),
     (re.compile(r"\bmax_(completion_)?tokens\b"), "max_output_tokens"),
-    (re.compile(r"^response_format(\.json_schema)?"), "text.format"),
+    (re.compile(r"\bresponse_format(\.json_schema)?\b"), "text.format"),
     (re.compile(r"^tools\[(\d+)\]\.function\b"), r"tools[\1]"),
 )
 _PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text"}

@@ -66,7 +66,7 @@ class MessageItem(Body):
     content: Text | TextContent
     id: Text | None = None
     status: Literal["in_progress", "completed", "incomplete"] | None = None
-    phase: Literal["commentary", "final_answer"] | None = None
+    phase: Unsupported = None  # a reasoning model's label of its messages; carpool's output has none
 
     @property
     def text(self) -> str:
