@@ -9,11 +9,12 @@ import httpx
 import openai
 import pytest
 from live_server import LiveServer
-from openai.types.responses import Response
-from pydantic import BaseModel, Field
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import BaseModel, Field, TypeAdapter
 
 SMOL, QWEN = "smollm2-135m", "qwen2.5-coder-0.5b"
 KEY, OTHER_KEY = "sk-responses-a", "sk-responses-b"
+STREAM_EVENTS = TypeAdapter(ResponseStreamEvent)
 
 
 class Person(BaseModel):
@@ -136,6 +137,26 @@ def test_a_streamed_function_call(client):
     [done] = [event for event in events if event.type == "response.function_call_arguments.done"]
     [call] = events[-1].response.output
     assert call.type == "function_call" and call.arguments == done.arguments and json.loads(done.arguments)["city"]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"model": SMOL, "input": "Say hello.", "max_output_tokens": 6},
+        {"model": QWEN, "input": WEATHER_ASK, "tools": [WEATHER], "tool_choice": "required", "max_output_tokens": 60},
+    ],
+)
+def test_every_streamed_event_validates_against_the_sdks_types(server, body):
+    """The SDK builds events without validating them; here each wire event must validate strictly."""
+    # A long timeout: Qwen's first constrained request builds its token table (seconds on a loaded machine).
+    with (
+        server.http() as http,
+        http.stream("POST", "/v1/responses", json=body | {"stream": True}, timeout=300) as answer,
+    ):
+        lines = [line for line in answer.iter_lines() if line]
+    kinds = [line.removeprefix("event: ") for line in lines[::2]]
+    events = [STREAM_EVENTS.validate_json(line.removeprefix("data: ")) for line in lines[1::2]]
+    assert [event.type for event in events] == kinds and kinds[-1] in ("response.completed", "response.incomplete")
 
 
 def test_text_format_json_schema_parses(client):

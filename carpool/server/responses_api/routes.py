@@ -29,12 +29,14 @@ from carpool.server.responses_api.stream import ResponseEvents
 from carpool.server.serving import Serving
 
 Caller = Annotated[Principal, Depends(request_principal)]
+_ERROR = {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}
+NOT_FOUND = {404: {"description": "No response of this id for this key (or no such model)", "content": _ERROR}}
 
 
 def create_responses_router(serving: Serving, store: ResponseStore) -> APIRouter:
     router = APIRouter()
 
-    @router.post("/v1/responses", response_model=None)
+    @router.post("/v1/responses", response_model=None, responses=NOT_FOUND)
     async def create_response(body: ResponsesRequest, request: Request, caller: Caller) -> Response:
         context = await _earlier(store, caller, body.previous_response_id) + input_items(body)
         chat = chat_request(body, context)
@@ -68,11 +70,11 @@ def create_responses_router(serving: Serving, store: ResponseStore) -> APIRouter
         await finish(response)
         return JSONResponse(response)
 
-    @router.get("/v1/responses/{response_id}")
+    @router.get("/v1/responses/{response_id}", responses=NOT_FOUND)
     async def get_response(response_id: str, caller: Caller) -> dict:
         return (await _stored(store, caller, response_id, "response_id"))[0]
 
-    @router.delete("/v1/responses/{response_id}")
+    @router.delete("/v1/responses/{response_id}", responses=NOT_FOUND)
     async def delete_response(response_id: str, caller: Caller) -> dict:
         if not await asyncio.to_thread(store.delete, caller.key_id, response_id):
             raise _not_found(response_id, "response_id")

@@ -1,6 +1,6 @@
 """The Responses API in process, around the session's engine and a gate that keeps what it is given: each
 response, whole or streamed, is admitted and billed exactly once, under its own id; a refused one is neither.
-The app has no batch dir here, so its responses are stored in memory."""
+The app has no batch dir here, so its responses are stored in memory. And /openapi.json documents the routes."""
 
 import openai
 import pytest
@@ -30,3 +30,15 @@ def test_each_response_is_billed_once_under_its_id(engine):
         assert record.prompt_tokens == response.usage.input_tokens
         assert record.output_tokens == response.usage.output_tokens
         assert record.cached_tokens == response.usage.input_tokens_details.cached_tokens
+
+
+def test_openapi_documents_the_routes_and_their_errors(engine):
+    with ServedApp(create_app(engine, RecordingGate(), model_name="tiny")) as http:
+        schema = http.get("/openapi.json").json()
+    paths = schema["paths"]
+    assert set(paths["/v1/responses/{response_id}"]) == {"get", "delete"}
+    create = paths["/v1/responses"]["post"]
+    assert {"400", "404"} <= set(create["responses"]) and "422" not in create["responses"]
+    assert "ResponsesRequest" in schema["components"]["schemas"]
+    for operation in paths["/v1/responses/{response_id}"].values():
+        assert operation["responses"]["404"]["content"]["application/json"]["schema"]["$ref"].endswith("/Error")
