@@ -73,3 +73,17 @@ def test_a_streamed_agent_run_completes(server, weather_agent):
 
     streamed, kinds = on_carpool(server, run)
     assert asked[-1] == "Rome" and streamed.final_output and "raw_response_event" in kinds
+
+
+def test_a_run_chained_by_previous_response_id(server, weather_agent):
+    """The SDK sends each later turn as only its new items and the previous response's id: carpool's store
+    supplies the rest of the conversation."""
+    agent, asked = weather_agent
+    result = on_carpool(
+        server,
+        lambda: agents.Runner.run(agent, "What is the weather in Oslo?", max_turns=4, auto_previous_response_id=True),
+    )
+    assert asked[-1] == "Oslo" and result.final_output and len(result.raw_responses) >= 2
+    first, last = result.raw_responses[0].response_id, result.raw_responses[-1].response_id
+    assert server.client().responses.retrieve(last).previous_response_id not in (None, last)
+    assert result.last_response_id == last and server.client().responses.retrieve(first).status == "completed"
