@@ -59,7 +59,8 @@ def chat_request(body: ResponsesRequest, context: list[Item]) -> ChatCompletionR
         return ChatCompletionRequest.model_validate({key: value for key, value in chat.items() if value is not None})
     except ValidationError as error:  # what the chat API refuses beyond this API's own validation (an empty input)
         first = error.errors()[0]
-        raise renamed(APIError(400, f"{field_path(list(first['loc']))}: {first['msg']}", str(first["loc"][0])))
+        message = f"{field_path(list(first['loc']))}: {first['msg']}"
+        raise renamed(APIError(400, message, str(first["loc"][0]))) from error
 
 
 def renamed(error: APIError) -> APIError:

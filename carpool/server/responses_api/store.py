@@ -1,5 +1,7 @@
 """Stored responses (`store`, the default): what `GET /v1/responses/{id}` answers and what `previous_response_id`
-continues, each row its API key's alone (another key's id is as unknown as an id never made).
+continues, each row its API key's alone (another key's id is as unknown as an id never made). A row holds the
+whole context its response answered, earlier turns included, so deleting an earlier response of a chain leaves
+the later ones whole and continuable.
 
 Where the Batch API keeps its metadata, for the same reasons (carpool.server.batch.store): responses.db in the
 batch dir, or for replicas sharing a PostgreSQL `--db`, that database (carpool/migrations/004_responses.sql), so
