@@ -1,6 +1,5 @@
 """The OpenAI-compatible HTTP server: `create_app(engines, gate)` gives the ASGI app for one or more models."""
 
-import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -39,6 +38,8 @@ from carpool.server.protocol import (
 )
 from carpool.server.request_id import RequestId
 from carpool.server.responses import ChatFormat, CompletionFormat
+from carpool.server.responses_api.routes import create_responses_router
+from carpool.server.responses_api.store import ResponseStore
 from carpool.server.serving import Serving
 
 Caller = Annotated[Principal, Depends(request_principal)]
@@ -74,6 +75,7 @@ def create_app(
     register_queue_metrics(metrics.registry, {backend.model_name: backend.queues for backend in backends})
     # The Batch API, if given a home; `batch_db`: the PostgreSQL URL replicas share its metadata in.
     batches = BatchService(serving, gate, batch_dir, db=batch_db) if batch_dir else None
+    responses = ResponseStore(batch_dir, db=batch_db)  # stored where the batches are (in memory without a home)
     started = int(time.time())
 
     @asynccontextmanager
@@ -85,6 +87,7 @@ def create_app(
         yield
         if batches:
             await batches.stop()
+        responses.close()
         for engine in engines.values():
             engine.stop()
 
@@ -102,6 +105,7 @@ def create_app(
         app.include_router(batches.router)
     for router in anthropic_routers(serving, batches, gate):
         app.include_router(router)
+    app.include_router(create_responses_router(serving, responses))
     # Admin-only whenever keys come from a key store (which has admins), not only when the ledger panels are
     # shown: a later panel must not reach tenants because a caller left `ledger_panels` out.
     app.include_router(
@@ -109,12 +113,6 @@ def create_app(
             engines, metrics, time.time(), batches, ledger_panels, admin_only=not isinstance(gate, OpenGate)
         )
     )
-
-    async def _compile_constraint(body: ChatCompletionRequest | CompletionRequest) -> None:
-        """Off the event loop (see ModelServing.compile_constraint), and no thread hop for requests without one."""
-        spec = serving.constraint(body)
-        if spec is not None:
-            await asyncio.to_thread(serving.compile_constraint, body, spec)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request, caller: Caller):
@@ -126,7 +124,7 @@ def create_app(
                 body.stream,
                 body.stream_options,
             )
-        await _compile_constraint(body)
+        await serving.precompile(body)
         started_chat = await serving.started(serving.start_chat, body, caller)
         return await _respond(
             request, *compression.started(started_chat, compressed), None, body.stream, body.stream_options
@@ -142,7 +140,7 @@ def create_app(
                 body.stream,
                 body.stream_options,
             )
-        await _compile_constraint(body)
+        await serving.precompile(body)
         started_completion = await serving.started(serving.start_completion, body, caller)
         return await _respond(
             request, *compression.started(started_completion, compressed), None, body.stream, body.stream_options

@@ -190,6 +190,10 @@ class Generation:
         return sum(c.last.num_cached_tokens for c in self.choices if c.bills_prompt and c.last)
 
     @property
+    def cache_write_tokens(self) -> int:
+        return sum(c.last.num_cache_write_tokens for c in self.choices if c.bills_prompt and c.last)
+
+    @property
     def completion_tokens(self) -> int:
         return sum(c.num_output_tokens for c in self.choices)
 
@@ -211,7 +215,7 @@ class Generation:
             tier=self.tier,
             prompt_tokens=self.prompt_tokens,
             cached_tokens=self.cached_tokens,
-            cache_write_tokens=sum(c.last.num_cache_write_tokens for c in self.choices if c.bills_prompt and c.last),
+            cache_write_tokens=self.cache_write_tokens,
             output_tokens=self.completion_tokens,
             queue_seconds=queue,
             prefill_seconds=prefill,

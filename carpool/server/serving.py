@@ -65,6 +65,13 @@ class Serving:
     def compile_constraint(self, request: GenerationRequest, spec: StructuredOutput) -> None:
         self.model(request.model).compile_constraint(spec)
 
+    async def precompile(self, request: GenerationRequest) -> None:
+        """The request's constraint compiled off the event loop before its start (see ModelServing.
+        compile_constraint), and no thread hop for requests without one."""
+        spec = self.constraint(request)
+        if spec is not None:
+            await asyncio.to_thread(self.compile_constraint, request, spec)
+
     def start_chat(
         self, request: ChatCompletionRequest, principal: Principal, cache_breakpoints: tuple[CacheBreakpoint, ...] = ()
     ) -> tuple[Generation, ChatFormat]:

@@ -13,6 +13,7 @@ ENDPOINTS = {
     "/v1/completions": "CompletionRequest",
     "/tokenize": "TokenizeRequest",
     "/detokenize": "DetokenizeRequest",
+    "/v1/responses": "ResponsesRequest",
 }
 EXPECTED = {200, 400, 404, 413, 429}
 MAX_LIST = 3
@@ -38,8 +39,8 @@ def from_schema(schema: dict, schemas: dict) -> st.SearchStrategy:
         return st.just(schema["const"])
     if "enum" in schema:
         return st.sampled_from(schema["enum"])
-    if "anyOf" in schema:
-        return st.one_of([from_schema(option, schemas) for option in schema["anyOf"]])
+    if "anyOf" in schema or "oneOf" in schema:
+        return st.one_of([from_schema(option, schemas) for option in schema.get("anyOf", schema.get("oneOf"))])
     kind = schema.get("type")
     if kind == "object":
         properties = {k: from_schema(v, schemas) for k, v in schema.get("properties", {}).items()}
@@ -75,18 +76,27 @@ def from_schema(schema: dict, schemas: dict) -> st.SearchStrategy:
     return json_values
 
 
-def cheap(body, model: str, use_model: bool):
+def cheap(body, model: str, use_model: bool, path: str):
     """Valid examples should cost a few tokens: cap lengths and choices, and mostly name the served model."""
     if not isinstance(body, dict):
         return body
-    for key, cap in (("max_tokens", 2), ("max_completion_tokens", 2), ("n", 2), ("best_of", 2)):
+    limits = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+    for key, cap in [(limit, 2) for limit in limits] + [("n", 2), ("best_of", 2)]:
         if type(body.get(key)) is int and body[key] > cap:
             body[key] = cap
-    if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
-        body["max_tokens"] = 2  # chat's default is the rest of the context window
+    if all(body.get(limit) is None for limit in limits):  # chat's default is the rest of the context window
+        body["max_output_tokens" if path == "/v1/responses" else "max_tokens"] = 2
     if use_model and "model" in body:
         body["model"] = model
     return body
+
+
+def stream_ended(path: str, text: str) -> bool:
+    """A stream ends with [DONE]; the Responses API's with its finished response."""
+    last = text.rstrip().rsplit("\n", 1)[-1]
+    if path == "/v1/responses":
+        return json.loads(last.removeprefix("data: "))["type"] in ("response.completed", "response.incomplete")
+    return last == "data: [DONE]"
 
 
 @pytest.fixture(scope="module")
@@ -108,14 +118,14 @@ def test_no_input_gets_a_server_error(server, model, openapi, path):
         @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
         @given(body=bodies | st.binary(max_size=64), use_model=st.booleans())
         def check(body, use_model):
-            body = cheap(body, model, use_model)
+            body = cheap(body, model, use_model, path)
             content = body if isinstance(body, bytes) else json.dumps(body).encode()
             response = http.post(path, content=content, headers={"Content-Type": "application/json"})
             assert response.status_code in EXPECTED, (body, response.status_code, response.text)
             if response.status_code != 200:
                 assert set(response.json()["error"]) == {"message", "type", "param", "code"}
             elif isinstance(body, dict) and body.get("stream") is True:
-                assert response.text.rstrip().endswith("data: [DONE]")
+                assert stream_ended(path, response.text), response.text
 
         check()
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}

@@ -39,9 +39,7 @@ def create_messages_router(serving: Serving) -> APIRouter:
     @router.post("/v1/messages", response_model=None)
     async def messages(request: Request) -> Response:
         body = parse(MessagesRequest, await json_body(request))
-        spec = serving.constraint(checked_chat_request(body))
-        if spec is not None:  # compiled off the event loop, as the chat route does (see app._compile_constraint)
-            await asyncio.to_thread(serving.compile_constraint, checked_chat_request(body), spec)
+        await serving.precompile(checked_chat_request(body))  # off the event loop, as the chat route does
         gen, fmt = await serving.started(partial(start_message, serving), body, request.state.principal)
         if body.stream:
             return StreamingResponse(
