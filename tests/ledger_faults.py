@@ -10,10 +10,10 @@ class DiskFull(sqlite3.Connection):
 
     full = True
 
-    def executemany(self, sql, rows):
-        if DiskFull.full:
+    def execute(self, sql, *args):
+        if DiskFull.full and sql.startswith("INSERT INTO ledger"):
             raise sqlite3.OperationalError("database or disk is full")
-        return super().executemany(sql, rows)
+        return super().execute(sql, *args)
 
 
 def fill_disk(monkeypatch) -> type[DiskFull]:

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from carpool.economics import keys as key_store
+from carpool.economics.contract import SCOPES
 from carpool.economics.cost_model import cost_model
 from carpool.economics.cost_model import render as render_cost_model
 from carpool.economics.db import default_db_path, open_database
@@ -51,7 +52,18 @@ def add_keys_parser(subparsers) -> None:
 
     create = commands.add_parser("create", help="create a key and print its secret (shown only this once)")
     create.add_argument("--tenant", required=True, help="who pays for this key's requests")
-    create.add_argument("--admin", action="store_true", help="may read the usage reports")
+    create.add_argument(
+        "--scope",
+        action="append",
+        choices=SCOPES,
+        default=[],
+        help="what the key may do beyond its own tenant's work (repeat for several): usage:read (usage reports, "
+        "dashboard), batches:read-all (every tenant's batches), files:read-all (every tenant's files, i.e. their "
+        "prompts; each read is audited)",
+    )
+    create.add_argument(
+        "--admin", action="store_true", help=f"shorthand for --scope {' --scope '.join(sorted(key_store.ADMIN_SCOPES))}"
+    )
     create.add_argument(
         "--tiers",
         type=_tier_list,
@@ -141,7 +153,7 @@ def _keys_create(args: argparse.Namespace) -> int:
         key, secret = key_store.create_key(
             conn,
             args.tenant,
-            is_admin=args.admin,
+            scopes=set(args.scope) | (key_store.ADMIN_SCOPES if args.admin else set()),
             allowed_tiers=args.tiers,
             budget=args.budget,
             budget_period=_period(args.budget, args.budget_period),
@@ -160,14 +172,14 @@ def _keys_list(args: argparse.Namespace) -> int:
     if args.format == "json":
         print(json.dumps([_key_fields(key) for key in keys], indent=2))
         return 0
-    rows = [["key_id", "tenant", "admin", "tiers", "budget", "rpm", "tpm", "created", "status"]]
+    rows = [["key_id", "tenant", "scopes", "tiers", "budget", "rpm", "tpm", "created", "status"]]
     for key in keys:
         fields = _key_fields(key)
         rows.append(
             [
                 key.key_id,
                 key.tenant,
-                "yes" if key.is_admin else "",
+                ",".join(fields["scopes"]),
                 fields["tiers"] or "all",
                 f"${key.budget:g}/{key.budget_period}" if key.budget is not None else "",
                 str(key.rpm or ""),
@@ -287,7 +299,7 @@ def _key_fields(key: key_store.ApiKey) -> dict:
     return {
         "key_id": key.key_id,
         "tenant": key.tenant,
-        "is_admin": key.is_admin,
+        "scopes": [scope for scope in SCOPES if scope in key.scopes],
         "tiers": ",".join(t for t in TIER_NAMES if t in key.allowed_tiers) if key.allowed_tiers is not None else None,
         "budget": key.budget,
         "budget_period": key.budget_period,

@@ -14,6 +14,16 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
 
+# The finish_reason of a row billed nothing: its result never reached the client (the ledger could not write it
+# in time, its request id was billed already, or a batch line stopped that another run will answer).
+WITHHELD = "withheld"
+
+# What a key may do beyond its own tenant's requests, files and batches: each scope is granted explicitly.
+USAGE_READ = "usage:read"  # the usage reports (/v1/usage) and the dashboard's ledger panels: every tenant's spend
+BATCHES_READ_ALL = "batches:read-all"  # list and read every tenant's batch objects (status, counts, file ids)
+FILES_READ_ALL = "files:read-all"  # read every tenant's files, batch inputs and outputs: their prompts (audited)
+SCOPES = (USAGE_READ, BATCHES_READ_ALL, FILES_READ_ALL)
+
 
 @dataclass
 class Principal:
@@ -22,7 +32,10 @@ class Principal:
     key_id: str | None = None
     tenant: str | None = None
     allowed_tiers: frozenset[str] | None = None  # None: every tier
-    is_admin: bool = False
+    scopes: frozenset[str] = frozenset()  # of SCOPES
+
+    def may(self, scope: str) -> bool:
+        return scope in self.scopes
 
 
 class GateError(Exception):
@@ -39,7 +52,13 @@ class GateError(Exception):
 
 @dataclass
 class UsageRecord:
-    """What the server hands to the gate after every request: one plain record, no engine internals."""
+    """What the server hands to the gate after every request: one plain record, no engine internals.
+
+    `request_id` names the row, unique among billed rows (carpool/economics/ledger.py). A request the client sent
+    is one row (its n choices or prompts summed) named by the `x-request-id` the client saw. A request that runs
+    as several rows (its prompt's compression, a cascade's attempts) names each part `part_request_id(client's
+    id, part)`, with the client's id in `parent_request_id`. A batch line is a request of its own, named by the
+    `request_id` its output line shows."""
 
     request_id: str
     model: str
@@ -51,7 +70,7 @@ class UsageRecord:
     queue_seconds: float
     prefill_seconds: float
     decode_seconds: float
-    finish_reason: str  # "stop" | "length" | "abort" | "error"
+    finish_reason: str  # "stop" | "length" | "abort" | "error" | WITHHELD
     key_id: str | None = None
     tenant: str | None = None
     created: float = field(default_factory=time.time)
@@ -73,12 +92,24 @@ class UsageRecord:
         return self.prompt_tokens - self.cached_tokens
 
 
+def part_request_id(parent: str, part: str) -> str:
+    """The request id of one part (`compression`, `cascade-0`, ...) of the client's request `parent`."""
+    return f"{parent}#{part}"
+
+
 class Gate(Protocol):
     def authenticate(self, api_key: str | None) -> Principal: ...
 
-    def admit(self, principal: Principal, tier: str, estimated_tokens: int, request_id: str | None = None) -> None:
+    def admit(
+        self,
+        principal: Principal,
+        tier: str,
+        estimated_tokens: int,
+        request_id: str | None = None,
+        model: str | None = None,
+    ) -> None:
         """`request_id`: the request whose `record` will follow, for a gate that reserves budget until then
-        (None: nothing will be recorded, as for a batch's creation)."""
+        (None: nothing will be recorded, as for a batch's creation); `model`: the served model it runs on."""
 
     def record(self, principal: Principal, usage: UsageRecord) -> Future | None:
         """Account for a finished request. A Future resolves once the usage is durable, and the caller hears
@@ -86,3 +117,7 @@ class Gate(Protocol):
 
     def health(self) -> str | None:
         """None while the gate works; else what is wrong, for /health."""
+
+    def audit(self, principal: Principal, action: str, target: str, owner: str | None) -> None:
+        """Record, durably and before the caller sees it, that `principal` used a read-all scope to `action`
+        (`files.content`, ...) `target`, an object of `owner` (another tenant)."""

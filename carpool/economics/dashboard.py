@@ -45,7 +45,7 @@ def ledger_panels(gate: LedgerGate, clock: Callable[[], float] = time.monotonic)
                 {
                     "key_id": key.key_id,
                     "tenant": key.tenant,
-                    "is_admin": key.is_admin,
+                    "scopes": sorted(key.scopes),
                     "budget": key.budget,
                     "period": period,
                     "spent": spent[period],

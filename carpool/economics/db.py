@@ -26,7 +26,8 @@ CREATE TABLE IF NOT EXISTS keys (
     rpm INTEGER,                        -- requests per minute; NULL: unlimited
     tpm INTEGER,                        -- tokens per minute; NULL: unlimited
     created REAL NOT NULL,
-    revoked REAL
+    revoked REAL,
+    scopes TEXT                         -- comma-separated (contract.SCOPES); NULL: made before scopes, by is_admin
 );
 CREATE TABLE IF NOT EXISTS ledger (
     id INTEGER PRIMARY KEY,
@@ -56,11 +57,25 @@ CREATE TABLE IF NOT EXISTS ledger (
 );
 CREATE INDEX IF NOT EXISTS ledger_time ON ledger (time);
 CREATE INDEX IF NOT EXISTS ledger_key_time ON ledger (key_id, time);
+-- A billed row's request_id is unique (carpool/economics/ledger.py): a second row under the id is written withheld.
+CREATE UNIQUE INDEX IF NOT EXISTS ledger_request_id ON ledger (request_id) WHERE finish_reason <> 'withheld';
+-- Every read of another tenant's data under a read-all scope (files:read-all: their prompts), written before the
+-- reader gets it: who, what, when.
+CREATE TABLE IF NOT EXISTS audit_log (
+    id INTEGER PRIMARY KEY,
+    time REAL NOT NULL,                 -- unix seconds
+    key_id TEXT,                        -- who read: the key (NULL: the server was open)
+    tenant TEXT,
+    action TEXT NOT NULL,               -- what: files.content
+    target TEXT NOT NULL,               -- the object read (a file id)
+    owner TEXT                          -- whose it is: the tenant (or key) that owns it
+);
 """
 
 # Columns a database written before they existed gets on open (SQLite's ADD COLUMN is instant: it rewrites no
 # row), so an operator's ledger keeps its history across upgrades. Each is the same text as in SCHEMA.
 ADDED_COLUMNS = {
+    "keys": ["scopes TEXT"],
     "ledger": [
         "purpose TEXT NOT NULL DEFAULT 'request'",
         "parent_request_id TEXT",

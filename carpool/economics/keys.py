@@ -10,18 +10,23 @@ import sqlite3
 import time
 from dataclasses import dataclass
 
+from carpool.economics.contract import BATCHES_READ_ALL, SCOPES, USAGE_READ
 from carpool.engine.tiers import TIER_NAMES
 
 SECRET_PREFIX = "sk-cp-"
 BUDGET_PERIODS = ("day", "month")
 ANONYMOUS = "anonymous"  # who made a request while the server was open (no keys configured), in reports and metrics
+# What `--admin` grants, and what an admin key made before scopes existed (is_admin set, scopes NULL) holds: the
+# usage reports and dashboard it had, and every tenant's batch objects, but not their files: reading another
+# tenant's prompts (files:read-all) is granted only by name.
+ADMIN_SCOPES = frozenset({USAGE_READ, BATCHES_READ_ALL})
 
 
 @dataclass(frozen=True)
 class ApiKey:
     key_id: str
     tenant: str
-    is_admin: bool
+    scopes: frozenset[str]  # of carpool.economics.contract.SCOPES
     allowed_tiers: frozenset[str] | None  # None: every tier
     budget: float | None  # dollars per budget_period
     budget_period: str | None
@@ -32,11 +37,15 @@ class ApiKey:
 
     @classmethod
     def from_row(cls, row: sqlite3.Row) -> "ApiKey":
-        tiers = row["allowed_tiers"]
+        tiers, scopes = row["allowed_tiers"], row["scopes"]
+        if scopes is None:  # a key made before scopes existed
+            granted = ADMIN_SCOPES if row["is_admin"] else frozenset()
+        else:
+            granted = frozenset(scope for scope in scopes.split(",") if scope)
         return cls(
             key_id=row["key_id"],
             tenant=row["tenant"],
-            is_admin=bool(row["is_admin"]),
+            scopes=granted,
             allowed_tiers=frozenset(tiers.split(",")) if tiers is not None else None,
             budget=row["budget"],
             budget_period=row["budget_period"],
@@ -55,7 +64,7 @@ def create_key(
     conn: sqlite3.Connection,
     tenant: str,
     *,
-    is_admin: bool = False,
+    scopes: list[str] | frozenset[str] = (),
     allowed_tiers: list[str] | None = None,
     budget: float | None = None,
     budget_period: str | None = None,
@@ -66,6 +75,7 @@ def create_key(
     if not tenant:
         raise ValueError("tenant must not be empty")
     tiers = _check_tiers(allowed_tiers)
+    granted = _check_scopes(scopes)
     _check_budget(budget, budget_period)
     for name, value in (("rpm", rpm), ("tpm", tpm)):
         if value is not None and value <= 0:
@@ -75,8 +85,20 @@ def create_key(
     with conn:
         conn.execute(
             "INSERT INTO keys (key_id, key_hash, tenant, is_admin, allowed_tiers, budget, budget_period, rpm, tpm,"
-            " created) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (key_id, hash_secret(secret), tenant, int(is_admin), tiers, budget, budget_period, rpm, tpm, time.time()),
+            " created, scopes) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                key_id,
+                hash_secret(secret),
+                tenant,
+                int(bool(granted)),  # for readers of the table that predate scopes
+                tiers,
+                budget,
+                budget_period,
+                rpm,
+                tpm,
+                time.time(),
+                granted,
+            ),
         )
     return get_key(conn, key_id), secret
 
@@ -132,6 +154,13 @@ def _check_tiers(tiers: list[str] | None) -> str | None:
             f"tiers must be a non-empty subset of {', '.join(TIER_NAMES)}; got {', '.join(tiers) or 'none'}"
         )
     return ",".join(t for t in TIER_NAMES if t in tiers)
+
+
+def _check_scopes(scopes) -> str:
+    unknown = sorted(set(scopes) - set(SCOPES))
+    if unknown:
+        raise ValueError(f"scope {unknown[0]!r} is not one of {', '.join(SCOPES)}")
+    return ",".join(scope for scope in SCOPES if scope in scopes)
 
 
 def _check_budget(budget: float | None, period: str | None) -> None:

@@ -13,6 +13,11 @@ those clients get an error instead of a success, and marks the ledger unhealthy 
 admitting billable work until a retry, every RETRY_SECONDS, writes the held rows and clears it. Those requests
 ran but their clients never got the result, so their rows are written as `withheld` at no cost: the operator
 still sees the compute, and a client that retries is billed once, for the answer it received.
+
+A billed row's `request_id` is unique in the ledger (a partial unique index: withheld rows may repeat an id). It is
+the `x-request-id` the client saw (contract.UsageRecord says how the parts of one request are named), so a second
+request sent with an id already billed is written as withheld, and its client is answered 409 instead of the
+result (`DuplicateRequestId`): one id, one charge, whichever replica wrote the first.
 """
 
 import logging
@@ -23,7 +28,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 
-from carpool.economics.contract import UsageRecord
+from carpool.economics.contract import WITHHELD, UsageRecord
 from carpool.economics.db import DatabaseUnusable, connect, is_postgres_url, open_database
 from carpool.postgres import errors as postgres_errors
 
@@ -34,14 +39,23 @@ _INSERT = (
     " cache_write_tokens, output_tokens, queue_seconds, prefill_seconds, decode_seconds, finish_reason, cost,"
     " purpose, parent_request_id, cascade, cascade_step, cascade_accepted, constraint_kind, original_prompt_tokens)"
     " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    # The index db.SCHEMA's ledger_request_id (and migration 006) make: a billed row whose id is taken is skipped.
+    " ON CONFLICT (request_id) WHERE finish_reason <> 'withheld' DO NOTHING"
 )
 _MAX_ROWS_PER_COMMIT = 1000
 RETRY_SECONDS = 1.0
-WITHHELD = "withheld"  # the finish_reason of a row whose client was answered 503 instead of the result
 
 
 class LedgerUnwritable(Exception):
     """The row could not be committed; the message says why."""
+
+
+class DuplicateRequestId(Exception):
+    """A billed row already holds this request id: the row was written as withheld, at no cost."""
+
+    def __init__(self, request_id: str):
+        super().__init__(request_id)
+        self.request_id = request_id
 
 
 def ledger_row(usage: UsageRecord, cost: float) -> tuple:
@@ -71,7 +85,7 @@ def ledger_row(usage: UsageRecord, cost: float) -> tuple:
     )
 
 
-_FINISH_REASON = 13  # ledger_row's positions of finish_reason and cost
+_REQUEST_ID, _FINISH_REASON = 1, 13  # ledger_row's positions of request_id, and of finish_reason and cost
 
 
 def withheld_row(row: tuple) -> tuple:
@@ -185,9 +199,15 @@ class LedgerWriter:
         """Commit the rows in one transaction; the rows still to write (all of them, if it failed)."""
         try:
             with conn:
-                conn.executemany(_INSERT, [row for row, _, _ in rows])
+                written, duplicates = [], set()
+                for index, (row, _, reservation) in enumerate(rows):
+                    if conn.execute(_INSERT, row).rowcount == 0:  # its id is billed already: kept, but not billed
+                        row = withheld_row(row)
+                        conn.execute(_INSERT, row)
+                        duplicates.add(index)
+                    written.append((row, reservation))
                 if self._settle is not None:
-                    self._settle(conn, [(row, reservation) for row, _, reservation in rows])
+                    self._settle(conn, written)
         except self._errors as error:
             if self.problem is None:
                 log.error(
@@ -204,7 +224,11 @@ class LedgerWriter:
         if self.problem is not None:
             log.warning("ledger %s: writable again; %d held rows written", self.db_path, len(rows))
         self.problem = None
-        for _, written, _ in rows:
-            if not written.done():
-                written.set_result(None)
+        for index, (row, future, _) in enumerate(rows):
+            if future.done():
+                continue
+            if index in duplicates:
+                future.set_exception(DuplicateRequestId(row[_REQUEST_ID]))
+            else:
+                future.set_result(None)
         return []

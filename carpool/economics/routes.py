@@ -1,4 +1,4 @@
-"""`GET /v1/usage`: the usage report over HTTP, for admin keys only.
+"""`GET /v1/usage`: the usage report over HTTP, for keys with the usage:read scope only.
 
 The server mounts `usage_router(gate, caller)` behind its own authentication: `caller` is the server's route
 dependency that gives the request's Principal, and refusals are GateErrors, which the server answers with
@@ -10,7 +10,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends
 
-from carpool.economics.contract import GateError, Principal
+from carpool.economics.contract import USAGE_READ, GateError, Principal
 from carpool.economics.gate import LedgerGate
 from carpool.economics.reports import GROUP_BY, parse_time, report_document
 
@@ -26,8 +26,7 @@ def usage_router(gate: LedgerGate, caller: Callable[..., Principal]) -> APIRoute
         end: str | None = None,
         group_by: str = "tenant",
     ):
-        if not principal.is_admin:
-            raise GateError(403, "The usage report needs an admin key.", "admin_key_required")
+        _check_scope(principal)
         if group_by not in GROUP_BY:
             raise GateError(
                 400,
@@ -44,13 +43,17 @@ def usage_router(gate: LedgerGate, caller: Callable[..., Principal]) -> APIRoute
         principal: Annotated[Principal, Depends(caller)], start: str | None = None, end: str | None = None
     ):
         """Per model cascade: share answered by each step, cost, estimated saving (reports.cascade_summary)."""
-        if not principal.is_admin:
-            raise GateError(403, "The usage report needs an admin key.", "admin_key_required")
+        _check_scope(principal)
         bounds = _bounds(start, end)
         rows = gate.cascade_usage(bounds["start"], bounds["end"])
         return {"object": "list", "start": bounds["start"], "end": bounds["end"], "data": [r.as_dict() for r in rows]}
 
     return router
+
+
+def _check_scope(principal: Principal) -> None:
+    if not principal.may(USAGE_READ):
+        raise GateError(403, f"The usage report needs a key with the {USAGE_READ} scope.", "admin_key_required")
 
 
 def _bounds(start: str | None, end: str | None) -> dict[str, float | None]:

@@ -21,6 +21,7 @@ import socket
 import threading
 
 from carpool import postgres
+from carpool.economics.budget import check_budget
 from carpool.economics.contract import GateError, UsageRecord
 from carpool.economics.db import open_database
 from carpool.economics.keys import ApiKey
@@ -40,7 +41,8 @@ class SharedAdmission:
         self.holder = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
         self._conn: PostgresConnection = open_database(url)
         self._lock = threading.Lock()  # one connection, used by the server's threads and the renewer
-        self._reservations: dict[str, int] = {}  # request id -> its reservation's id, until its row is recorded
+        # (request id, key id) -> its reservations' ids, until their rows are recorded (a client may send one id twice)
+        self._reservations: dict[tuple[str, str], list[int]] = {}
         self._stop = threading.Event()
         self._renewer = threading.Thread(target=self._renew, name="carpool-reservations", daemon=True)
         self._renewer.start()
@@ -64,7 +66,7 @@ class SharedAdmission:
                     f"VALUES (?, ?, ?, {_DB_NOW}, {_DB_NOW} + ?) RETURNING id",
                     (key.key_id, self.holder, estimated_cost, LEASE_SECONDS),
                 ).fetchone()
-                self._reservations[request_id] = reservation
+                self._reservations.setdefault((request_id, key.key_id), []).append(reservation)
 
     def _check_budget(self, key: ApiKey, estimated_cost: float, now: float) -> None:
         spent, reserved = self._conn.execute(  # one statement: one snapshot of both
@@ -72,22 +74,7 @@ class SharedAdmission:
             f" COALESCE((SELECT SUM(amount) FROM reservations WHERE key_id = ? AND expires_at > {_DB_NOW}), 0)",
             (key.key_id, key.budget_period, period_start(key.budget_period, now), key.key_id),
         ).fetchone()
-        if spent + reserved >= key.budget:
-            raise GateError(
-                429,
-                f"This key has spent ${spent:.4f} (and requests in flight may spend ${reserved:.4f}) "
-                f"of its budget of ${key.budget:.4f} per {key.budget_period}.",
-                "insufficient_quota",
-            )
-        if spent + reserved + estimated_cost > key.budget:
-            left = key.budget - spent - reserved
-            raise GateError(
-                429,
-                f"This request may cost up to ${estimated_cost:.4f} (its prompt and max_tokens at "
-                f"the dearest price), more than the ${left:.4f} left of this key's budget of "
-                f"${key.budget:.4f} per {key.budget_period}; lower max_tokens or retry later.",
-                "insufficient_quota",
-            )
+        check_budget(key, spent, reserved, estimated_cost)
 
     def _count_rate(self, key: ApiKey, tokens: int, now: float) -> None:
         """Totals first: the window's rows are read only to say when to retry (a key admitting 1,000 requests a
@@ -120,7 +107,13 @@ class SharedAdmission:
         """The reservation the request's ledger row settles (None: nothing was reserved for it). Its cost counts
         against the budget when that row commits (`settle`); until then the reservation holds its place."""
         with self._lock:
-            return self._reservations.pop(usage.request_id, None)
+            held = self._reservations.get((usage.request_id, usage.key_id))
+            if not held:
+                return None
+            reservation = held.pop(0)
+            if not held:
+                del self._reservations[(usage.request_id, usage.key_id)]
+            return reservation
 
     def withheld(self, usage: UsageRecord, cost: float) -> None:
         """Nothing to refund: the row is written as withheld at no cost, and settles the reservation then."""

@@ -104,23 +104,32 @@ class EngineLoop:
                 return
 
     def _loop(self) -> None:
+        """One engine's failure (its warm-up or a step raising) fails that engine alone: its streams get the error
+        and it takes no more work, while the loop goes on stepping the other models."""
         try:
             for engine in self._engines:  # before any command: requests sent meanwhile wait in the queue
-                engine._warm_up()
+                self._guarded(engine, engine._warm_up)
             while not self._stopped.is_set():
-                if not any(engine.engine.has_unfinished_requests() for engine in self._engines):
+                if not any(engine.busy for engine in self._engines):
                     try:  # idle: sleep until something arrives; the timeout lets signals reach a main thread
                         self._apply(self._commands.get(timeout=1.0))
                     except queue.Empty:
                         continue
                 for engine in self._engines:
                     self._apply_pending()  # a request that arrived during the last step joins this one
-                    if engine.engine.has_unfinished_requests():
-                        engine._step()
+                    if engine.busy:
+                        self._guarded(engine, engine._step)
         except BaseException as error:  # the loop must not die silently: fail every open stream of every engine
             for engine in self._engines:
                 engine._fail(error)
             raise
+
+    @staticmethod
+    def _guarded(engine: "AsyncEngine", work: Callable[[], None]) -> None:
+        try:
+            work()
+        except Exception as error:
+            engine._fail(error)
 
 
 class AsyncEngine:
@@ -220,7 +229,16 @@ class AsyncEngine:
         for loop, pairs in batches.items():
             loop.call_soon_threadsafe(_put_all, pairs)
 
+    @property
+    def busy(self) -> bool:
+        """Has work to step: unfinished requests, and no failure."""
+        return self.error is None and self.engine.has_unfinished_requests()
+
     def _apply(self, command: EngineRequest | Abort) -> None:
+        if self.error is not None:  # sent before the failure was seen: its stream gets the failure, not silence
+            if isinstance(command, EngineRequest):
+                self._deliver([(command.request_id, RuntimeError(f"engine failed: {self.error!r}"))])
+            return
         if isinstance(command, EngineRequest):
             try:
                 self.engine.enqueue(command)

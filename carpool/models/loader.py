@@ -220,7 +220,7 @@ def tensor_infos(directory: Path) -> dict[str, TensorInfo]:
     infos = {}
     for file in sorted(Path(directory).glob("*.safetensors")):
         with safe_open(str(file), "pt") as weights:
-            for name in weights:
+            for name in weights.keys():  # noqa: SIM118 (safe_open is not iterable)
                 view = weights.get_slice(name)
                 shape = tuple(view.get_shape())
                 infos[name] = TensorInfo(shape, None, math.prod(shape) * _safetensors_itemsize(view.get_dtype()))
@@ -281,5 +281,5 @@ def _safetensors_state(directory: Path) -> dict[str, torch.Tensor]:
     state = {}
     for file in sorted(directory.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as weights:
-            state.update({k: weights.get_tensor(k).float() for k in weights})
+            state.update({k: weights.get_tensor(k).float() for k in weights.keys()})  # noqa: SIM118
     return state

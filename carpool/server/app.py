@@ -24,7 +24,7 @@ from carpool.server.cascade.config import Cascade
 from carpool.server.cascade.runner import CascadeServing
 from carpool.server.compression import CompressionService
 from carpool.server.dashboard import dashboard_router
-from carpool.server.disconnect import CLIENT_CLOSED_REQUEST, finished_before_disconnect
+from carpool.server.disconnect import CLIENT_CLOSED_REQUEST, disconnected, finished_before_disconnect
 from carpool.server.errors import APIError, error_body, install_error_handlers
 from carpool.server.gate import OpenGate
 from carpool.server.generation import Backends, Generation, GenerationFailed
@@ -40,7 +40,7 @@ from carpool.server.request_id import RequestId
 from carpool.server.responses import ChatFormat, CompletionFormat
 from carpool.server.responses_api.routes import create_responses_router
 from carpool.server.responses_api.store import ResponseStore
-from carpool.server.serving import Serving
+from carpool.server.serving import ClientLeft, Serving
 
 Caller = Annotated[Principal, Depends(request_principal)]
 
@@ -74,7 +74,7 @@ def create_app(
     compression = CompressionService(serving, gate, compression_model)
     register_queue_metrics(metrics.registry, {backend.model_name: backend.queues for backend in backends})
     # The Batch API, if given a home; `batch_db`: the PostgreSQL URL replicas share its metadata in.
-    batches = BatchService(serving, gate, batch_dir, db=batch_db) if batch_dir else None
+    batches = BatchService(serving, gate, batch_dir, db=batch_db, cascades=cascade_serving) if batch_dir else None
     responses = ResponseStore(batch_dir, db=batch_db)  # stored where the batches are (in memory without a home)
     started = int(time.time())
 
@@ -125,7 +125,12 @@ def create_app(
                 body.stream_options,
             )
         await serving.precompile(body)
-        started_chat = await serving.started(serving.start_chat, body, caller)
+        try:
+            started_chat = await serving.started(
+                serving.start_chat, body, caller, request.state.request_id, lambda: disconnected(request)
+            )
+        except ClientLeft:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
         return await _respond(
             request, *compression.started(started_chat, compressed), None, body.stream, body.stream_options
         )
@@ -141,7 +146,12 @@ def create_app(
                 body.stream_options,
             )
         await serving.precompile(body)
-        started_completion = await serving.started(serving.start_completion, body, caller)
+        try:
+            started_completion = await serving.started(
+                serving.start_completion, body, caller, request.state.request_id, lambda: disconnected(request)
+            )
+        except ClientLeft:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
         return await _respond(
             request, *compression.started(started_completion, compressed), None, body.stream, body.stream_options
         )
@@ -175,14 +185,18 @@ def create_app(
 
     @app.get("/health")
     def health() -> Response:
-        """Ok only while every model's engine runs, warmed up, and the gate works (its ledger can write)."""
-        stopped = [f"{name!r}: {engine.error!r}" for name, engine in engines.items() if engine.error is not None]
-        if stopped:
-            return JSONResponse(error_body(503, f"The engine stopped: {'; '.join(stopped)}"), 503)
+        """Ok while every model's engine runs, warmed up, and the gate works (its ledger can write). A model whose
+        engine failed is named; while others still serve, the server is up but `degraded` (200), not down."""
+        stopped = {name: repr(engine.error) for name, engine in engines.items() if engine.error is not None}
+        if len(stopped) == len(engines):
+            failed = "; ".join(f"{name!r}: {error}" for name, error in stopped.items())
+            return JSONResponse(error_body(503, f"The engine stopped: {failed}"), 503)
         if warming := [name for name, engine in engines.items() if not engine.ready.is_set()]:
             return JSONResponse({"status": "warming", "models": warming}, 503)
         if (problem := gate.health()) is not None:
             return JSONResponse(error_body(503, f"Billable requests are refused: {problem}"), 503)
+        if stopped:
+            return JSONResponse({"status": "degraded", "failed": stopped})
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")

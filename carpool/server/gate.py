@@ -22,7 +22,14 @@ class OpenGate:
             raise GateError(401, "Incorrect or missing API key.", "invalid_api_key")
         return Principal(key_id=key_identity(api_key))
 
-    def admit(self, principal: Principal, tier: str, estimated_tokens: int, request_id: str | None = None) -> None:
+    def admit(
+        self,
+        principal: Principal,
+        tier: str,
+        estimated_tokens: int,
+        request_id: str | None = None,
+        model: str | None = None,
+    ) -> None:
         if principal.allowed_tiers is not None and tier not in principal.allowed_tiers:
             raise GateError(403, f"service_tier {tier!r} is not allowed for this key", "tier_not_allowed")
 
@@ -42,7 +49,14 @@ class RecordingGate(OpenGate):
         self.records: list[UsageRecord] = []
         self.admitted: list[str | None] = []
 
-    def admit(self, principal: Principal, tier: str, estimated_tokens: int, request_id: str | None = None) -> None:
+    def admit(
+        self,
+        principal: Principal,
+        tier: str,
+        estimated_tokens: int,
+        request_id: str | None = None,
+        model: str | None = None,
+    ) -> None:
         self.admitted.append(request_id)
 
     def record(self, principal: Principal, usage: UsageRecord) -> None:

@@ -13,7 +13,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from functools import partial
 
-from carpool.economics.contract import Gate, GateError, Principal, UsageRecord
+from carpool.economics.contract import WITHHELD, Gate, GateError, Principal, UsageRecord
 from carpool.engine.async_engine import AsyncEngine
 from carpool.engine.outputs import RequestOutput, best_of
 from carpool.engine.request import EngineRequest
@@ -62,10 +62,13 @@ class Generation:
         choices: list[Choice],
         streaming: bool,
         keep: int | None = None,
+        ledger_id: str | None = None,
     ):
         self.gate, self.metrics, self.queues = backends.gate, backends.metrics, backends.queues
         self.model_name = backends.model_name
         self.request_id, self.tier, self.principal, self.choices = request_id, tier, principal, choices
+        self.ledger_id = ledger_id or request_id  # its ledger row's request_id (contract.UsageRecord)
+        self.abandoned = False  # stopped for another run to answer: its row is withheld (`abandon`)
         self.keep = keep  # best_of: the number of each prompt's candidates that the response shows
         self.created = int(time.time())
         self.arrival = time.monotonic()
@@ -145,6 +148,12 @@ class Generation:
         for task in self._tasks:
             task.cancel()
 
+    def abandon(self) -> None:
+        """Cancel it, never to be answered: another run answers and bills it (a batch line whose server stops or
+        lost its lease), so its row is written withheld, at no cost."""
+        self.abandoned = True
+        self.cancel()
+
     async def wait(self) -> None:
         """Until every choice is done and the usage is durable: GenerationFailed, or the gate's GateError."""
         await self.done.wait()
@@ -210,7 +219,7 @@ class Generation:
         queue, prefill, decode = self._phase_seconds()
         reasons = {c.finish_reason for c in self.choices}
         record = UsageRecord(
-            request_id=self.request_id,
+            request_id=self.ledger_id,
             model=self.model_name,
             tier=self.tier,
             prompt_tokens=self.prompt_tokens,
@@ -220,7 +229,9 @@ class Generation:
             queue_seconds=queue,
             prefill_seconds=prefill,
             decode_seconds=decode,
-            finish_reason=next((r for r in ("error", "abort", "length") if r in reasons), "stop"),
+            finish_reason=WITHHELD
+            if self.abandoned
+            else next((r for r in ("error", "abort", "length") if r in reasons), "stop"),
             key_id=self.principal.key_id,
             tenant=self.principal.tenant,
             original_prompt_tokens=self.original_prompt_tokens,

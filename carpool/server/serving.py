@@ -4,9 +4,11 @@ sampling parameters per choice, context-length checks, then the model's tier que
 import asyncio
 import concurrent.futures
 import contextvars
+import threading
 import uuid
+from collections.abc import Awaitable, Callable
 
-from carpool.economics.contract import Principal
+from carpool.economics.contract import Principal, UsageRecord
 from carpool.engine.door import ContextLengthExceeded
 from carpool.engine.request import CacheBreakpoint, EngineRequest
 from carpool.engine.sampling_params import SamplingParams
@@ -27,10 +29,16 @@ from carpool.server.responses import ChatFormat, CompletionFormat
 from carpool.server.tool_calls import auto_grammar, call_grammar, check_tools, template_arguments
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
-# Set while a start runs on a worker thread (Serving.started): the event loop its queue and Generation belong to.
+# Set while a start runs on a worker thread (Serving.started): the event loop its queue and Generation belong to,
+# and the event its client's leaving sets.
 _CALLER_LOOP: contextvars.ContextVar[asyncio.AbstractEventLoop | None] = contextvars.ContextVar(
     "caller_loop", default=None
 )
+_CLIENT_LEFT: contextvars.ContextVar[threading.Event | None] = contextvars.ContextVar("client_left", default=None)
+
+
+class ClientLeft(Exception):
+    """The client hung up while its request was admitted on a worker thread: nothing was started for it."""
 
 
 class Serving:
@@ -42,9 +50,7 @@ class Serving:
         self.default = next(iter(self.models.values()))
 
     def model(self, name: str | None) -> "ModelServing":
-        if name is None:
-            return self.default
-        if name not in self.models:
+        if name is not None and name not in self.models:
             served = ", ".join(repr(served) for served in self.models)
             raise APIError(
                 404,
@@ -52,7 +58,14 @@ class Serving:
                 param="model",
                 code="model_not_found",
             )
-        return self.models[name]
+        serving = self.default if name is None else self.models[name]
+        if serving.engine.error is not None:  # the other models still serve (see /health)
+            raise APIError(
+                503,
+                f"The model {serving.model_name!r} is unavailable: its engine failed ({serving.engine.error!r}).",
+                code="model_unavailable",
+            )
+        return serving
 
     @property
     def max_num_seqs(self) -> int:
@@ -73,22 +86,41 @@ class Serving:
             await asyncio.to_thread(self.compile_constraint, request, spec)
 
     def start_chat(
-        self, request: ChatCompletionRequest, principal: Principal, cache_breakpoints: tuple[CacheBreakpoint, ...] = ()
+        self,
+        request: ChatCompletionRequest,
+        principal: Principal,
+        request_id: str | None = None,
+        cache_breakpoints: tuple[CacheBreakpoint, ...] = (),
     ) -> tuple[Generation, ChatFormat]:
-        return self.model(request.model).start_chat(request, principal, cache_breakpoints=cache_breakpoints)
+        return self.model(request.model).start_chat(
+            request, principal, request_id=request_id, cache_breakpoints=cache_breakpoints
+        )
 
-    async def started(self, start, request: GenerationRequest, principal: Principal):
+    async def started(
+        self,
+        start,
+        request: GenerationRequest,
+        principal: Principal,
+        request_id: str | None = None,
+        disconnected: Callable[[], Awaitable[None]] | None = None,
+    ):
         """`start(request, principal)` (start_chat or start_completion). With a gate whose admission is a round
         trip to a database server (PostgreSQL: `admits_remotely`), on a worker thread, so a slow or unreachable
         database holds up this request only, not every stream on the event loop; its tier queue and Generation
-        are still handled on the loop."""
+        are still handled on the loop. `disconnected` returns once the client has gone: one that leaves while
+        admission waits gets no Generation (ClientLeft), and its engine work never starts."""
         if not getattr(self.model(request.model).gate, "admits_remotely", False):
-            return start(request, principal)
-        token = _CALLER_LOOP.set(asyncio.get_running_loop())
+            return start(request, principal, request_id=request_id)
+        left = threading.Event()
+        watcher = asyncio.create_task(_set_when(disconnected, left)) if disconnected is not None else None
+        tokens = _CALLER_LOOP.set(asyncio.get_running_loop()), _CLIENT_LEFT.set(left)
         try:
-            return await asyncio.to_thread(start, request, principal)
+            return await asyncio.to_thread(start, request, principal, request_id=request_id)
         finally:
-            _CALLER_LOOP.reset(token)
+            _CALLER_LOOP.reset(tokens[0])
+            _CLIENT_LEFT.reset(tokens[1])
+            if watcher is not None:
+                watcher.cancel()
 
     def check(self, request: ChatCompletionRequest | CompletionRequest, principal: Principal) -> None:
         """The start's every check of `request` (the 400 it would answer), without starting or admitting it: for
@@ -100,8 +132,10 @@ class Serving:
         else:
             serving.start_completion(request, principal, check_only=True)
 
-    def start_completion(self, request: CompletionRequest, principal: Principal) -> tuple[Generation, CompletionFormat]:
-        return self.model(request.model).start_completion(request, principal)
+    def start_completion(
+        self, request: CompletionRequest, principal: Principal, request_id: str | None = None
+    ) -> tuple[Generation, CompletionFormat]:
+        return self.model(request.model).start_completion(request, principal, request_id=request_id)
 
     def tokenize(self, request: TokenizeRequest) -> dict:
         return self.model(request.model).tokenize(request)
@@ -166,6 +200,7 @@ class ModelServing:
         principal: Principal,
         check_only: bool = False,
         cache_breakpoints: tuple[CacheBreakpoint, ...] = (),
+        request_id: str | None = None,
     ) -> tuple[Generation, ChatFormat] | None:
         """`cache_breakpoints`: prefixes of the prompt to keep cached for a TTL (the Anthropic route's)."""
         renamed = {"prompt": "messages"}
@@ -187,6 +222,7 @@ class ModelServing:
             structured=structured or self._structured(request),
             check_only=check_only,
             cache_breakpoints=cache_breakpoints,
+            request_id=request_id,
         )
         if check_only:
             return None
@@ -256,7 +292,11 @@ class ModelServing:
             raise APIError.from_value_error(error, type(request).model_fields) from error
 
     def start_completion(
-        self, request: CompletionRequest, principal: Principal, check_only: bool = False
+        self,
+        request: CompletionRequest,
+        principal: Principal,
+        check_only: bool = False,
+        request_id: str | None = None,
     ) -> tuple[Generation, CompletionFormat] | None:
         prompt = request.prompt
         prompts = prompt if isinstance(prompt, list) and not isinstance(prompt[0], int) else [prompt]
@@ -288,6 +328,7 @@ class ModelServing:
             echoes,
             self._structured(request),
             check_only,
+            request_id=request_id,
         )
         if check_only:
             return None
@@ -312,9 +353,11 @@ class ModelServing:
         structured: StructuredOutput | None = None,
         check_only: bool = False,
         cache_breakpoints: tuple[CacheBreakpoint, ...] = (),
+        request_id: str | None = None,
     ) -> Generation | None:
         """Each prompt runs best_of (default n) candidates; with best_of > n the n best of each are returned.
-        check_only: every check, then None (nothing reserved or admitted)."""
+        check_only: every check, then None (nothing reserved or admitted). `request_id`: its ledger row's
+        (contract.UsageRecord: the client's x-request-id); default the response's id."""
         # The HTTP routes compress first and clear it; a batch line cannot.
         if request.prompt_compression is not None and not check_only:
             raise APIError(
@@ -327,7 +370,8 @@ class ModelServing:
             name = "best_of" if candidates > n else "n"
             raise APIError(400, f"{name}: {name} times the number of prompts must be at most {MAX_CHOICES}", param=name)
         prefix = "chatcmpl" if isinstance(request, ChatCompletionRequest) else "cmpl"
-        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        response_id = f"{prefix}-{uuid.uuid4().hex}"
+        ledger_id = request_id or response_id
         cache_salt = self._cache_salt(request, principal)
         choices = []
         for i, prompt_ids in enumerate(prompts):
@@ -346,7 +390,7 @@ class ModelServing:
                 try:
                     engine_request = self._engine_request(
                         request,
-                        f"{request_id}-{len(choices)}",
+                        f"{response_id}-{len(choices)}",
                         prompt_ids,
                         params,
                         tier,
@@ -373,22 +417,46 @@ class ModelServing:
                 principal,
                 tier,
                 sum(len(c.request.prompt_token_ids) + c.request.params.max_tokens for c in choices),
-                request_id=request_id,
+                request_id=ledger_id,
+                model=self.model_name,
             )
         except BaseException:
             for _ in choices:
                 _on_loop(self.queues.release, tier)
             raise
+        left = _CLIENT_LEFT.get()
+        if left is not None and left.is_set():  # the client left while admission waited: start nothing
+            for _ in choices:
+                _on_loop(self.queues.release, tier)
+            self._record_unstarted(principal, tier, ledger_id)
+            raise ClientLeft(ledger_id)
         return _on_loop(
             Generation,
             self.backends,
-            request_id,
+            response_id,
             tier,
             principal,
             choices,
             streaming=bool(request.stream),
             keep=n if candidates > n else None,
+            ledger_id=ledger_id,
         )
+
+    def _record_unstarted(self, principal: Principal, tier: str, request_id: str) -> None:
+        """An admitted request that never ran: its row (no tokens, no cost) settles its admission's reservation."""
+        nothing = dict.fromkeys(("prompt_tokens", "cached_tokens", "cache_write_tokens", "output_tokens"), 0)
+        seconds = dict.fromkeys(("queue_seconds", "prefill_seconds", "decode_seconds"), 0.0)
+        usage = UsageRecord(
+            request_id=request_id,
+            model=self.model_name,
+            tier=tier,
+            finish_reason="abort",
+            key_id=principal.key_id,
+            tenant=principal.tenant,
+            **nothing,
+            **seconds,
+        )
+        self.gate.record(principal, usage)
 
     @staticmethod
     def _cache_salt(request: GenerationRequest, principal: Principal) -> str | None:
@@ -480,6 +548,11 @@ def requested_tier(request: GenerationRequest) -> str:
             param="priority",
         )
     return asked or numbered or DEFAULT_TIER
+
+
+async def _set_when(happened: Callable[[], Awaitable[None]], event: threading.Event) -> None:
+    await happened()
+    event.set()
 
 
 def _on_loop(function, *args, **kwargs):

@@ -4,6 +4,7 @@ The test folders have no __init__.py, so pytest puts each on sys.path and import
 name must stay unique across all test folders.
 """
 
+import itertools
 import time
 
 from carpool.economics.contract import UsageRecord
@@ -39,11 +40,14 @@ class Clock:
         return self.now
 
 
+_REQUEST_NUMBERS = itertools.count()
+
+
 def usage(
     prompt=1000, cached=0, cache_write=0, output=200, tier="default", finish_reason="stop", created=None, **extra
 ) -> UsageRecord:
     fields = {
-        "request_id": "req",
+        "request_id": f"req_{next(_REQUEST_NUMBERS)}",  # unique: the ledger bills one row per request id
         "model": "test-model",
         "tier": tier,
         "prompt_tokens": prompt,

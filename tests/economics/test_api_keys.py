@@ -25,10 +25,23 @@ def test_secret_is_stored_only_as_its_hash(conn, db_path):
 
 def test_create_stores_tiers_budget_and_limits(conn):
     key, _ = keys.create_key(
-        conn, "acme", is_admin=True, allowed_tiers=["flex", "priority"], budget=10, budget_period="day", rpm=5, tpm=100
+        conn,
+        "acme",
+        scopes=["files:read-all"],
+        allowed_tiers=["flex", "priority"],
+        budget=10,
+        budget_period="day",
+        rpm=5,
+        tpm=100,
     )
     assert key.allowed_tiers == frozenset({"flex", "priority"})
-    assert (key.is_admin, key.budget, key.budget_period, key.rpm, key.tpm) == (True, 10.0, "day", 5, 100)
+    assert (key.scopes == {"files:read-all"}, key.budget, key.budget_period, key.rpm, key.tpm) == (
+        True,
+        10.0,
+        "day",
+        5,
+        100,
+    )
     assert keys.list_keys(conn) == [key]
 
 

@@ -48,11 +48,19 @@ def test_keys_create_list_revoke_set_budget(capsys, db_path):
         10000,
     )
     assert run(capsys, "keys", "create", "--tenant", "ops", "--admin", *db)[0] == 0
+    assert (
+        run(capsys, "keys", "create", "--tenant", "audit", "--scope", "files:read-all", "--scope", "usage:read", *db)[0]
+        == 0
+    )
 
     code, table, _ = run(capsys, "keys", "list", *db)
     assert code == 0 and key.key_id in table and "$10/day" in table and secret not in table
     code, listing, _ = run(capsys, "keys", "list", "--format", "json", *db)
-    assert [(k["tenant"], k["is_admin"]) for k in json.loads(listing)] == [("acme", False), ("ops", True)]
+    assert [(k["tenant"], k["scopes"]) for k in json.loads(listing)] == [
+        ("acme", []),
+        ("ops", ["usage:read", "batches:read-all"]),
+        ("audit", ["usage:read", "files:read-all"]),
+    ]
 
     assert run(capsys, "keys", "set-budget", key.key_id, "--budget", "2.5", *db)[1].strip() == (
         f"{key.key_id}: budget $2.5 per month"

@@ -4,7 +4,7 @@ import pytest
 from economics_helpers import TEST_SHEET, usage
 from prometheus_client import CollectorRegistry, generate_latest
 
-from carpool.economics.contract import GateError
+from carpool.economics.contract import SCOPES, GateError
 from carpool.economics.db import connect
 from carpool.economics.gate import LedgerGate, open_ledger_gate
 from carpool.economics.keys import create_key, revoke_key, set_budget
@@ -24,7 +24,7 @@ def ledger_rows(db_path):
 
 def test_open_without_keys_and_records_anonymous_usage(gate, db_path):
     principal = gate.authenticate(None)
-    assert principal.key_id is None and principal.is_admin
+    assert principal.key_id is None and principal.scopes == frozenset(SCOPES)
     gate.admit(principal, "priority", 10**9)
     gate.record(principal, usage())
     gate.flush()
@@ -47,34 +47,69 @@ def test_wrong_missing_and_revoked_keys_get_401(gate, db_path):
 
 
 def test_principal_carries_tenant_tiers_and_admin(gate, db_path):
-    _, secret = new_key(db_path, tenant="ops", is_admin=True, allowed_tiers=["batch"])
+    _, secret = new_key(db_path, tenant="ops", scopes=["usage:read"], allowed_tiers=["batch"])
     principal = gate.authenticate(secret)
-    assert (principal.tenant, principal.is_admin, principal.allowed_tiers) == ("ops", True, frozenset({"batch"}))
+    assert (principal.tenant, principal.scopes, principal.allowed_tiers) == (
+        "ops",
+        frozenset({"usage:read"}),
+        frozenset({"batch"}),
+    )
     gate.admit(principal, "batch", 10)
     with pytest.raises(GateError) as raised:
         gate.admit(principal, "priority", 10)
     assert (raised.value.status, raised.value.code) == (403, "tier_not_allowed")
 
 
-def test_budget_exhaustion_refuses_the_next_request_but_not_the_running_one(gate, db_path):
-    # $0.003 a day; each finished default-tier request below costs $0.0018.
-    key, secret = new_key(db_path, budget=0.003, budget_period="day")
+def test_admission_reserves_each_request_worst_case_until_its_row_settles_the_real_cost(gate, db_path):
+    # $0.01 a day. 1200 tokens at the dearest rate (output, $4 per 1M) may cost $0.0048; a finished request below
+    # costs $0.0018.
+    key, secret = new_key(db_path, budget=0.01, budget_period="day")
     principal = gate.authenticate(secret)
-    gate.admit(principal, "default", 1200)  # first request: admitted
-    gate.admit(principal, "default", 1200)  # second, admitted while the first runs
-    gate.record(principal, usage())  # first finishes: $0.0018 spent
-    gate.admit(principal, "default", 1200)  # under budget still: admitted
-    gate.record(principal, usage())  # second finishes: $0.0036, over budget; still billed in full
-    with pytest.raises(GateError) as raised:
-        gate.admit(principal, "default", 1200)
-    assert (raised.value.status, raised.value.code) == (429, "insufficient_quota")
-    gate.record(principal, usage())  # the third, admitted before the budget ran out, finishes and is billed
+
+    def refused(request_id, tokens=1200) -> GateError:
+        with pytest.raises(GateError) as raised:
+            gate.admit(principal, "default", tokens, request_id=request_id)
+        assert (raised.value.status, raised.value.code) == (429, "insufficient_quota")
+        return raised.value
+
+    gate.admit(principal, "default", 1200, request_id="r1")
+    gate.admit(principal, "default", 1200, request_id="r2")  # $0.0096 reserved of $0.01
+    too_much = refused("r3")
+    assert too_much.param == "max_tokens" and "up to $0.0048" in too_much.message and "$0.0004 left" in too_much.message
+    gate.record(principal, usage(request_id="r1"))  # $0.0018 spent, $0.0048 still reserved for r2
+    refused("r3")
+    gate.record(principal, usage(request_id="r2"))  # $0.0036 spent, nothing reserved
+    gate.admit(principal, "default", 1200, request_id="r3")
+    gate.record(principal, usage(request_id="r3"))  # $0.0054 spent
+    refused("r4")  # its worst case would pass the budget
+    gate.admit(principal, "default", 500, request_id="r4")  # a smaller max_tokens fits ($0.002)
+    gate.record(principal, usage(request_id="r4"))  # $0.0072 spent
+    with connect(db_path) as conn:
+        set_budget(conn, key.key_id, 0.007, "day")
+    spent = refused("r5", tokens=1)
+    assert spent.param is None and spent.message.startswith("This key has spent $0.0072 of its budget of $0.007 per")
     gate.flush()
-    assert [row["cost"] for row in ledger_rows(db_path)] == pytest.approx([0.0018] * 3)
+    assert [row["cost"] for row in ledger_rows(db_path)] == pytest.approx([0.0018] * 4)
+    assert gate._admission.reserved(key.key_id) == 0
     # Raising the budget on the running server lets the key in again at its next request.
     with connect(db_path) as conn:
         set_budget(conn, key.key_id, 1.0, "day")
     gate.admit(gate.authenticate(secret), "default", 1200)
+
+
+def test_a_reservation_is_released_by_an_aborted_or_withheld_row(gate, db_path):
+    key, secret = new_key(db_path, budget=0.01, budget_period="day")
+    principal = gate.authenticate(secret)
+    gate.admit(principal, "default", 1200, request_id="aborted")
+    gate.admit(principal, "default", 1200, request_id="withheld")
+    assert gate._admission.reserved(key.key_id) == pytest.approx(0.0096)
+    gate.record(principal, usage(request_id="aborted", output=0, finish_reason="abort")).result(timeout=10)
+    gate.record(principal, usage(request_id="withheld", finish_reason="withheld")).result(timeout=10)
+    assert gate._admission.reserved(key.key_id) == 0
+    assert [(row["finish_reason"], row["cost"]) for row in ledger_rows(db_path)] == [
+        ("abort", pytest.approx(0.001)),
+        ("withheld", 0.0),
+    ]
 
 
 def test_daily_budget_resets_at_utc_midnight_and_monthly_does_not(db_path, prices, clock):
@@ -160,7 +195,8 @@ def test_metrics_show_no_tenant_unless_asked(gate, db_path):
 
 def test_ledger_row_has_every_issue_field(gate, db_path):
     gate.record(
-        gate.authenticate(None), usage(cached=400, cache_write=300, output=50, finish_reason="abort", tier="flex")
+        gate.authenticate(None),
+        usage(cached=400, cache_write=300, output=50, finish_reason="abort", tier="flex", request_id="req"),
     )
     gate.flush()
     (row,) = ledger_rows(db_path)
@@ -201,3 +237,12 @@ def test_open_ledger_gate_checks_the_sheet_covers_the_served_model(tmp_path):
     sheet.write_text("[tiers")
     with pytest.raises(PriceSheetError, match="not valid TOML"):
         open_ledger_gate(tmp_path / "a.db", sheet)
+
+
+def test_a_read_of_another_tenants_file_is_on_the_audit_log(gate, db_path):
+    _, secret = new_key(db_path, tenant="audit", scopes=["files:read-all"])
+    reader = gate.authenticate(secret)
+    gate.audit(reader, "files.content", "file-abc", "acme")
+    conn = sqlite3.connect(db_path)
+    (row,) = conn.execute("SELECT key_id, tenant, action, target, owner, time FROM audit_log").fetchall()
+    assert row[:5] == (reader.key_id, "audit", "files.content", "file-abc", "acme") and row[5] == gate.clock()

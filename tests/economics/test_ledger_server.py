@@ -22,7 +22,7 @@ def create_key(capsys, db, *options) -> tuple[str, str]:
 
 def test_budget_revocation_report_and_cost_counter(tmp_path, capsys):
     db = tmp_path / "carpool.db"  # LiveServer points CARPOOL_DB at home/carpool.db
-    spender, spender_id = create_key(capsys, db, "--tenant", "acme", "--budget", "0.0000001", "--budget-period", "day")
+    spender, spender_id = create_key(capsys, db, "--tenant", "acme", "--budget", "0.00001", "--budget-period", "day")
     admin, _ = create_key(capsys, db, "--tenant", "ops", "--admin")
     server = LiveServer("--metrics-tenants", home=str(tmp_path))
     try:
@@ -33,9 +33,9 @@ def test_budget_revocation_report_and_cost_counter(tmp_path, capsys):
             openai.OpenAI(base_url=url, api_key="sk-cp-wrong", max_retries=0).models.list()
 
         first = acme.chat.completions.create(model=model, messages=QUESTION, max_tokens=4, temperature=0)
-        with pytest.raises(openai.RateLimitError) as refused:  # the first request spent the whole budget
-            acme.chat.completions.create(model=model, messages=QUESTION, max_tokens=4)
-        assert refused.value.code == "insufficient_quota"
+        with pytest.raises(openai.RateLimitError) as refused:  # what is left cannot hold this one's worst case
+            acme.chat.completions.create(model=model, messages=QUESTION, max_tokens=200)
+        assert refused.value.code == "insufficient_quota" and refused.value.param == "max_tokens"
 
         report = httpx.get(
             f"{url}/usage", params={"group_by": "tenant"}, headers={"Authorization": f"Bearer {admin}"}, timeout=30

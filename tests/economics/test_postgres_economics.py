@@ -45,7 +45,7 @@ def test_migrations_apply_once_and_follow_the_sqlite_schema(postgres_url):
         assert again.execute("SELECT COUNT(*) FROM schema_version").fetchone()[0] == len(versions)
         again.close()
         check_postgres(conn)  # keys and ledger hold exactly SCHEMA's columns, in its order
-        assert set(expected_columns()) == {"keys", "ledger"} and "original_prompt_tokens" in SCHEMA
+        assert set(expected_columns()) == {"keys", "ledger", "audit_log"} and "original_prompt_tokens" in SCHEMA
         conn.execute("ALTER TABLE ledger DROP COLUMN constraint_kind")
         with pytest.raises(DatabaseUnusable, match="table ledger is not the one carpool writes"):
             check_postgres(conn)
@@ -230,3 +230,17 @@ def test_without_the_driver_a_postgres_url_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "psycopg", None)  # what an install without `make scale` has
     with pytest.raises(DatabaseUnusable, match="needs psycopg 3.*make scale"):
         open_database("postgresql://carpool@127.0.0.1:5432/carpool")
+
+
+def test_audit_rows_and_scopes_on_postgres(gates, postgres_url):
+    key, secret = new_key(postgres_url, scopes=["files:read-all"])
+    gate = gates[0]
+    reader = gate.authenticate(secret)
+    assert reader.scopes == {"files:read-all"}
+    gate.audit(reader, "files.content", "file-abc", "globex")
+    conn = open_database(postgres_url)
+    try:
+        row = conn.execute("SELECT key_id, action, target, owner FROM audit_log").fetchone()
+        assert tuple(row) == (key.key_id, "files.content", "file-abc", "globex")
+    finally:
+        conn.close()

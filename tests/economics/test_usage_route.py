@@ -6,7 +6,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from carpool.economics.db import connect
-from carpool.economics.keys import create_key
+from carpool.economics.keys import ADMIN_SCOPES, create_key
 from carpool.economics.routes import usage_router
 from carpool.server.auth import Authenticate, request_principal
 from carpool.server.errors import install_error_handlers
@@ -33,7 +33,7 @@ def test_open_server_serves_the_report(client, gate):
 def test_admin_key_required(client, gate, db_path):
     with connect(db_path) as conn:
         _, user = create_key(conn, "acme")
-        _, admin = create_key(conn, "ops", is_admin=True)
+        _, admin = create_key(conn, "ops", scopes=ADMIN_SCOPES)
     gate.record(gate.authenticate(user), usage())
 
     missing = client.get("/v1/usage")
@@ -43,7 +43,7 @@ def test_admin_key_required(client, gate, db_path):
     forbidden = client.get("/v1/usage", headers={"Authorization": f"Bearer {user}"})
     assert forbidden.status_code == 403
     assert forbidden.json()["error"] == {
-        "message": "The usage report needs an admin key.",
+        "message": "The usage report needs a key with the usage:read scope.",
         "type": "permission_error",
         "param": None,
         "code": "admin_key_required",

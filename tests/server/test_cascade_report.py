@@ -10,7 +10,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from carpool.cli import main
-from carpool.economics.contract import Principal, UsageRecord
+from carpool.economics.contract import SCOPES, Principal, UsageRecord
 from carpool.economics.db import connect
 from carpool.economics.gate import open_ledger_gate
 from carpool.economics.reports import cascade_summary
@@ -65,7 +65,7 @@ def test_shares_cost_and_saving_per_cascade(tmp_path, capsys):
     assert summary.cost_all_last == pytest.approx(sum(as_last))
     assert 0 < summary.saved == pytest.approx(sum(as_last) - summary.cost)
     app = FastAPI()
-    app.include_router(usage_router(gate, caller=lambda: Principal(is_admin=True)))
+    app.include_router(usage_router(gate, caller=lambda: Principal(scopes=frozenset(SCOPES))))
     (served,) = TestClient(app).get("/v1/usage/cascades").json()["data"]
     assert served["saved"] == pytest.approx(summary.saved) and served["requests"] == 3
     gate.close()

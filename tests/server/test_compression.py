@@ -283,3 +283,30 @@ def test_the_iterative_pass_reads_its_prefix_from_the_cache_and_compresses_alike
     # The engine computed only what was not cached: each window's prefix is read, not prefilled again.
     assert whole_tokens == whole_scorer.prompt_tokens
     assert reused_tokens == whole_tokens - reused_scorer.cached_tokens < 0.7 * whole_tokens
+
+
+ONE_PARAGRAPH = " ".join(p["question"] for p in PROBLEMS) + " What is the sum of the first two answers?"
+
+
+def test_a_prompt_of_one_paragraph_is_compressed_within_it(engine):
+    app = create_app({"m": engine}, RecordingGate())
+    answer = post(app, "/v1/compress", {"prompt": ONE_PARAGRAPH, "rate": 0.3})
+    assert answer.status_code == 200, answer.text
+    answer = answer.json()
+    assert answer["kept_ratio"] <= 0.35 and answer["compressed_tokens"] < answer["original_tokens"]
+    assert answer["prompt"].endswith("What is the sum of the first two answers?")  # its last sentence is the question
+    chat = {"model": "m", "messages": [{"role": "user", "content": ONE_PARAGRAPH}], "max_tokens": 2}
+    compressed = post(app, "/v1/chat/completions", chat | {"prompt_compression": {"rate": 0.3}})
+    assert compressed.status_code == 200, compressed.text
+    details = compressed.json()["usage"]["prompt_tokens_details"]
+    assert compressed.json()["usage"]["prompt_tokens"] < 0.6 * details["original_prompt_tokens"]
+
+
+def test_a_prompt_with_nothing_to_compress_is_a_400_saying_why(engine):
+    app = create_app({"m": engine}, RecordingGate())
+    refused = post(app, "/v1/compress", {"prompt": "What is two plus two?", "rate": 0.3})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt"
+    assert "nothing can be compressed" in refused.json()["error"]["message"]
+    chat = {"model": "m", "messages": [{"role": "user", "content": "What is two plus two?"}], "max_tokens": 2}
+    refused = post(app, "/v1/chat/completions", chat | {"prompt_compression": {"rate": 0.3}})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_compression"

@@ -11,7 +11,7 @@ import carpool.server.dashboard.data as data_module
 from carpool.economics.dashboard import ledger_panels
 from carpool.economics.db import connect
 from carpool.economics.gate import LedgerGate
-from carpool.economics.keys import create_key
+from carpool.economics.keys import ADMIN_SCOPES, create_key
 from carpool.economics.prices import load_price_sheet
 from carpool.engine.async_engine import AsyncEngine
 from carpool.server.app import create_app
@@ -27,7 +27,7 @@ def bearer(secret: str | None) -> dict:
 def ledger_server(llm, tmp_path):
     """An app on a ledger with an admin key and a tenant key with a daily budget."""
     conn = connect(tmp_path / "carpool.db")
-    _, admin = create_key(conn, "ops", is_admin=True)
+    _, admin = create_key(conn, "ops", scopes=ADMIN_SCOPES)
     tenant_key, tenant = create_key(conn, "acme", budget=2.0, budget_period="day")
     conn.close()
     gate = LedgerGate(tmp_path / "carpool.db", load_price_sheet(None))

@@ -19,7 +19,7 @@ import pytest
 from live_server import LiveServer
 
 from carpool.economics.db import connect
-from carpool.economics.keys import create_key
+from carpool.economics.keys import ADMIN_SCOPES, create_key
 
 REPO = Path(__file__).resolve().parents[2]
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
@@ -36,7 +36,7 @@ def ledger_live():
     """`carpool serve` on a ledger holding an admin key and a tenant key with a daily budget."""
     home = tempfile.mkdtemp(prefix="carpool-dashboard-")
     conn = connect(os.path.join(home, "carpool.db"))
-    _, admin = create_key(conn, "ops", is_admin=True)
+    _, admin = create_key(conn, "ops", scopes=ADMIN_SCOPES)
     _, tenant = create_key(conn, "acme", budget=1.0, budget_period="day")
     conn.close()
     live = LiveServer("--max-num-seqs", "8", home=home)

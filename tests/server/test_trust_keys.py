@@ -39,7 +39,7 @@ def test_each_key_is_its_own_caller_and_none_is_an_admin():
     gate = OpenGate([FIRST, SECOND])
     first, second = gate.authenticate(FIRST), gate.authenticate(SECOND)
     assert first.key_id != second.key_id
-    assert not first.is_admin and not second.is_admin
+    assert not first.scopes and not second.scopes
     assert FIRST not in first.key_id and FIRST[:12] not in first.key_id  # named by a hash, never the secret
 
 
@@ -82,3 +82,36 @@ def test_files_are_private_to_the_key_that_uploaded_them(app):
     ):
         assert as_key(app, SECOND, method, path).status_code == 404
     assert as_key(app, FIRST, "GET", f"/v1/files/{file_id}").status_code == 200
+
+
+def with_headers(app, headers: list[tuple[str, str]]) -> httpx.Response:
+    async def send():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://carpool") as client:
+            return await client.get("/v1/models", headers=httpx.Headers(headers))
+
+    return asyncio.run(send())
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        [("Authorization", "Bearer sk-wrong"), ("Authorization", f"Bearer {FIRST}")],
+        [("Authorization", f"Bearer {FIRST}"), ("Authorization", f"Bearer {FIRST}")],
+        [("Authorization", f"Bearer {FIRST}"), ("x-api-key", SECOND)],
+        [("x-api-key", FIRST), ("x-api-key", SECOND)],
+    ],
+)
+def test_a_request_with_several_credentials_is_a_400(app, headers):
+    refused = with_headers(app, headers)
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["code"] == "multiple_credentials"
+
+
+def test_one_credential_by_either_header_is_accepted(app):
+    for headers in (
+        [("Authorization", f"Bearer {FIRST}")],
+        [("x-api-key", FIRST)],
+        [("Authorization", f"Bearer {FIRST}"), ("x-api-key", FIRST)],  # the same key twice is one credential
+    ):
+        assert with_headers(app, headers).status_code == 200, headers
+    assert with_headers(app, [("x-api-key", "sk-wrong")]).status_code == 401

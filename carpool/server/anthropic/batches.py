@@ -22,7 +22,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 
-from carpool.economics.contract import Gate
+from carpool.economics.contract import BATCHES_READ_ALL, Gate
 from carpool.engine.tiers import BATCH_TIER
 from carpool.server.anthropic.caching import marks
 from carpool.server.anthropic.convert import check_conversation
@@ -85,7 +85,7 @@ def create_message_batches_router(batches: BatchService, gate: Gate) -> APIRoute
         principal = request.state.principal
         if before_id is not None and after_id is not None:
             raise APIError(400, "before_id: give at most one of before_id and after_id", param="before_id")
-        owner, everyone = owner_of(principal), principal.is_admin
+        owner, everyone = owner_of(principal), principal.may(BATCHES_READ_ALL)
         if before_id is not None:  # the batches created after it, nearest first, shown newest first
             rows, has_more = store.list_batches(owner, everyone, _store_id(before_id), limit, ENDPOINT, False)
             rows.reverse()
@@ -102,7 +102,7 @@ def create_message_batches_router(batches: BatchService, gate: Gate) -> APIRoute
 
     @router.get("/v1/messages/batches/{batch_id}")
     def retrieve(request: Request, batch_id: str) -> dict:
-        return _batch_object(_visible(request, batch_id), request)
+        return _batch_object(_visible(request, batch_id, BATCHES_READ_ALL), request)
 
     @router.post("/v1/messages/batches/{batch_id}/cancel")
     async def cancel(request: Request, batch_id: str) -> dict:
@@ -134,9 +134,11 @@ def create_message_batches_router(batches: BatchService, gate: Gate) -> APIRoute
         # A generator of plain lines: Starlette reads it on a worker thread, a page of the file at a time.
         return StreamingResponse(lines, media_type="application/binary")
 
-    def _visible(request: Request, batch_id: str) -> dict:
+    def _visible(request: Request, batch_id: str, read_all: str | None = None) -> dict:
+        """The caller's own batch, or with `read_all` (retrieve: the batches:read-all scope) any tenant's; cancel,
+        delete and results (the tenant's outputs) stay the owner's."""
         row = store.get_batch(_store_id(batch_id)) if batch_id.startswith(ID_PREFIX) else None
-        if row is None or row["endpoint"] != ENDPOINT or not may_see(request.state.principal, row):
+        if row is None or row["endpoint"] != ENDPOINT or not may_see(request.state.principal, row, read_all):
             raise APIError(404, f"No such message batch: {batch_id!r}", param="batch_id")
         return row
 

@@ -176,13 +176,16 @@ def _chat_messages(system: list[TextBlock], messages: list[MessageParam]) -> lis
     return turns
 
 
-def start_message(serving: Serving, request: MessagesRequest, principal: Principal) -> tuple[Generation, MessageFormat]:
-    """Checks, converts and starts `request` (the batch runner's `start` too: it sets service_tier "batch")."""
+def start_message(
+    serving: Serving, request: MessagesRequest, principal: Principal, request_id: str | None = None
+) -> tuple[Generation, MessageFormat]:
+    """Checks, converts and starts `request` (the batch runner's `start` too: it sets service_tier "batch").
+    `request_id`: its ledger row's (the client's x-request-id)."""
     chat = checked_chat_request(request)
     model = serving.model(chat.model)
     with _anthropic_names():
         breakpoints = cache_breakpoints(request, model, chat)
-        gen, chat_format = serving.start_chat(chat, principal, cache_breakpoints=breakpoints)
+        gen, chat_format = serving.start_chat(chat, principal, request_id=request_id, cache_breakpoints=breakpoints)
     return gen, MessageFormat(model.tokenizer, chat_format.tools, request.stop_sequences or [])
 
 

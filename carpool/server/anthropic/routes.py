@@ -19,10 +19,10 @@ from carpool.server.anthropic.convert import checked_chat_request, count_tokens,
 from carpool.server.anthropic.protocol import CountTokensRequest, MessagesRequest, json_body, parse
 from carpool.server.anthropic.stream import message_events
 from carpool.server.batch.service import BatchService
-from carpool.server.disconnect import CLIENT_CLOSED_REQUEST, finished_before_disconnect
+from carpool.server.disconnect import CLIENT_CLOSED_REQUEST, disconnected, finished_before_disconnect
 from carpool.server.errors import APIError
 from carpool.server.generation import GenerationFailed
-from carpool.server.serving import Serving
+from carpool.server.serving import ClientLeft, Serving
 
 
 def anthropic_routers(serving: Serving, batches: BatchService | None, gate: Gate) -> list[APIRouter]:
@@ -40,7 +40,16 @@ def create_messages_router(serving: Serving) -> APIRouter:
     async def messages(request: Request) -> Response:
         body = parse(MessagesRequest, await json_body(request))
         await serving.precompile(checked_chat_request(body))  # off the event loop, as the chat route does
-        gen, fmt = await serving.started(partial(start_message, serving), body, request.state.principal)
+        try:
+            gen, fmt = await serving.started(
+                partial(start_message, serving),
+                body,
+                request.state.principal,
+                request.state.request_id,
+                lambda: disconnected(request),
+            )
+        except ClientLeft:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
         if body.stream:
             return StreamingResponse(
                 message_events(gen, fmt),

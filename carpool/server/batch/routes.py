@@ -1,7 +1,10 @@
 """OpenAI's Files and Batches endpoints, as the official SDKs call them.
 
-Callers see only their own files and batches (those of their tenant, or of their key when it has no tenant);
-admin keys see everyone's. Someone else's object answers 404, as if it did not exist.
+Callers see only their own files and batches (those of their tenant, or of their key when it has no tenant). A
+key with `files:read-all` also reads everyone's files (their prompts and outputs: each read of another's file's
+content is audited by the gate first), one with `batches:read-all` everyone's batch objects; neither may change
+or use another's objects (delete, cancel, a batch from another's input). Someone else's object answers 404, as
+if it did not exist.
 """
 
 import asyncio
@@ -13,7 +16,7 @@ from fastapi import APIRouter, File, Form, Query, Request, UploadFile
 from fastapi.responses import FileResponse
 from pydantic import BaseModel, ConfigDict
 
-from carpool.economics.contract import Gate, Principal
+from carpool.economics.contract import BATCHES_READ_ALL, FILES_READ_ALL, Gate, Principal
 from carpool.engine.tiers import BATCH_TIER
 from carpool.server.batch.limits import COMPLETION_WINDOWS, ENDPOINTS, BatchLimits
 from carpool.server.batch.objects import batch_object, file_object, list_object
@@ -73,22 +76,25 @@ def create_batch_router(store: BatchStore, runner: BatchRunner, gate: Gate, limi
     ):
         principal = _caller(request)
         rows, has_more = store.list_files(
-            owner_of(principal), principal.is_admin, purpose, after, limit, newest_first=order == "desc"
+            owner_of(principal), principal.may(FILES_READ_ALL), purpose, after, limit, newest_first=order == "desc"
         )
         return list_object([file_object(row) for row in rows], has_more)
 
     @router.get("/v1/files/{file_id}")
     def get_file(request: Request, file_id: str):
-        return file_object(_visible_file(request, file_id))
+        return file_object(_visible_file(request, file_id, FILES_READ_ALL))
 
     @router.get("/v1/files/{file_id}/content")
     def file_content(request: Request, file_id: str):
-        row = _visible_file(request, file_id)
+        principal = _caller(request)
+        row = _visible_file(request, file_id, FILES_READ_ALL)
+        if row["owner"] != owner_of(principal):  # another tenant's prompts: on the record before they are read
+            gate.audit(principal, "files.content", row["id"], row["owner"])
         return FileResponse(store.file_path(row["id"]), media_type="application/octet-stream", filename=row["filename"])
 
     @router.delete("/v1/files/{file_id}")
     def delete_file(request: Request, file_id: str):
-        row = _visible_file(request, file_id)
+        row = _visible_file(request, file_id, None)
         if store.file_in_use(row["id"]):
             raise APIError(
                 409,
@@ -99,15 +105,15 @@ def create_batch_router(store: BatchStore, runner: BatchRunner, gate: Gate, limi
         store.delete_file(row["id"])
         return {"id": row["id"], "object": "file", "deleted": True}
 
-    def _visible_file(request: Request, file_id: str) -> dict:
+    def _visible_file(request: Request, file_id: str, read_all: str | None) -> dict:
         row = store.get_file(file_id)
-        if row is None or not may_see(_caller(request), row):
+        if row is None or not may_see(_caller(request), row, read_all):
             raise APIError(404, f"No such file: {file_id!r}", param="file_id", code="not_found")
         return row
 
     # Batches ---------------------------------------------------------------------------------------------
 
-    # These two touch the runner, which lives on the event loop: they must run there, not in a worker thread.
+    # These two touch the runner, which lives on the event loop: they run there, their store calls in threads.
     @router.post("/v1/batches")
     async def create_batch(request: Request, body: BatchCreateRequest):
         principal = _caller(request)
@@ -123,8 +129,8 @@ def create_batch_router(store: BatchStore, runner: BatchRunner, gate: Gate, limi
                 code="invalid_value",
             )
         _check_metadata(body.metadata)
-        input_file = store.get_file(body.input_file_id)
-        if input_file is None or not may_see(principal, input_file):
+        input_file = await asyncio.to_thread(store.get_file, body.input_file_id)
+        if input_file is None or not may_see(principal, input_file, None):
             raise APIError(404, f"No such file: {body.input_file_id!r}", param="input_file_id", code="not_found")
         if input_file["purpose"] != "batch":
             raise APIError(
@@ -135,7 +141,8 @@ def create_batch_router(store: BatchStore, runner: BatchRunner, gate: Gate, limi
             )
         gate.admit(principal, BATCH_TIER, 0)  # may this key use the batch tier, and has it budget left?
         now = int(time.time())
-        row = store.create_batch(
+        row = await asyncio.to_thread(
+            store.create_batch,
             owner=owner_of(principal),
             key_id=principal.key_id,
             tenant=principal.tenant,
@@ -152,20 +159,21 @@ def create_batch_router(store: BatchStore, runner: BatchRunner, gate: Gate, limi
     @router.get("/v1/batches")
     def list_batches(request: Request, after: str | None = None, limit: Annotated[int, Query(ge=1, le=100)] = 20):
         principal = _caller(request)
-        rows, has_more = store.list_batches(owner_of(principal), principal.is_admin, after, limit)
+        rows, has_more = store.list_batches(owner_of(principal), principal.may(BATCHES_READ_ALL), after, limit)
         return list_object([batch_object(row) for row in rows], has_more)
 
     @router.get("/v1/batches/{batch_id}")
     def get_batch(request: Request, batch_id: str):
-        return batch_object(_visible_batch(request, batch_id))
+        return batch_object(_visible_batch(request, batch_id, BATCHES_READ_ALL))
 
     @router.post("/v1/batches/{batch_id}/cancel")
     async def cancel_batch(request: Request, batch_id: str):
-        row = _visible_batch(request, batch_id)
-        if store.transition(row["id"], "cancelling", int(time.time()), ("validating", "in_progress")):
+        row = await asyncio.to_thread(_visible_batch, request, batch_id, None)
+        cancelling = ("validating", "in_progress")
+        if await asyncio.to_thread(store.transition, row["id"], "cancelling", int(time.time()), cancelling):
             runner.cancel(row["id"])
-            return batch_object(store.get_batch(row["id"]))
-        row = store.get_batch(row["id"])
+            return batch_object(await asyncio.to_thread(store.get_batch, row["id"]))
+        row = await asyncio.to_thread(store.get_batch, row["id"])
         if row["status"] in ("cancelling", "cancelled"):
             return batch_object(row)
         raise APIError(
@@ -175,9 +183,9 @@ def create_batch_router(store: BatchStore, runner: BatchRunner, gate: Gate, limi
             code="batch_not_cancellable",
         )
 
-    def _visible_batch(request: Request, batch_id: str) -> dict:
+    def _visible_batch(request: Request, batch_id: str, read_all: str | None) -> dict:
         row = store.get_batch(batch_id)
-        if row is None or not may_see(_caller(request), row):
+        if row is None or not may_see(_caller(request), row, read_all):
             raise APIError(404, f"No such batch: {batch_id!r}", param="batch_id", code="not_found")
         return row
 
@@ -199,8 +207,9 @@ def owner_of(principal: Principal) -> str | None:
     return principal.tenant or principal.key_id
 
 
-def may_see(principal: Principal, row: dict) -> bool:
-    return principal.is_admin or row["owner"] == owner_of(principal)
+def may_see(principal: Principal, row: dict, read_all: str | None) -> bool:
+    """Whether the caller owns `row`, or reads it by the scope `read_all` (None: only its owner may)."""
+    return row["owner"] == owner_of(principal) or (read_all is not None and principal.may(read_all))
 
 
 def _check_metadata(metadata: dict[str, str] | None) -> None:

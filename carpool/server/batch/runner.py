@@ -11,6 +11,10 @@ in_progress -> expired (past the completion window), validating|in_progress -> c
 Lines still unanswered at expiry or cancellation get an error line each (`batch_expired`, `batch_cancelled`),
 so every custom_id appears exactly once in the output or error file.
 
+The store's reads and writes run on worker threads (asyncio.to_thread), never on the event loop: on PostgreSQL
+each is a round trip that a slow or unreachable database would otherwise make every stream wait on. Only claims
+(claim, release, and the adopter's renewal) stay on the loop, where the runner's own bookkeeping needs them.
+
 A batch runs only while this server holds its claim (BatchStore.claim). On a store shared by replicas the runner
 looks again every ADOPT_SECONDS: it renews the leases of the batches it runs (stopping any it lost, or may lose
 before it can renew again), resumes unfinished batches nobody holds (their server died), and notices a
@@ -47,10 +51,20 @@ class Outcome:
     output_tokens: int = 0
 
 
+@dataclass
+class LineRun:
+    """One run of a batch line, as its endpoint sees it."""
+
+    request_id: str  # a new one each run: its ledger row's, and the output line's response.request_id
+    # Whether a cancellation now means another run will answer the line (this server stops, or lost the batch's
+    # lease): the work is then not billed, as the rerun will be.
+    rerun_later: Callable[[], bool]
+
+
 class BatchEndpoint(Protocol):
     def check_body(self, body: dict) -> None: ...  # raises InvalidBody
 
-    async def run(self, principal: Principal, body: dict) -> Outcome: ...
+    async def run(self, principal: Principal, body: dict, line: LineRun) -> Outcome: ...
 
 
 class BatchRunner:
@@ -67,6 +81,7 @@ class BatchRunner:
         self._slots: asyncio.Semaphore | None = None
         self._tasks: dict[str, asyncio.Task] = {}
         self._cancel_requested: dict[str, asyncio.Event] = {}
+        self._rerun_later: set[str] = set()  # batches stopped here for another run (LineRun.rerun_later)
         self._adopter: asyncio.Task | None = None
 
     # Lifecycle ---------------------------------------------------------------------------------------
@@ -74,7 +89,7 @@ class BatchRunner:
     async def start(self) -> None:
         """Pick up every batch a previous process left unfinished."""
         self._slots = asyncio.Semaphore(self.max_in_flight)
-        for batch_id in self.store.active_batch_ids():
+        for batch_id in await asyncio.to_thread(self.store.active_batch_ids):
             self.submit(batch_id)
         if self.store.shared:
             self._adopter = asyncio.create_task(self._adopt(), name="batch adopter")
@@ -90,17 +105,19 @@ class BatchRunner:
                         "(another server resumes it)",
                         batch_id,
                     )
+                    self._rerun_later.add(batch_id)
                     self._tasks[batch_id].cancel()
-                for batch_id in self.store.active_batch_ids():
+                for batch_id in await asyncio.to_thread(self.store.active_batch_ids):
                     if batch_id not in self._tasks:
                         self.submit(batch_id)
-                    elif self.store.get_batch(batch_id)["status"] == "cancelling":
+                    elif (await asyncio.to_thread(self.store.get_batch, batch_id))["status"] == "cancelling":
                         self._cancel_event(batch_id).set()
             except Exception:  # the database is away for now: look again next time
                 log.exception("batch runner: looking for batches to resume failed")
 
     async def stop(self) -> None:
         """Abort what is in flight; those lines have no result yet, so the next start runs them again."""
+        self._rerun_later.update(self._tasks)
         tasks = [*self._tasks.values(), *([self._adopter] if self._adopter else [])]
         for task in tasks:
             task.cancel()
@@ -123,6 +140,7 @@ class BatchRunner:
     def _forget(self, batch_id: str) -> None:
         task = self._tasks.pop(batch_id)
         self._cancel_requested.pop(batch_id, None)
+        self._rerun_later.discard(batch_id)
         self.store.release(batch_id)
         if not task.cancelled() and task.exception() is not None:
             log.error("batch %s stopped on an error", batch_id, exc_info=task.exception())
@@ -136,18 +154,18 @@ class BatchRunner:
     # One batch, start to end ---------------------------------------------------------------------------
 
     async def _drive(self, batch_id: str) -> None:
-        batch = self.store.get_batch(batch_id)
+        batch = await asyncio.to_thread(self.store.get_batch, batch_id)
         if batch["status"] == "validating":
             await self._validate(batch)
-            batch = self.store.get_batch(batch_id)
+            batch = await asyncio.to_thread(self.store.get_batch, batch_id)
         if batch["status"] == "in_progress":
             ending = await self._execute(batch)
             if ending == "done":
-                self.store.transition(batch_id, "finalizing", self._now(), ("in_progress",))
+                await asyncio.to_thread(self.store.transition, batch_id, "finalizing", self._now(), ("in_progress",))
             elif ending == "expired":
                 await self._answer_the_rest(batch, "batch_expired", "The batch expired before this request ran.")
                 await self._close(batch_id, "expired", ("in_progress",))
-            batch = self.store.get_batch(batch_id)
+            batch = await asyncio.to_thread(self.store.get_batch, batch_id)
         if batch["status"] == "finalizing":
             await self._close(batch_id, "completed", ("finalizing",))
         elif batch["status"] == "cancelling":
@@ -159,9 +177,13 @@ class BatchRunner:
         check_body = self.endpoints[batch["endpoint"]].check_body
         result = await asyncio.to_thread(validate_file, path, batch["endpoint"], check_body, self.limits)
         if result.errors:
-            self.store.transition(batch["id"], "failed", self._now(), ("validating",), errors=result.errors)
+            await asyncio.to_thread(
+                self.store.transition, batch["id"], "failed", self._now(), ("validating",), errors=result.errors
+            )
         else:
-            self.store.transition(batch["id"], "in_progress", self._now(), ("validating",), total=result.total)
+            await asyncio.to_thread(
+                self.store.transition, batch["id"], "in_progress", self._now(), ("validating",), total=result.total
+            )
 
     async def _execute(self, batch: dict) -> str:
         """Run the batch's unanswered lines: 'done', or 'cancelled' / 'expired' with the rest left unanswered."""
@@ -183,7 +205,7 @@ class BatchRunner:
         return "cancelled" if cancelled.is_set() else "expired"
 
     async def _dispatch(self, batch: dict) -> None:
-        answered = self.store.answered_lines(batch["id"])
+        answered = await asyncio.to_thread(self.store.answered_lines, batch["id"])
         principal = Principal(key_id=batch["key_id"], tenant=batch["tenant"])
         in_flight: set[asyncio.Task] = set()
         try:
@@ -204,23 +226,25 @@ class BatchRunner:
 
     async def _run_line(self, batch: dict, principal: Principal, number: int, raw: bytes) -> None:
         endpoint = self.endpoints[batch["endpoint"]]
+        line = LineRun(new_id("req_"), lambda: batch["id"] in self._rerun_later)
         try:
             request = parse_line(raw, batch["endpoint"], endpoint.check_body)
-            outcome = await endpoint.run(principal, request["body"])
+            outcome = await endpoint.run(principal, request["body"], line)
         except InvalidLine as error:  # the file changed on disk since it was validated
             body = error_body(400, error.message, error.param, error.code)
-            request, outcome = {"custom_id": _custom_id(raw) or f"line-{number}"}, Outcome(400, body, new_id("req_"))
+            request, outcome = {"custom_id": _custom_id(raw) or f"line-{number}"}, Outcome(400, body, line.request_id)
         except Exception:  # one request's fault must not stall the batch: its line says so, the rest go on
             log.exception("batch %s line %d failed", batch["id"], number)
             body = error_body(500, "The server had an error while processing this request.")
-            request, outcome = {"custom_id": _custom_id(raw) or f"line-{number}"}, Outcome(500, body, new_id("req_"))
+            request, outcome = {"custom_id": _custom_id(raw) or f"line-{number}"}, Outcome(500, body, line.request_id)
         record = {
             "id": new_id("batch_req_"),
             "custom_id": request["custom_id"],
             "response": {"status_code": outcome.status_code, "request_id": outcome.request_id, "body": outcome.body},
             "error": None,
         }
-        self.store.add_result(
+        await asyncio.to_thread(
+            self.store.add_result,
             batch["id"],
             number,
             request["custom_id"],

@@ -8,6 +8,7 @@ from carpool.server.batch.limits import BatchLimits
 from carpool.server.batch.routes import create_batch_router
 from carpool.server.batch.runner import BatchRunner
 from carpool.server.batch.store import BatchStore
+from carpool.server.cascade.runner import CascadeServing
 from carpool.server.serving import Serving
 
 
@@ -20,13 +21,16 @@ class BatchService:
         limits: BatchLimits | None = None,
         max_in_flight: int | None = None,
         db: str | None = None,
+        cascades: CascadeServing | None = None,
     ):
-        """`db`: the PostgreSQL URL that holds the batches' metadata for every replica (None: in `batch_dir`)."""
+        """`db`: the PostgreSQL URL that holds the batches' metadata for every replica (None: in `batch_dir`);
+        `cascades`: the cascades a line's `model` may name."""
         self.limits = limits = limits or BatchLimits()
         # Enough batch requests to fill every sequence slot the engines have; more would only wait in their queues.
         max_in_flight = max_in_flight or serving.max_num_seqs
         self.store = BatchStore(batch_dir, db)
-        self.runner = BatchRunner(self.store, serving_endpoints(serving), limits, max_in_flight)
+        endpoints = serving_endpoints(serving, cascades or CascadeServing(serving, {}))
+        self.runner = BatchRunner(self.store, endpoints, limits, max_in_flight)
         self.router = create_batch_router(self.store, self.runner, gate, limits)
 
     async def start(self) -> None:

@@ -9,7 +9,7 @@ step is accepted, and never the chunks of a rejected step. The last step, accept
 
 from dataclasses import dataclass
 
-from carpool.economics.contract import Principal
+from carpool.economics.contract import Principal, part_request_id
 from carpool.server.cascade.config import Cascade, Step
 from carpool.server.errors import APIError
 from carpool.server.generation import Generation, GenerationFailed
@@ -72,7 +72,7 @@ class CascadeServing:
             self.serving.check(attempt, principal)
         for index, (step, attempt) in enumerate(zip(cascade.steps, attempts)):
             last = index == final
-            gen, fmt = self._start(attempt, principal)
+            gen, fmt = self._start(attempt, principal, part_request_id(client_request_id, f"cascade-{index}"))
             verdict = Verdict()
             gen.ledger_fields = _ledger_fields(cascade, index, step, verdict, client_request_id, last)
             if not last:
@@ -88,10 +88,10 @@ class CascadeServing:
             return gen, fmt, {STEP_HEADER: str(index), ANSWERED_BY_HEADER: step.model}
         raise AssertionError("the last step always answers")
 
-    def _start(self, body, principal: Principal):
+    def _start(self, body, principal: Principal, request_id: str):
         if isinstance(body, ChatCompletionRequest):
-            return self.serving.start_chat(body, principal)
-        return self.serving.start_completion(body, principal)
+            return self.serving.start_chat(body, principal, request_id=request_id)
+        return self.serving.start_completion(body, principal, request_id=request_id)
 
 
 def _check_single_choice(body) -> None:

@@ -22,7 +22,7 @@ class EngineScorer(Scorer):
         self.engine, self.model_name, self.tier, self.cache_salt = engine, model_name, tier, cache_salt
         self.tokenizer = engine.engine.tokenizer
         self.max_tokens = engine.engine.door.max_request_tokens - _SCORE.max_tokens
-        self.request_id = f"compress-{uuid.uuid4().hex}"  # its ledger row's
+        self.request_id = f"compress-{uuid.uuid4().hex}"  # names its engine requests
         self.prompt_tokens = self.cached_tokens = self.output_tokens = 0
         self.seconds = 0.0
 
@@ -55,9 +55,10 @@ class EngineScorer(Scorer):
             last = output
         return last
 
-    def usage_record(self, principal: Principal, parent_request_id: str) -> UsageRecord:
+    def usage_record(self, principal: Principal, request_id: str, parent_request_id: str) -> UsageRecord:
+        """`request_id`: the row's (contract.part_request_id of the client's request, `parent_request_id`)."""
         return UsageRecord(
-            request_id=self.request_id,
+            request_id=request_id,
             model=self.model_name,
             tier=self.tier,
             prompt_tokens=self.prompt_tokens,

@@ -2,16 +2,18 @@
 completions, which compresses a request's prompt before it is tokenized for prefill.
 
 What is kept verbatim: system (and developer) messages, the final question (the last paragraph of the last message,
-or of a text prompt), and the spans the caller lists in `protected`. The scorer is one served model (`--compression-
+or of a text prompt; its last line or sentence when it has one paragraph), and the spans the caller lists in
+`protected`; a prompt that is nothing else is a 400, not an answer that compressed nothing. The scorer is one served model (`--compression-
 model`, default the smallest served); its work is billed as a ledger row of its own (purpose 'compression',
 parent_request_id the client's x-request-id, model the scorer), admitted by the gate like any request's.
 """
 
 import asyncio
+import re
 from dataclasses import dataclass
 from types import SimpleNamespace
 
-from carpool.economics.contract import Gate, Principal
+from carpool.economics.contract import Gate, Principal, part_request_id
 from carpool.engine.tiers import DEFAULT_TIER
 from carpool.server.compression.compressor import Budget, Compressed, Piece, compress, scoring_bound
 from carpool.server.compression.scorer import EngineScorer
@@ -104,9 +106,9 @@ class CompressionService:
             )
         original = sum(len(target.engine.door.tokenize_prompt(prompt)) for prompt in prompts)
         compressed = []
-        for prompt in prompts:
+        for index, prompt in enumerate(prompts):
             result = await self._compress(
-                _question_pieces(prompt, 0), asked, target, principal, tier, client_request_id, salt
+                _question_pieces(prompt, 0), asked, target, principal, tier, client_request_id, salt, index
             )
             compressed.append(result.texts[0])
         prompt = compressed[0] if isinstance(body.prompt, str) else compressed
@@ -131,15 +133,30 @@ class CompressionService:
         tier: str,
         client_request_id: str,
         cache_salt: str | None,
+        prompt_index: int = 0,
     ) -> Compressed:
+        """`prompt_index`: which of a text completion's prompts this is; each one's scoring is a row of its own."""
         try:
             budget = Budget(rate=asked.rate, target_tokens=asked.target_tokens)
         except ValueError as error:
             raise APIError(400, str(error), param="prompt_compression") from error
         pieces = _protect(pieces, asked.protected or [])
+        if all(piece.protected for piece in pieces):
+            field = "prompt_compression"
+            if isinstance(asked, CompressRequest):  # /v1/compress: the body's own prompt or messages
+                field = "prompt" if asked.prompt is not None else "messages"
+            raise APIError(
+                400,
+                f"{field}: nothing can be compressed: the prompt is only what is kept verbatim (one sentence, the final "
+                "question; system messages; protected spans); send it uncompressed, or a longer prompt",
+                param=field,
+            )
         scorer_serving = self.serving.models[self.model_name]
         scorer = EngineScorer(scorer_serving.engine, self.model_name, tier, cache_salt)
-        self.gate.admit(principal, tier, scoring_bound(pieces, scorer), request_id=scorer.request_id)
+        row_id = part_request_id(
+            client_request_id, "compression" if prompt_index == 0 else f"compression-{prompt_index}"
+        )
+        self.gate.admit(principal, tier, scoring_bound(pieces, scorer), request_id=row_id, model=self.model_name)
         tokenizer = target.tokenizer
         try:
             result = await compress(
@@ -150,7 +167,7 @@ class CompressionService:
             )
         finally:  # always recorded, zero tokens included: the record settles the admission's reservation, and
             # the scorer's work is billed even when the request fails during or after it
-            durable = self.gate.record(principal, scorer.usage_record(principal, client_request_id))
+            durable = self.gate.record(principal, scorer.usage_record(principal, row_id, client_request_id))
             if durable is not None:
                 await asyncio.wrap_future(durable)
         return result
@@ -172,12 +189,19 @@ def _cache_salt(body, principal: Principal) -> str | None:
 
 
 def _question_pieces(text: str, group: int) -> list[Piece]:
-    """A text: its last paragraph (the question) protected, the rest compressible."""
-    cut = text.rstrip().rfind("\n\n")
-    if cut < 0:
-        return [Piece(text, True, group)]
-    cut += 2
-    return [Piece(text[:cut], False, group), Piece(text[cut:], True, group)]
+    """A text: its final question protected, the rest compressible. The question is the last paragraph; in a text
+    of one paragraph, its last line; in one line, its last sentence (a 90,000-token paragraph is otherwise all
+    question, and nothing could be compressed)."""
+    body = text.rstrip()
+    for boundary in (_PARAGRAPH_END, _LINE_END, _SENTENCE_END):
+        cuts = [match.end() for match in boundary.finditer(body)]
+        if cuts:
+            return [Piece(text[: cuts[-1]], False, group), Piece(text[cuts[-1] :], True, group)]
+    return [Piece(text, True, group)]
+
+
+_PARAGRAPH_END, _LINE_END = re.compile(r"\n\n"), re.compile(r"\n")
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=\S)")  # the space after a sentence's stop, before the next sentence
 
 
 def _message_pieces(messages: list[ChatMessage]) -> list[Piece]:

@@ -14,7 +14,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends
 from fastapi.responses import HTMLResponse, Response
 
-from carpool.economics.contract import Principal
+from carpool.economics.contract import BATCHES_READ_ALL, USAGE_READ, Principal
 from carpool.engine.async_engine import AsyncEngine
 from carpool.server.auth import request_principal
 from carpool.server.batch.service import BatchService
@@ -53,8 +53,8 @@ def dashboard_router(
     # A plain `def`: FastAPI runs it on its thread pool, so the ledger's report never stalls the event loop.
     @router.get("/dashboard/data")
     def dashboard_data(principal: Annotated[Principal, Depends(request_principal)]) -> dict:
-        if admin_only and not principal.is_admin:
-            raise APIError(403, "The dashboard needs an admin key.", code="admin_key_required")
+        if admin_only and not principal.may(USAGE_READ):
+            raise APIError(403, f"The dashboard needs a key with the {USAGE_READ} scope.", code="admin_key_required")
         for name, engine in engines.items():  # the gauges /metrics would set before rendering
             metrics.models[name].set_gauges(engine.snapshot())
         document = data.document()
@@ -67,8 +67,10 @@ def dashboard_router(
 
 
 def _batches(batches: BatchService, principal: Principal) -> list[dict]:
-    """The newest batches the caller may see (an admin sees everyone's), with their progress."""
-    rows, _ = batches.store.list_batches(principal.tenant or principal.key_id, principal.is_admin, None, RECENT_BATCHES)
+    """The newest batches the caller may see (everyone's with batches:read-all), with their progress."""
+    rows, _ = batches.store.list_batches(
+        principal.tenant or principal.key_id, principal.may(BATCHES_READ_ALL), None, RECENT_BATCHES
+    )
     return [
         {
             "id": row["id"],

@@ -11,7 +11,7 @@ from starlette.background import BackgroundTask
 
 from carpool.economics.contract import Principal
 from carpool.server.auth import request_principal
-from carpool.server.disconnect import CLIENT_CLOSED_REQUEST, finished_before_disconnect
+from carpool.server.disconnect import CLIENT_CLOSED_REQUEST, disconnected, finished_before_disconnect
 from carpool.server.errors import APIError
 from carpool.server.generation import GenerationFailed
 from carpool.server.responses_api.convert import (
@@ -26,7 +26,7 @@ from carpool.server.responses_api.convert import (
 from carpool.server.responses_api.protocol import Item, ResponsesRequest
 from carpool.server.responses_api.store import ResponseStore
 from carpool.server.responses_api.stream import ResponseEvents
-from carpool.server.serving import Serving
+from carpool.server.serving import ClientLeft, Serving
 
 Caller = Annotated[Principal, Depends(request_principal)]
 _ERROR = {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}
@@ -42,9 +42,13 @@ def create_responses_router(serving: Serving, store: ResponseStore) -> APIRouter
         chat = chat_request(body, context)
         try:
             await serving.precompile(chat)
-            gen, fmt = await serving.started(serving.start_chat, chat, caller)
+            gen, fmt = await serving.started(
+                serving.start_chat, chat, caller, request.state.request_id, lambda: disconnected(request)
+            )
         except APIError as error:
             raise renamed(error) from error
+        except ClientLeft:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
 
         async def finish(response: dict) -> None:
             if body.store is not False:

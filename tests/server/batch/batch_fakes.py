@@ -23,7 +23,7 @@ class EchoEndpoint:
         if not isinstance(body.get("prompt"), str):
             raise InvalidBody("prompt must be a string", "prompt")
 
-    async def run(self, principal, body: dict) -> Outcome:
+    async def run(self, principal, body: dict, line=None) -> Outcome:
         self.started.append(body["prompt"])
         self.principals.append(principal)
         self._in_flight += 1

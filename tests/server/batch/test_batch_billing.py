@@ -20,7 +20,7 @@ class RecordingGate:
     def authenticate(self, api_key):
         return CALLER
 
-    def admit(self, principal, tier, estimated_tokens, request_id=None):
+    def admit(self, principal, tier, estimated_tokens, request_id=None, model=None):
         pass
 
     def record(self, principal, usage):
@@ -33,7 +33,7 @@ class RecordingGate:
 class OverLimitGate(RecordingGate):
     """Every batch request is larger than the key's tokens-per-minute limit: waiting will never admit it."""
 
-    def admit(self, principal, tier, estimated_tokens, request_id=None):
+    def admit(self, principal, tier, estimated_tokens, request_id=None, model=None):
         if estimated_tokens > 0:  # the batch itself is admitted (0 tokens); each of its requests is refused
             raise GateError(
                 429, "this request's tokens exceed the key's limit", "rate_limit_exceeded", retry_after=None
@@ -70,8 +70,7 @@ def run_batch(gate, tmp_path, num_lines: int = 3) -> list[dict]:
 def test_batch_requests_are_billed_at_the_batch_tier(tmp_path):
     gate = RecordingGate()
     output = run_batch(gate, tmp_path)
-    bodies = [line["response"]["body"] for line in output]
-    bodies = {body["id"]: body for body in bodies}
+    bodies = {line["response"]["request_id"]: line["response"]["body"] for line in output}  # the ledger's id
     assert len(gate.records) == 3
     for principal, usage in gate.records:
         assert (usage.tier, usage.key_id, usage.tenant, principal.key_id) == ("batch", "key-1", "acme", "key-1")

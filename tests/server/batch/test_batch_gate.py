@@ -9,6 +9,7 @@ import time
 import pytest
 from fastapi.testclient import TestClient
 
+from carpool.economics.contract import SCOPES
 from carpool.economics.db import connect
 from carpool.economics.gate import LedgerGate
 from carpool.economics.keys import create_key, revoke_key
@@ -74,7 +75,7 @@ def billed(tmp_path, key_id: str) -> int:
 @pytest.mark.parametrize("state", ["budget spent", "revoked"])
 def test_after_a_restart_lines_meet_the_key_as_it_stands(tmp_path, state):
     conn = connect(tmp_path / "carpool.db")
-    _, admin = create_key(conn, "ops", is_admin=True)
+    _, admin = create_key(conn, "ops", scopes=SCOPES)
     if state == "budget spent":
         key, _ = create_key(conn, "acme", budget=0.0, budget_period="day")
     else:
@@ -109,7 +110,7 @@ def test_after_a_restart_lines_meet_the_key_as_it_stands(tmp_path, state):
 
 def test_a_key_revoked_mid_batch_runs_and_bills_no_more_lines(tmp_path):
     conn = connect(tmp_path / "carpool.db")
-    _, admin = create_key(conn, "ops", is_admin=True)
+    _, admin = create_key(conn, "ops", scopes=SCOPES)
     key, secret = create_key(conn, "acme")
     caller = {"Authorization": f"Bearer {secret}"}
     # One line at a time, slow enough to be caught early.

@@ -170,6 +170,7 @@ class SharedLines:
     def __init__(self):
         self.running: set[str] = set()
         self.overlaps: list[str] = []
+        self.stopped_for_rerun: list[bool] = []  # per line stopped mid-run: whether it was left for a rerun
 
 
 class TrackedEndpoint(EchoEndpoint):
@@ -177,13 +178,16 @@ class TrackedEndpoint(EchoEndpoint):
         super().__init__(delay)
         self.lines = lines
 
-    async def run(self, principal, body: dict):
+    async def run(self, principal, body: dict, line=None):
         prompt = body["prompt"]
         if prompt in self.lines.running:
             self.lines.overlaps.append(prompt)
         self.lines.running.add(prompt)
         try:
-            return await super().run(principal, body)
+            return await super().run(principal, body, line)
+        except asyncio.CancelledError:
+            self.lines.stopped_for_rerun.append(line.rerun_later())
+            raise
         finally:
             self.lines.running.discard(prompt)
 
@@ -242,6 +246,8 @@ def test_a_server_that_cannot_renew_stops_before_its_lease_lapses(monkeypatch, s
 
     batch, stopped = asyncio.run(scenario())
     assert stopped and healthy.started  # the first let go; the second ran the rest
+    # The lines the first stopped were left for the rerun, so their work is not billed (ServingEndpoint.run).
+    assert lines.stopped_for_rerun == [True, True]
     assert batch["status"] == "completed" and batch["completed"] == 10 and not lines.overlaps
 
 

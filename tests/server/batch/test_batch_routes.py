@@ -9,7 +9,14 @@ from batch_fakes import EchoEndpoint, request_line
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from carpool.economics.contract import GateError, Principal
+from carpool.economics.contract import (
+    BATCHES_READ_ALL,
+    FILES_READ_ALL,
+    SCOPES,
+    USAGE_READ,
+    GateError,
+    Principal,
+)
 from carpool.server.auth import Authenticate
 from carpool.server.batch.limits import BatchLimits
 from carpool.server.batch.routes import create_batch_router
@@ -25,7 +32,9 @@ class KeyedGate:
         "key-a": Principal(key_id="a", tenant="acme"),
         "key-a2": Principal(key_id="a2", tenant="acme"),
         "key-b": Principal(key_id="b", tenant="globex"),
-        "key-root": Principal(key_id="root", is_admin=True),
+        "key-root": Principal(key_id="root", scopes=frozenset(SCOPES)),
+        "key-ops": Principal(key_id="ops", tenant="ops", scopes=frozenset({USAGE_READ, BATCHES_READ_ALL})),
+        "key-reader": Principal(key_id="reader", tenant="audit", scopes=frozenset({FILES_READ_ALL})),
         "key-interactive": Principal(key_id="i", tenant="acme", allowed_tiers=frozenset({"default"})),
     }
 
@@ -34,12 +43,18 @@ class KeyedGate:
             raise GateError(401, "Incorrect API key.", "invalid_api_key")
         return self.PRINCIPALS[api_key]
 
-    def admit(self, principal, tier, estimated_tokens, request_id=None):
+    def __init__(self):
+        self.audited = []
+
+    def admit(self, principal, tier, estimated_tokens, request_id=None, model=None):
         if principal.allowed_tiers is not None and tier not in principal.allowed_tiers:
             raise GateError(403, f"service_tier {tier!r} is not allowed for this key", "tier_not_allowed")
 
     def record(self, principal, usage):
         pass
+
+    def audit(self, principal, action, target, owner):
+        self.audited.append((principal.key_id, action, target, owner))
 
     def health(self):
         return None
@@ -59,7 +74,7 @@ def app(tmp_path):
 
     app = FastAPI(lifespan=lifespan)
     install_error_handlers(app)
-    gate = KeyedGate()
+    app.state.gate = gate = KeyedGate()
     app.add_middleware(Authenticate, gate=gate)
     app.include_router(create_batch_router(store, runner, gate, LIMITS))
     return app
@@ -144,6 +159,30 @@ def test_tenants_see_only_their_own_files_and_batches(http):
     assert http.get("/v1/batches", headers=as_key("key-b")).json()["data"] == []
     assert [b["id"] for b in http.get("/v1/batches", headers=as_key("key-a2")).json()["data"]] == [batch_id]
     error_of(http.post("/v1/files", headers=as_key("nobody")), 401)
+
+
+def test_read_all_scopes_each_open_one_kind_of_another_tenants_objects(app, http):
+    file_id = upload(http, [request_line("a", "x")], key="key-a").json()["id"]
+    batch_id = create(http, file_id, key="key-a").json()["id"]
+    content = f"/v1/files/{file_id}/content"
+    # batches:read-all (the scopes an admin key had): every batch object, but nobody's files, so no prompts.
+    assert http.get(f"/v1/batches/{batch_id}", headers=as_key("key-ops")).status_code == 200
+    assert [b["id"] for b in http.get("/v1/batches", headers=as_key("key-ops")).json()["data"]] == [batch_id]
+    for path in (f"/v1/files/{file_id}", content):
+        error_of(http.get(path, headers=as_key("key-ops")), 404)
+    assert http.get("/v1/files", headers=as_key("key-ops")).json()["data"] == []
+    # files:read-all: every file, each read of another's content on the record first; but no batches.
+    assert http.get(content, headers=as_key("key-reader")).text == request_line("a", "x") + "\n"
+    assert app.state.gate.audited == [("reader", "files.content", file_id, "acme")]
+    assert [f["id"] for f in http.get("/v1/files", headers=as_key("key-reader")).json()["data"]] == [file_id]
+    error_of(http.get(f"/v1/batches/{batch_id}", headers=as_key("key-reader")), 404)
+    assert http.get("/v1/batches", headers=as_key("key-reader")).json()["data"] == []
+    # Reading is all they do: another's batch is not theirs to cancel, nor its file to delete or run.
+    error_of(http.post(f"/v1/batches/{batch_id}/cancel", headers=as_key("key-root")), 404)
+    error_of(http.delete(f"/v1/files/{file_id}", headers=as_key("key-root")), 404)
+    error_of(create(http, file_id, key="key-root"), 404)
+    http.get(content, headers=as_key("key-a2"))  # the owner's tenant reads its own: nothing to record
+    assert len(app.state.gate.audited) == 1
 
 
 def test_batches_page_newest_first(http):

@@ -141,7 +141,8 @@ def test_cancel_keeps_finished_results_and_answers_the_rest_as_cancelled(tmp_pat
         runner = new_runner(store, endpoint, max_in_flight=2)
         await runner.start()
         runner.submit(batch_id)
-        while len(endpoint.finished) < 4:
+        # Recorded, not only run: the runner writes results off the event loop, a moment after each line ends.
+        while store.get_batch(batch_id)["completed"] < 4:
             await asyncio.sleep(0.01)
         assert store.transition(batch_id, "cancelling", int(time.time()), ("validating", "in_progress"))
         runner.cancel(batch_id)
@@ -205,3 +206,49 @@ def test_a_stopped_runner_resumes_and_answers_every_custom_id_once(tmp_path):
     assert all_custom_ids(store, batch) == sorted(f"r{i}" for i in range(16))
     assert len(endpoint.finished) - finished_before <= 16 - 5  # finished lines were not run again
     assert batch["completed"] == 16
+
+
+class LoopWatchingStore(BatchStore):
+    """Notes each call made on an event loop's thread, claims aside (they stay on the loop)."""
+
+    ON_LOOP_ALLOWED = frozenset({"claim", "renew_claims", "release", "file_path", "close"})
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.on_loop: list[str] = []
+
+    def __getattribute__(self, name):
+        attribute = super().__getattribute__(name)
+        if name.startswith("_") or name in LoopWatchingStore.ON_LOOP_ALLOWED or not callable(attribute):
+            return attribute
+
+        def watched(*args, **kwargs):
+            try:
+                asyncio.get_running_loop()
+                self.on_loop.append(name)
+            except RuntimeError:  # a worker thread: no loop runs here
+                pass
+            return attribute(*args, **kwargs)
+
+        return watched
+
+
+def test_the_runner_calls_the_store_off_the_event_loop(tmp_path):
+    store = LoopWatchingStore(tmp_path)
+    batch_id = make_batch(store, [request_line(f"r{i}", f"p{i}") for i in range(3)])
+    cancelled_id = make_batch(store, [request_line(f"r{i}", f"p{i}") for i in range(3)])
+    reader = BatchStore(tmp_path)  # the test's own reads, on the loop, are not the runner's
+    endpoint = EchoEndpoint(delay=0.05)
+
+    async def scenario():
+        runner = new_runner(store, endpoint, max_in_flight=2)
+        await runner.start()  # resumes both
+        await wait_for(reader, batch_id, TERMINAL)
+        store.transition(cancelled_id, "cancelling", int(time.time()), ("validating", "in_progress"))
+        runner.cancel(cancelled_id)
+        await wait_for(reader, cancelled_id, TERMINAL)
+        await runner.stop()
+
+    store.on_loop.clear()
+    asyncio.run(scenario())
+    assert store.on_loop == ["transition"]  # the test's own cancel, above: nothing of the runner's

@@ -187,7 +187,7 @@ function renderModel(doc, model) {
 }
 
 function budgetBar(k) {
-  const label = `${k.tenant} (${k.key_id}${k.is_admin ? ", admin" : ""})`;
+  const label = `${k.tenant} (${k.key_id}${k.scopes.length ? ", " + k.scopes.join(" ") : ""})`;
   if (k.budget === null) return progress(label, `${dollars(k.spent)} this ${k.period}, no budget`, 0);
   const share = k.budget > 0 ? k.spent / k.budget : 1;
   return progress(label, `${dollars(k.spent)} of ${dollars(k.budget)} per ${k.period}`, share,
