@@ -27,7 +27,7 @@ from pathlib import Path
 
 from carpool.bench.datasets import gsm8k, long_docs
 from carpool.economics.prices import load_price_sheet
-from carpool.server.gate import RecordingGate
+from carpool.server.open_gate import RecordingGate
 
 RATES = (1, 2, 5, 10)  # compression: 1/keep rate
 NUM_SHOTS = 8

@@ -11,7 +11,7 @@ from typing import Self
 import httpx
 import uvicorn
 
-from carpool.economics.gate import LedgerGate
+from carpool.economics.ledger_gate import LedgerGate
 from carpool.economics.prices import load_price_sheet
 from carpool.engine.async_engine import AsyncEngine
 from carpool.engine.config import EngineConfig

@@ -10,7 +10,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from carpool.economics.gate import LedgerGate
+from carpool.economics.ledger_gate import LedgerGate
 from carpool.economics.spend import period_start
 
 TENANT_REPORT_SECONDS = 10.0

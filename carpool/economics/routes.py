@@ -11,7 +11,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends
 
 from carpool.economics.contract import USAGE_READ, GateError, Principal
-from carpool.economics.gate import LedgerGate
+from carpool.economics.ledger_gate import LedgerGate
 from carpool.economics.reports import GROUP_BY, parse_time, report_document
 
 

@@ -26,9 +26,9 @@ from carpool.server.compression import CompressionService
 from carpool.server.dashboard import dashboard_router
 from carpool.server.disconnect import CLIENT_CLOSED_REQUEST, disconnected, finished_before_disconnect
 from carpool.server.errors import APIError, error_body, install_error_handlers
-from carpool.server.gate import OpenGate
 from carpool.server.generation import Backends, Generation, GenerationFailed
 from carpool.server.metrics import ServerMetrics
+from carpool.server.open_gate import OpenGate
 from carpool.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,

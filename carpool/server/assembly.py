@@ -100,7 +100,7 @@ def open_stores(args: argparse.Namespace, configs: dict) -> Stores:
     models load, so a bad price sheet, or one that prices no served model, fails at once. So is the batch dir
     (created, writable, and this database's), so no store fails after minutes of loading."""
     from carpool.economics.db import default_db_path
-    from carpool.economics.gate import open_ledger_gate
+    from carpool.economics.ledger_gate import open_ledger_gate
     from carpool.server.batch.home import claim_batch_dir, default_batch_dir
 
     ledger = None if args.api_key else open_ledger_gate(args.db, args.prices, served_models=tuple(configs))
@@ -154,7 +154,7 @@ def build_app(args: argparse.Namespace, configs: dict, engines: dict, stores: St
     """The carpool app over `engines` ({served name: AsyncEngine or ReplicaRouter}), with the gate, the Batch API,
     the extensions of the flags and the ledger's routes and series. `configs`: model_configs(args)."""
     from carpool.server.app import create_app
-    from carpool.server.gate import OpenGate
+    from carpool.server.open_gate import OpenGate
 
     app = create_app(
         engines,

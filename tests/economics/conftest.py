@@ -1,7 +1,7 @@
 import pytest
 from economics_helpers import TEST_SHEET, Clock
 
-from carpool.economics.gate import LedgerGate
+from carpool.economics.ledger_gate import LedgerGate
 from carpool.economics.prices import load_price_sheet
 
 

@@ -6,8 +6,8 @@ from economics_helpers import FOOTPRINT, HARDWARE, PHASES, TEST_SHEET, usage
 from carpool.cli import main
 from carpool.economics import cli as economics_cli
 from carpool.economics.db import connect
-from carpool.economics.gate import LedgerGate
 from carpool.economics.keys import find_key
+from carpool.economics.ledger_gate import LedgerGate
 
 
 def run(capsys, *argv):

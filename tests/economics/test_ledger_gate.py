@@ -6,8 +6,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from carpool.economics.contract import SCOPES, GateError
 from carpool.economics.db import connect
-from carpool.economics.gate import LedgerGate, open_ledger_gate
 from carpool.economics.keys import create_key, revoke_key, set_budget
+from carpool.economics.ledger_gate import LedgerGate, open_ledger_gate
 from carpool.economics.prices import PriceSheetError
 
 

@@ -9,8 +9,8 @@ from prometheus_client import CollectorRegistry
 
 from carpool.economics.contract import GateError
 from carpool.economics.db import connect
-from carpool.economics.gate import LedgerGate
 from carpool.economics.keys import create_key
+from carpool.economics.ledger_gate import LedgerGate
 
 CLIENTS = 50
 REQUESTS_PER_CLIENT = 40

@@ -12,7 +12,7 @@ from carpool.economics import keys as key_store
 from carpool.economics import ledger, shared_admission
 from carpool.economics.contract import GateError
 from carpool.economics.db import SCHEMA, DatabaseUnusable, check_postgres, expected_columns, open_database
-from carpool.economics.gate import LedgerGate
+from carpool.economics.ledger_gate import LedgerGate
 from carpool.economics.prices import load_price_sheet
 from carpool.economics.reports import usage_summary
 from carpool.postgres import connect_postgres, migrations

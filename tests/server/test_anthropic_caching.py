@@ -23,9 +23,9 @@ from carpool.server.anthropic.errors import AnthropicErrors
 from carpool.server.anthropic.format import MessageFormat
 from carpool.server.anthropic.protocol import MessagesRequest
 from carpool.server.errors import APIError, install_error_handlers
-from carpool.server.gate import RecordingGate
 from carpool.server.generation import Backends
 from carpool.server.metrics import ServerMetrics
+from carpool.server.open_gate import RecordingGate
 from carpool.server.serving import ModelServing, Serving
 
 SYSTEM = ["You are a careful assistant who answers questions about the weather.", "Always answer in English."]

@@ -9,7 +9,7 @@ import pytest
 
 from carpool.economics import keys as key_store
 from carpool.economics.db import open_database
-from carpool.economics.gate import LedgerGate
+from carpool.economics.ledger_gate import LedgerGate
 from carpool.economics.prices import load_price_sheet
 from carpool.server.app import create_app
 

@@ -15,7 +15,7 @@ from carpool.server.app import create_app
 from carpool.server.cascade.config import Cascade, Step
 from carpool.server.cascade.runner import ANSWERED_BY_HEADER, STEP_HEADER
 from carpool.server.cascade.scorers import Scorer
-from carpool.server.gate import RecordingGate
+from carpool.server.open_gate import RecordingGate
 
 MESSAGES = [{"role": "user", "content": "Name a colour."}]
 BODY = {"messages": MESSAGES, "max_tokens": 6, "temperature": 0}

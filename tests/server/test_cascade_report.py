@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 from carpool.cli import main
 from carpool.economics.contract import SCOPES, Principal, UsageRecord
 from carpool.economics.db import connect
-from carpool.economics.gate import open_ledger_gate
+from carpool.economics.ledger_gate import open_ledger_gate
 from carpool.economics.reports import cascade_summary
 from carpool.economics.routes import usage_router
 

@@ -7,7 +7,7 @@ import json
 import time
 
 from carpool.server.app import create_app
-from carpool.server.gate import RecordingGate
+from carpool.server.open_gate import RecordingGate
 
 BODY = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0}
 

@@ -14,7 +14,7 @@ from carpool.engine.sampling_params import SamplingParams
 from carpool.server.app import create_app
 from carpool.server.compression import Budget, Piece, compress
 from carpool.server.compression.scorer import EngineScorer
-from carpool.server.gate import RecordingGate
+from carpool.server.open_gate import RecordingGate
 
 PROBLEMS = list(itertools.islice(gsm8k(), 3))
 DEMOS = "\n\n".join(f"Question: {p['question']}\nAnswer: {p['answer']}" for p in PROBLEMS[:2])

@@ -10,13 +10,13 @@ from prometheus_client.parser import text_string_to_metric_families
 import carpool.server.dashboard.data as data_module
 from carpool.economics.dashboard import ledger_panels
 from carpool.economics.db import connect
-from carpool.economics.gate import LedgerGate
 from carpool.economics.keys import ADMIN_SCOPES, create_key
+from carpool.economics.ledger_gate import LedgerGate
 from carpool.economics.prices import load_price_sheet
 from carpool.engine.async_engine import AsyncEngine
 from carpool.server.app import create_app
 from carpool.server.dashboard.data import DashboardData, buckets, quantile, read_samples
-from carpool.server.gate import OpenGate
+from carpool.server.open_gate import OpenGate
 
 
 def bearer(secret: str | None) -> dict:

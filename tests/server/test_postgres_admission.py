@@ -12,7 +12,7 @@ import httpx
 
 from carpool.economics import keys as key_store
 from carpool.economics.db import open_database
-from carpool.economics.gate import LedgerGate
+from carpool.economics.ledger_gate import LedgerGate
 from carpool.economics.prices import load_price_sheet
 from carpool.postgres import connect_postgres
 from carpool.server.app import create_app

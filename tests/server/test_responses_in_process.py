@@ -7,7 +7,7 @@ import pytest
 from live_server import ServedApp
 
 from carpool.server.app import create_app
-from carpool.server.gate import RecordingGate
+from carpool.server.open_gate import RecordingGate
 
 
 def test_each_response_is_billed_once_under_its_id(engine):

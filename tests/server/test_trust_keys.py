@@ -9,7 +9,7 @@ import pytest
 
 from carpool.engine.async_engine import AsyncEngine
 from carpool.server.app import create_app
-from carpool.server.gate import OpenGate
+from carpool.server.open_gate import OpenGate
 
 # Real keys share long prefixes (`sk-proj-`, an organisation's own): these two share their first 12 characters.
 FIRST, SECOND = "sk-proj-AAAA" + "x" * 40, "sk-proj-AAAA" + "y" * 40

@@ -11,7 +11,7 @@ import pytest
 from ledger_faults import fill_disk
 from live_server import LiveServer
 
-from carpool.economics.gate import LedgerGate
+from carpool.economics.ledger_gate import LedgerGate
 from carpool.economics.prices import load_price_sheet
 from carpool.server.app import create_app
 

@@ -9,7 +9,7 @@ import openai
 
 from carpool.cli import build_parser
 from carpool.server.app import create_app
-from carpool.server.gate import OpenGate
+from carpool.server.open_gate import OpenGate
 
 KEY = "sk-carpool-surface"
 DOCS = ("/docs", "/redoc", "/openapi.json")

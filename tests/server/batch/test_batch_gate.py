@@ -11,8 +11,8 @@ from fastapi.testclient import TestClient
 
 from carpool.economics.contract import SCOPES
 from carpool.economics.db import connect
-from carpool.economics.gate import LedgerGate
 from carpool.economics.keys import create_key, revoke_key
+from carpool.economics.ledger_gate import LedgerGate
 from carpool.economics.prices import load_price_sheet
 from carpool.engine.async_engine import AsyncEngine
 from carpool.engine.config import EngineConfig

@@ -8,7 +8,7 @@ import time
 
 from fastapi.testclient import TestClient
 
-from carpool.economics.gate import LedgerGate
+from carpool.economics.ledger_gate import LedgerGate
 from carpool.economics.prices import load_price_sheet
 from carpool.engine.async_engine import AsyncEngine
 from carpool.engine.config import EngineConfig
