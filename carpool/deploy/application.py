@@ -71,7 +71,7 @@ class Ingress:
             routers[name] = ReplicaRouter(
                 name,
                 handles,
-                RequestDoor(config.model, limits),
+                RequestDoor(config.model, limits, config.cache_min_tokens),
                 config,
                 make_routing(args.routing, limits["block_size"]),
                 limits["max_num_seqs"],

@@ -17,12 +17,13 @@ import asyncio
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from carpool.engine.block_manager import PinStats
 from carpool.engine.config import EngineConfig
 from carpool.engine.llm_engine import LLMEngine, StepStats
 from carpool.engine.outputs import RequestOutput
-from carpool.engine.request import EngineRequest
+from carpool.engine.request import CacheBreakpoint, EngineRequest
 from carpool.engine.sampling_params import SamplingParams
 from carpool.engine.tiers import DEFAULT_TIER
 from carpool.engine.warmup import warm_up
@@ -46,6 +47,8 @@ class EngineSnapshot:
     num_blocks: int
     block_size: int
     num_cached_blocks: int
+    pins: PinStats = field(default_factory=PinStats)  # cache breakpoints' TTL pins
+    kv_block_bytes: int = 0  # one KV block's bytes, to turn pinned blocks into memory
 
 
 class EngineLoop:
@@ -182,10 +185,11 @@ class AsyncEngine:
         params: SamplingParams,
         tier: str = DEFAULT_TIER,
         cache_salt: str | None = None,
+        cache_breakpoints: tuple[CacheBreakpoint, ...] = (),
     ) -> EngineRequest:
         """The engine's door (LLMEngine.request), on the caller's thread: ValueError naming the field, or
         ContextLengthExceeded, before anything is queued."""
-        return self.engine.request(request_id, prompt, params, tier, cache_salt)
+        return self.engine.request(request_id, prompt, params, tier, cache_salt, cache_breakpoints)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         if self.error is not None:
@@ -220,6 +224,8 @@ class AsyncEngine:
             num_blocks=blocks.num_blocks,
             block_size=blocks.block_size,
             num_cached_blocks=blocks.num_cached_blocks,
+            pins=blocks.pin_stats.copy(),
+            kv_block_bytes=self.engine.kv_block_bytes,
         )
 
     # The engine thread -------------------------------------------------------------------------------

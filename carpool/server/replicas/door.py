@@ -21,11 +21,12 @@ class RequestDoor:
     _check_length = LLMEngine._check_length
     _spell_bad_words = LLMEngine._spell_bad_words
 
-    def __init__(self, model: str | None, limits: dict):
+    def __init__(self, model: str | None, limits: dict, cache_min_tokens: int):
         directory = resolve_model_dir(model)
         self.model_config = read_config(directory)
         self.tokenizer = Tokenizer.from_dir(directory)
         self.max_model_len = limits["max_model_len"]
         self.max_request_tokens = limits["max_request_tokens"]
+        self.cache_min_tokens = cache_min_tokens  # the price sheet's, set on the ingress's config by open_gate
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
         self._bad_words_token_ids = functools.lru_cache(maxsize=256)(self._spell_bad_words)

@@ -18,9 +18,10 @@ from prometheus_client import Counter, Gauge
 from ray.exceptions import RayActorError, RayTaskError
 
 from carpool.engine.async_engine import EngineSnapshot
+from carpool.engine.block_manager import PinStats
 from carpool.engine.config import EngineConfig
 from carpool.engine.outputs import RequestOutput
-from carpool.engine.request import EngineRequest
+from carpool.engine.request import CacheBreakpoint, EngineRequest
 from carpool.engine.sampling_params import SamplingParams
 from carpool.engine.tiers import BATCH_TIER, DEFAULT_TIER
 from carpool.server.replicas.door import RequestDoor
@@ -80,8 +81,9 @@ class ReplicaRouter:
         params: SamplingParams,
         tier: str = DEFAULT_TIER,
         cache_salt: str | None = None,
+        cache_breakpoints: tuple[CacheBreakpoint, ...] = (),
     ) -> EngineRequest:
-        return self.door.request(request_id, prompt, params, tier, cache_salt)
+        return self.door.request(request_id, prompt, params, tier, cache_salt, cache_breakpoints)
 
     def add_step_listener(self, listener: Callable) -> None:
         """Steps run on the replicas: their per-step series come from the replicas' own registries (labelled
@@ -111,6 +113,8 @@ class ReplicaRouter:
             num_blocks=blocks,
             block_size=known[0].block_size if known else 0,
             num_cached_blocks=sum(s.num_cached_blocks for s in known),
+            pins=PinStats.summed([s.pins for s in known]),
+            kv_block_bytes=known[0].kv_block_bytes if known else 0,
         )
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:

@@ -61,7 +61,7 @@ def deploy_routers(configs: dict[str, EngineConfig], replicas: int, routing: str
         routers[name] = ReplicaRouter(
             name,
             mine,
-            RequestDoor(config.model, limits),
+            RequestDoor(config.model, limits, config.cache_min_tokens),
             config,
             make_routing(routing, limits["block_size"]),
             limits["max_num_seqs"],
