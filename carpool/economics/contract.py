@@ -46,7 +46,7 @@ class UsageRecord:
     tier: str  # a service tier's name (carpool.engine.tiers)
     prompt_tokens: int  # all prompt tokens, cached ones included
     cached_tokens: int  # prompt tokens read from the prefix cache
-    cache_write_tokens: int  # prompt tokens that created new prefix-cache entries
+    cache_write_tokens: int  # prompt tokens that created new prefix-cache entries (automatic, LRU: no TTL)
     output_tokens: int
     queue_seconds: float
     prefill_seconds: float
@@ -63,10 +63,24 @@ class UsageRecord:
     cascade_accepted: bool | None = None
     constraint_kind: str | None = None
     original_prompt_tokens: int | None = None
+    # Prompt tokens written under a cache breakpoint's TTL pin (Anthropic's cache_control), by TTL: not in
+    # cache_write_tokens. A TTL up to 5 minutes counts as 5m, a longer one as 1h.
+    cache_write_5m_tokens: int = 0
+    cache_write_1h_tokens: int = 0
 
     @property
     def uncached_prompt_tokens(self) -> int:
         return self.prompt_tokens - self.cached_tokens
+
+
+FIVE_MINUTES = 300.0
+
+
+def ttl_write_tokens(tokens_by_ttl: dict[float, int]) -> tuple[int, int]:
+    """(5m, 1h) write tokens from the engine's {TTL seconds: tokens}: a pin of up to 5 minutes is a 5m write,
+    a longer one a 1h write (the dearer class, so a pin is never billed for less than it holds)."""
+    five = sum(tokens for ttl, tokens in tokens_by_ttl.items() if ttl <= FIVE_MINUTES)
+    return five, sum(tokens_by_ttl.values()) - five
 
 
 class Gate(Protocol):

@@ -32,8 +32,9 @@ log = logging.getLogger(__name__)
 _INSERT = (
     "INSERT INTO ledger (time, request_id, key_id, tenant, model, tier, uncached_prompt_tokens, cache_read_tokens,"
     " cache_write_tokens, output_tokens, queue_seconds, prefill_seconds, decode_seconds, finish_reason, cost,"
-    " purpose, parent_request_id, cascade, cascade_step, cascade_accepted, constraint_kind, original_prompt_tokens)"
-    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    " purpose, parent_request_id, cascade, cascade_step, cascade_accepted, constraint_kind, original_prompt_tokens,"
+    " cache_write_5m_tokens, cache_write_1h_tokens)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
 _MAX_ROWS_PER_COMMIT = 1000
 RETRY_SECONDS = 1.0
@@ -68,6 +69,8 @@ def ledger_row(usage: UsageRecord, cost: float) -> tuple:
         None if usage.cascade_accepted is None else int(usage.cascade_accepted),
         usage.constraint_kind,
         usage.original_prompt_tokens,
+        usage.cache_write_5m_tokens,
+        usage.cache_write_1h_tokens,
     )
 
 
