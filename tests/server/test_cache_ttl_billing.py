@@ -127,9 +127,12 @@ def test_one_hour_write_costs_twice_input_and_a_read_a_tenth(engine, ledger):
     row = bill(engine, ledger, prompt, (CacheBreakpoint(PREFIX, ONE_HOUR),))
     assert tokens(row) == (PROMPT, 0, 0, 0, PREFIX)
     assert row["cost"] == pytest.approx((3 + PREFIX * 2.0) / MILLION + OUTPUT, rel=1e-12)
+    hits = engine.snapshot().pins.hits
     read = bill(engine, ledger, prompt, (CacheBreakpoint(PREFIX, ONE_HOUR),))
     assert tokens(read) == (3, PREFIX, 0, 0, 0)
     assert read["cost"] == pytest.approx((3 + PREFIX * 0.1) / MILLION + OUTPUT, rel=1e-12)
+    pins = engine.snapshot().pins  # what /metrics reads: the read renewed the pinned prefix
+    assert pins.hits == hits + 1 and pins.pinned_blocks[ONE_HOUR] >= PREFIX // BLOCK
 
 
 def test_a_prefix_below_the_minimum_is_not_billed_as_a_ttl_write(engine, ledger):
