@@ -2,6 +2,7 @@
 
 from carpool.bench import (
     batch,
+    cache_ttl,
     compression,
     offline,
     prefill,
@@ -26,6 +27,7 @@ MODES = (
     compression.add_parser,
     replicas.add_parser,
     simulate.add_parser,
+    cache_ttl.add_parser,
 )
 
 
