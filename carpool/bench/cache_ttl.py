@@ -75,6 +75,13 @@ def add_parser(modes) -> None:
         default=None,
         help="the shortest prefix a breakpoint pins (default: the shipped price sheet's [cache] min_tokens)",
     )
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        choices=list(MODES),
+        default=list(MODES),
+        help="the modes to run, in this order (the run's load drifts: reverse it to see how much)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seeds the gaps and every prompt's tokens")
     parser.add_argument("--out", default="bench-results/cache_ttl.json", help="where the JSON report goes")
     parser.set_defaults(func=main)
@@ -123,6 +130,8 @@ def input_cost(prices, output, model: str) -> float:
 
 def run_mode(engine, clock, args, mode: str, ttl: float | None, turns, prices, model: str) -> dict:
     clock.now += 100 * 3600  # every earlier mode's pins lapse before this one starts
+    engine.block_manager.expire_pins()
+    expired_before = sum(engine.block_manager.pin_stats.expired_blocks.values())
     system = tokens(args.seed, args.system_tokens)
     breakpoints = (CacheBreakpoint(args.system_tokens, ttl),) if ttl else ()
     pool_tokens = engine.block_manager.num_blocks * BLOCK_SIZE
@@ -149,7 +158,7 @@ def run_mode(engine, clock, args, mode: str, ttl: float | None, turns, prices, m
         "input_cost_per_turn_usd": float(np.mean(costs)),
         "prompt_tokens_read_from_cache": cached,
         "prompt_tokens_computed": computed,
-        "pins_expired_blocks": sum(engine.block_manager.pin_stats.expired_blocks.values()),
+        "pins_expired_blocks": sum(engine.block_manager.pin_stats.expired_blocks.values()) - expired_before,
     }
 
 
@@ -174,7 +183,8 @@ def main(args: argparse.Namespace) -> int:
         run_turn(engine, f"warm-up-{i}", prompt, salt="warm-up")
     run_turn(engine, "warm-up-others", tokens(-3, args.pressure_prompt_tokens), salt="warm-up")
     report = {"command": "carpool bench cache-ttl", "args": vars(args) | {"func": None}, "modes": {}}
-    for mode, ttl in MODES.items():
+    for mode in args.modes:
+        ttl = MODES[mode]
         report["modes"][mode] = row = run_mode(engine, clock, args, mode, ttl, turns, prices, model)
         print(
             f"{mode:14} {row['turns']} turns | TTFT p50 {row['ttft_p50_s']:.3f}s p99 {row['ttft_p99_s']:.3f}s | "
