@@ -2,6 +2,7 @@
 
 from carpool.bench import (
     batch,
+    cache_ttl,
     compression,
     offline,
     prefill,
@@ -28,6 +29,7 @@ MODES = (
     replicas.add_parser,
     simulate.add_parser,
     soak.add_parser,
+    cache_ttl.add_parser,
 )
 
 

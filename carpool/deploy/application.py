@@ -63,7 +63,9 @@ class Ingress:
             routers[name] = ReplicaRouter(
                 name,
                 handles,
-                RequestDoor.for_model_files(config.model, limits["max_model_len"], limits["max_request_tokens"]),
+                RequestDoor.for_model_files(
+                    config.model, limits["max_model_len"], limits["max_request_tokens"], config.cache_min_tokens
+                ),
                 config,
                 make_routing(args.routing, limits["block_size"]),
                 limits["max_num_seqs"],

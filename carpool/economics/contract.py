@@ -65,7 +65,7 @@ class UsageRecord:
     tier: str  # a service tier's name (carpool.engine.tiers)
     prompt_tokens: int  # all prompt tokens, cached ones included
     cached_tokens: int  # prompt tokens read from the prefix cache
-    cache_write_tokens: int  # prompt tokens that created new prefix-cache entries
+    cache_write_tokens: int  # prompt tokens that created new prefix-cache entries (automatic, LRU: no TTL)
     output_tokens: int
     queue_seconds: float
     prefill_seconds: float
@@ -95,6 +95,16 @@ class UsageRecord:
 def part_request_id(parent: str, part: str) -> str:
     """The request id of one part (`compression`, `cascade-0`, ...) of the client's request `parent`."""
     return f"{parent}#{part}"
+
+
+FIVE_MINUTES = 300.0
+
+
+def ttl_write_tokens(tokens_by_ttl: dict[float, int]) -> tuple[int, int]:
+    """(5m, 1h) write tokens from the engine's {TTL seconds: tokens}: a pin of up to 5 minutes is a 5m write,
+    a longer one a 1h write (the dearer class, so a pin is never billed for less than it holds)."""
+    five = sum(tokens for ttl, tokens in tokens_by_ttl.items() if ttl <= FIVE_MINUTES)
+    return five, sum(tokens_by_ttl.values()) - five
 
 
 class Gate(Protocol):

@@ -53,7 +53,11 @@ CREATE TABLE IF NOT EXISTS ledger (
     cascade_step INTEGER,               -- 0-based step of the cascade this attempt ran
     cascade_accepted INTEGER,           -- 1: this attempt's answer went to the client
     constraint_kind TEXT,               -- structured output: json_schema | json_object | regex | choice | grammar | tools
-    original_prompt_tokens INTEGER      -- prompt tokens before prompt compression; NULL: not compressed
+    original_prompt_tokens INTEGER,     -- prompt tokens before prompt compression; NULL: not compressed
+    -- Prompt tokens written under a cache breakpoint's TTL pin, by TTL (not in cache_write_tokens, which holds
+    -- automatic writes; all three are part of uncached_prompt_tokens). Migration 005 on PostgreSQL.
+    cache_write_5m_tokens INTEGER NOT NULL DEFAULT 0,
+    cache_write_1h_tokens INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS ledger_time ON ledger (time);
 CREATE INDEX IF NOT EXISTS ledger_key_time ON ledger (key_id, time);
@@ -84,6 +88,8 @@ ADDED_COLUMNS = {
         "cascade_accepted INTEGER",
         "constraint_kind TEXT",
         "original_prompt_tokens INTEGER",
+        "cache_write_5m_tokens INTEGER NOT NULL DEFAULT 0",
+        "cache_write_1h_tokens INTEGER NOT NULL DEFAULT 0",
     ],
 }
 

@@ -17,6 +17,9 @@ ANY_MODEL = "*"  # the entry that prices models without one of their own
 TOKENS_PER_PRICE_UNIT = 1_000_000  # prices are per 1M tokens
 
 _CACHE_FIELDS = ("read", "write")
+# [cache] entries a sheet may leave out (sheets from before prompt-cache TTLs), with their defaults: Anthropic's
+# 1-hour write multiplier, and its minimum cacheable prefix for most models.
+_CACHE_DEFAULTS = {"write_1h": 2.0, "min_tokens": 1024}
 _MODEL_FIELDS = ("input", "output")
 
 
@@ -34,9 +37,11 @@ class ModelPrice:
 class PriceSheet:
     models: dict[str, ModelPrice]
     cache_read: float  # multiplier on the input price for prompt tokens read from the prefix cache
-    cache_write: float  # multiplier on the input price for prompt tokens that create new cache entries
+    cache_write: float  # multiplier on the input price for prompt tokens that create new cache entries (and 5m pins)
     tiers: dict[str, float]  # multiplier on a request's whole cost
     source: str
+    cache_write_1h: float = _CACHE_DEFAULTS["write_1h"]  # the same for tokens written under a 1-hour TTL pin
+    cache_min_tokens: int = _CACHE_DEFAULTS["min_tokens"]  # shorter breakpoint prefixes are not pinned
 
     def covers(self, model: str) -> bool:
         return model in self.models or ANY_MODEL in self.models
@@ -57,17 +62,20 @@ class PriceSheet:
         """The most `tokens` (prompt and output together) can cost at `tier` on any of `models` (default: any
         model on the sheet): each at the dearest rate charged (a cache write, if that costs more than an input)."""
         prices = [self.price(model) for model in models] or list(self.models.values())
-        dearest = max(max(p.input * max(1.0, self.cache_write), p.output) for p in prices)
+        dearest = max(max(p.input * max(1.0, self.cache_write, self.cache_write_1h), p.output) for p in prices)
         return tokens * dearest / TOKENS_PER_PRICE_UNIT * self.tier_multiplier(tier)
 
     def cost(self, usage: UsageRecord) -> float:
         """Dollars for one request. Cache-write tokens are part of the uncached prompt tokens, billed at the
-        write rate instead of the plain input rate; an aborted request is billed for the tokens it got."""
+        write rate instead of the plain input rate: automatic and 5-minute TTL writes at `write`, 1-hour ones at
+        `write_1h`; the tier's multiplier applies on top. An aborted request is billed for the tokens it got."""
         price = self.price(usage.model)
-        fresh = usage.uncached_prompt_tokens - usage.cache_write_tokens
+        writes = usage.cache_write_tokens + usage.cache_write_5m_tokens
+        fresh = usage.uncached_prompt_tokens - writes - usage.cache_write_1h_tokens
         per_price_unit = (
             fresh * price.input
-            + usage.cache_write_tokens * price.input * self.cache_write
+            + writes * price.input * self.cache_write
+            + usage.cache_write_1h_tokens * price.input * self.cache_write_1h
             + usage.cached_tokens * price.input * self.cache_read
             + usage.output_tokens * price.output
         )
@@ -85,7 +93,7 @@ def load_price_sheet(path: str | Path | None = None) -> PriceSheet:
     except tomllib.TOMLDecodeError as error:
         raise PriceSheetError(f"{where}: not valid TOML: {error}") from error
     _only_known(raw, ("cache", "tiers", "models"), where, "")
-    cache = _table(raw, "cache", _CACHE_FIELDS, where)
+    cache = _cache_table(raw, where)
     models_table = raw.get("models")
     if not isinstance(models_table, dict) or not models_table:
         raise PriceSheetError(f'{where}: [models] is missing or empty: add [models."NAME"] with input and output')
@@ -102,17 +110,27 @@ def load_price_sheet(path: str | Path | None = None) -> PriceSheet:
         models=models,
         cache_read=cache["read"],
         cache_write=cache["write"],
+        cache_write_1h=cache["write_1h"],
+        cache_min_tokens=cache["min_tokens"],
         tiers=_tier_multipliers(raw, where),
         source=str(path),
     )
 
 
-def _table(raw: dict, name: str, fields: tuple[str, ...], where: str) -> dict[str, float]:
-    table = raw.get(name)
+def _cache_table(raw: dict, where: str) -> dict:
+    table = raw.get("cache")
     if not isinstance(table, dict):
-        raise PriceSheetError(f"{where}: [{name}] is missing (needs {', '.join(fields)})")
-    _only_known(table, fields, where, f"{name}.")
-    return {field: _number(table, field, f"{name}.{field}", where) for field in fields}
+        raise PriceSheetError(f"{where}: [cache] is missing (needs {', '.join(_CACHE_FIELDS)})")
+    _only_known(table, (*_CACHE_FIELDS, *_CACHE_DEFAULTS), where, "cache.")
+    entries = {field: _number(table, field, f"cache.{field}", where) for field in _CACHE_FIELDS}
+    entries["write_1h"] = (
+        _number(table, "write_1h", "cache.write_1h", where) if "write_1h" in table else _CACHE_DEFAULTS["write_1h"]
+    )
+    min_tokens = table.get("min_tokens", _CACHE_DEFAULTS["min_tokens"])
+    if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 0:
+        raise PriceSheetError(f"{where}: cache.min_tokens must be a non-negative integer, got {min_tokens!r}")
+    entries["min_tokens"] = min_tokens
+    return entries
 
 
 def _tier_multipliers(raw: dict, where: str) -> dict[str, float]:

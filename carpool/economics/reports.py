@@ -23,7 +23,9 @@ class UsageSummary:
     requests: int
     uncached_prompt_tokens: int
     cache_read_tokens: int
-    cache_write_tokens: int
+    cache_write_tokens: int  # automatic writes
+    cache_write_5m_tokens: int  # writes under a 5-minute TTL pin
+    cache_write_1h_tokens: int  # writes under a 1-hour TTL pin
     output_tokens: int
     cost: float
     prefill_seconds: float
@@ -68,7 +70,7 @@ def usage_summary(
     column = GROUP_BY[group_by]  # from the fixed map above, never from the caller
     rows = conn.execute(
         f"SELECT {column}, COUNT(*), SUM(uncached_prompt_tokens), SUM(cache_read_tokens), SUM(cache_write_tokens),"
-        " SUM(output_tokens), SUM(cost), SUM(prefill_seconds), SUM(decode_seconds) FROM ledger"
+        " SUM(cache_write_5m_tokens), SUM(cache_write_1h_tokens), SUM(output_tokens), SUM(cost), SUM(prefill_seconds), SUM(decode_seconds) FROM ledger"
         " WHERE time >= ? AND time < ?"
         f" GROUP BY {column} ORDER BY SUM(cost) DESC, {column}",
         (start if start is not None else float("-inf"), end if end is not None else float("inf")),
@@ -114,6 +116,8 @@ _COLUMNS = (  # (heading, field, format)
     ("uncached_in", "uncached_prompt_tokens", "{:d}"),
     ("cache_read", "cache_read_tokens", "{:d}"),
     ("cache_write", "cache_write_tokens", "{:d}"),
+    ("write_5m", "cache_write_5m_tokens", "{:d}"),
+    ("write_1h", "cache_write_1h_tokens", "{:d}"),
     ("output", "output_tokens", "{:d}"),
     ("tokens", "total_tokens", "{:d}"),
     ("cost_usd", "cost", "{:.6f}"),

@@ -79,6 +79,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="compute every prompt in full instead of reusing cached prefixes",
     )
     parser.add_argument(
+        "--cache-pin-fraction",
+        type=float,
+        default=defaults.cache_pin_fraction,
+        help=f"share of the KV pool that prompt-cache TTL pins (Anthropic cache_control breakpoints) may hold; "
+        f"a write past it is cached as an ordinary LRU prefix and billed as one (default: "
+        f"{defaults.cache_pin_fraction})",
+    )
+    parser.add_argument(
         "--priority-aging-seconds",
         type=float,
         default=defaults.priority_aging_seconds,

@@ -17,8 +17,9 @@ import asyncio
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from carpool.engine.block_manager import PinStats
 from carpool.engine.config import EngineConfig
 from carpool.engine.llm_engine import LLMEngine, StepStats
 from carpool.engine.outputs import RequestOutput
@@ -44,6 +45,8 @@ class EngineSnapshot:
     num_blocks: int
     block_size: int
     num_cached_blocks: int
+    pins: PinStats = field(default_factory=PinStats)  # cache breakpoints' TTL pins
+    kv_block_bytes: int = 0  # one KV block's bytes, to turn pinned blocks into memory
 
 
 class EngineLoop:
@@ -208,6 +211,8 @@ class AsyncEngine:
             num_blocks=blocks.num_blocks,
             block_size=blocks.block_size,
             num_cached_blocks=blocks.num_cached_blocks,
+            pins=blocks.pin_stats.copy(),
+            kv_block_bytes=self.engine.kv_block_bytes,
         )
 
     # The engine thread -------------------------------------------------------------------------------

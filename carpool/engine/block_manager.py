@@ -7,6 +7,13 @@ Every block is in exactly one of three states:
 Cached and empty blocks together form the free queue, in least-recently-used order; taking a cached block
 from the front evicts it from the cache.
 
+A cached block may also be pinned (`pin_breakpoints`): a request's cache breakpoint (carpool.engine.request)
+keeps the full blocks of its prefix until an expiry time, now + TTL on the injectable `clock`, renewed by every
+request that hits them. A pinned block with no reference stays off the free queue, so LRU eviction never takes
+it; when its TTL lapses without a hit (`expire_pins`, run at the start of every schedule) it joins the free queue
+as an ordinary cached block. Pins are bounded (`max_pinned_blocks`): a breakpoint whose blocks would pass the
+bound is refused whole, and its prefix stays an ordinary LRU prefix.
+
 A model with sliding-window layers (Gemma 3's local ones) gets a second KV cache group for them, as vLLM v1's
 hybrid KV cache manager does: its own pool, block ids and free queue (`SlidingWindowGroup`), and one more table
 per sequence (`Sequence.sliding_block_table`). Keys that no query can see again (before the next query's
@@ -15,9 +22,12 @@ block no one ever writes. A 4,000-token Gemma 3 conversation then holds 33 slidi
 """
 
 import hashlib
+import math
+import time
 from array import array
-from collections import OrderedDict
-from dataclasses import dataclass
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from carpool.engine.sequence import Sequence
 
@@ -34,6 +44,44 @@ class Block:
     block_hash: bytes | None = None
     token_ids: tuple[int, ...] = ()
     partial_keys: tuple = ()  # its keys in BlockManager.partial (cached blocks of the full-attention group)
+    pinned_until: float = 0.0  # a TTL pin's expiry on the block manager's clock; 0: not pinned
+    pin_ttl: float = 0.0  # that pin's TTL, which every hit renews
+
+
+@dataclass
+class PinStats:
+    """The pins' counters since start, for metrics (written on the engine thread only)."""
+
+    pinned_blocks: Counter = field(default_factory=Counter)  # TTL seconds -> blocks pinned now
+    expired_blocks: Counter = field(default_factory=Counter)  # TTL seconds -> blocks whose pin lapsed without a hit
+    expiries: int = 0  # pinned prefixes (runs of blocks expiring together) that lapsed
+    refused: int = 0  # breakpoints refused because their blocks would pass max_pinned_blocks
+    hits: int = 0  # admissions that read at least one pinned block
+    hit_tokens: int = 0  # prompt tokens read from pinned blocks
+
+    def copy(self) -> "PinStats":
+        """A snapshot for another thread (Counter copies are single C calls: safe against the engine thread)."""
+        return PinStats(
+            Counter(self.pinned_blocks),
+            Counter(self.expired_blocks),
+            self.expiries,
+            self.refused,
+            self.hits,
+            self.hit_tokens,
+        )
+
+    @staticmethod
+    def summed(stats: list["PinStats"]) -> "PinStats":
+        """Several engines' (replicas') stats as one."""
+        total = PinStats()
+        for one in stats:
+            total.pinned_blocks.update(one.pinned_blocks)
+            total.expired_blocks.update(one.expired_blocks)
+            total.expiries += one.expiries
+            total.refused += one.refused
+            total.hits += one.hits
+            total.hit_tokens += one.hit_tokens
+        return total
 
 
 @dataclass(frozen=True)
@@ -66,6 +114,8 @@ class BlockManager:
         enable_prefix_caching: bool = True,
         sliding_window: int = 0,
         num_sliding_blocks: int | None = None,
+        max_pinned_blocks: int = 0,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -76,6 +126,11 @@ class BlockManager:
         # (parent's hash, tenant's salt, n, hash of the first n tokens) -> a cached block that starts so: where
         # partial_hit looks for a block's first tokens. Only this group's (a sliding group's hit must be whole).
         self.partial: dict[tuple, int] = {}
+        self.max_pinned_blocks = max_pinned_blocks if enable_prefix_caching else 0
+        self.clock = clock
+        self.pinned: dict[int, None] = {}  # every pinned block, referenced or not, in the order pinned
+        self.pin_stats = PinStats()
+        self._next_expiry = math.inf  # no pin lapses before this (a lower bound: hits only push expiries later)
         # The sliding group's pool holds every sequence's window, not whole contexts (carpool.engine.kv_pools);
         # admission and allocation check both groups, so it running short makes requests wait.
         self.sliding = (
@@ -101,7 +156,7 @@ class BlockManager:
         return len(self.cached)
 
     def usage(self) -> float:
-        """Share of blocks held by live sequences (cached-but-unreferenced blocks count as free)."""
+        """Share of blocks held by live sequences or pins (cached-but-unreferenced blocks count as free)."""
         return 1.0 - self.num_free_blocks / self.num_blocks
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
@@ -191,7 +246,7 @@ class BlockManager:
     def _fits(self, hits: list[int], num_hit_blocks: int, num_new_tokens: int) -> bool:
         """Whether the table can take `hits` (its blocks from num_hit_blocks - len(hits) on; placeholders
         before them) and then blocks for num_new_tokens more tokens."""
-        revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        revived = sum(1 for b in hits if b in self.free_queue)  # an idle pinned block is not taken from the queue
         total = num_hit_blocks * self.block_size + num_new_tokens
         return cdiv(total, self.block_size) - num_hit_blocks + revived <= self.num_free_blocks
 
@@ -208,21 +263,27 @@ class BlockManager:
             seq.num_computed_tokens += partial.num_tokens
 
     def _take(self, seq: Sequence, hits: list[int]) -> None:
+        now, pinned_hits = self.clock(), 0
         for block_id in hits:
             block = self.blocks[block_id]
-            if block.ref_count == 0:
+            if block.ref_count == 0 and not block.pinned_until:
                 del self.free_queue[block_id]
+            if block.pinned_until:  # a hit renews the pin
+                block.pinned_until = max(block.pinned_until, now + block.pin_ttl)
+                pinned_hits += 1
             block.ref_count += 1
             self.table(seq).append(block_id)
+        if pinned_hits:
+            self.pin_stats.hits += 1
+            self.pin_stats.hit_tokens += pinned_hits * self.block_size
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """After a step: register the blocks that seq's computed tokens have filled, so later requests can hit
         them, and give back the sliding-window blocks that its next queries can no longer see."""
-        bs = self.block_size
-        for i in self._register_full_blocks(seq):  # the prompt tokens of block i that seq computed
-            seq.num_cache_write_tokens += max(
-                0, min((i + 1) * bs, seq.num_prompt_tokens) - max(i * bs, seq.num_cached_prompt_tokens)
-            )
+        for i in self._register_full_blocks(seq):
+            seq.written_blocks.add(i)
+            seq.num_cache_write_tokens += self._written_tokens(seq, i)
+        self.pin_breakpoints(seq)
         if self.sliding:
             self.sliding._register_full_blocks(seq)
             self.sliding.release_out_of_window(seq)
@@ -252,6 +313,81 @@ class BlockManager:
                     self.partial.setdefault(key, block.block_id)
             registered.append(i)
         return registered
+
+    # Pins --------------------------------------------------------------------------------------------
+
+    def pin_breakpoints(self, seq: Sequence) -> None:
+        """Pin the full blocks of each of seq's breakpoints whose prefix seq has now computed (its hits and the
+        blocks it wrote), for the first breakpoint's TTL that covers them (TTLs never grow along a request).
+
+        A segment's blocks are pinned all together or not at all: the bound is checked once for the whole segment,
+        while seq holds every block of it (none can be evicted meanwhile). Refused, it and every later segment
+        stay ordinary LRU cache (a later segment is of no use without the prefix before it). The prompt tokens
+        seq wrote into a pinned segment move from its automatic writes to its TTL writes, which are billed by TTL.
+        """
+        breakpoints = seq.cache_breakpoints
+        computed_blocks = seq.num_computed_tokens // self.block_size
+        while seq.num_pinned_breakpoints < len(breakpoints):
+            point = breakpoints[seq.num_pinned_breakpoints]
+            end = point.num_tokens // self.block_size
+            if end > computed_blocks:
+                return
+            start = seq.pinned_through_block
+            seq.num_pinned_breakpoints += 1
+            block_ids = [self.cached.get(h) for h in self._block_hashes(seq, end)[start:end]]
+            if None in block_ids:  # a block of the prefix is not cached (prefix caching off): nothing to keep
+                seq.num_pinned_breakpoints = len(breakpoints)
+                return
+            if len(self.pinned) + sum(1 for b in block_ids if not self.blocks[b].pinned_until) > self.max_pinned_blocks:
+                self.pin_stats.refused += 1
+                seq.num_pinned_breakpoints = len(breakpoints)
+                return
+            self._pin(block_ids, point.ttl_seconds)
+            seq.pinned_through_block = end
+            written = sum(self._written_tokens(seq, i) for i in range(start, end) if i in seq.written_blocks)
+            if written:
+                seq.num_cache_write_tokens -= written
+                seq.cache_write_tokens_by_ttl[point.ttl_seconds] += written
+
+    def _written_tokens(self, seq: Sequence, index: int) -> int:
+        """The prompt tokens of seq's block `index` that seq computed (cache_full_blocks bills them as writes)."""
+        bs = self.block_size
+        return max(0, min((index + 1) * bs, seq.num_prompt_tokens) - max(index * bs, seq.num_cached_prompt_tokens))
+
+    def _pin(self, block_ids: list[int], ttl: float) -> None:
+        until = self.clock() + ttl
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.pinned_until >= until:
+                continue  # already pinned for longer
+            if block.pinned_until:
+                self.pin_stats.pinned_blocks[block.pin_ttl] -= 1
+            else:
+                self.pinned[block_id] = None
+                if block.ref_count == 0:
+                    del self.free_queue[block_id]
+            block.pinned_until, block.pin_ttl = until, ttl
+            self.pin_stats.pinned_blocks[ttl] += 1
+        self._next_expiry = min(self._next_expiry, until)
+
+    def expire_pins(self) -> None:
+        """Unpin the blocks whose TTL has lapsed without a hit: they become ordinary cached blocks, at the
+        free queue's most recently used end (their prefix's tail first, so it is evicted before its head)."""
+        now = self.clock()
+        if now < self._next_expiry:
+            return
+        lapsed = [b for b in self.pinned if self.blocks[b].pinned_until <= now]
+        # The blocks of a prefix were pinned, and renewed, together: they share an expiry time.
+        self.pin_stats.expiries += len({self.blocks[b].pinned_until for b in lapsed})
+        for block_id in reversed(lapsed):
+            block = self.blocks[block_id]
+            del self.pinned[block_id]
+            self.pin_stats.pinned_blocks[block.pin_ttl] -= 1
+            self.pin_stats.expired_blocks[block.pin_ttl] += 1
+            block.pinned_until = block.pin_ttl = 0.0
+            if block.ref_count == 0:
+                self.free_queue[block_id] = None
+        self._next_expiry = min((self.blocks[b].pinned_until for b in self.pinned), default=math.inf)
 
     # Allocation --------------------------------------------------------------------------------------
 
@@ -301,7 +437,7 @@ class BlockManager:
     def _release(self, block_id: int) -> None:
         block = self.blocks[block_id]
         block.ref_count -= 1
-        if block.ref_count == 0:
+        if block.ref_count == 0 and not block.pinned_until:  # a pinned block waits for its TTL off the queue
             self.free_queue[block_id] = None
             if block.block_hash is None:
                 self.free_queue.move_to_end(block_id, last=False)  # empty blocks are reused first

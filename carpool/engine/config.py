@@ -56,6 +56,15 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # per-step token budget; long prompts are chunked under it
     max_model_len: int | None = None  # None: the model's context window
     enable_prefix_caching: bool = True
+    # Share of the KV pool that cache breakpoints' TTL pins may hold (carpool.engine.block_manager). A quarter:
+    # pinned blocks leave LRU eviction, so the other three quarters stay for running sequences and the automatic
+    # (LRU) cache the OpenAI routes live on; on the default 1 GB pool that is ~11k tokens of SmolLM2-135M's KV
+    # (23,040 bytes a token in bf16), three 3k-token system prompts with room to spare. The engine lowers it
+    # further where pins would leave no room for one request of max_request_tokens, so pins never stall one.
+    cache_pin_fraction: float = 0.25
+    # A breakpoint's prefix shorter than this is cached as any other, not pinned (the price sheet's [cache]
+    # min_tokens: `carpool serve` sets it from the sheet; 1024 is Anthropic's minimum for most models).
+    cache_min_tokens: int = 1024
     # Sliding-window layers (Gemma 3's local ones) give back the KV blocks before their window; False keeps
     # them, as full-attention layers do (the reference the tests compare against).
     free_sliding_window_blocks: bool = True
@@ -90,6 +99,14 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks <= 0):
             raise ValueError(f"num_kv_blocks must be a positive integer, got {self.num_kv_blocks!r}")
+        if not 0 <= self.cache_pin_fraction <= 1:
+            raise ValueError(f"cache_pin_fraction must be in [0, 1], got {self.cache_pin_fraction!r}")
+        if (
+            isinstance(self.cache_min_tokens, bool)
+            or not isinstance(self.cache_min_tokens, int)
+            or self.cache_min_tokens < 0
+        ):
+            raise ValueError(f"cache_min_tokens must be a non-negative integer, got {self.cache_min_tokens!r}")
         if self.kv_cache_gb <= 0:
             raise ValueError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:

@@ -9,7 +9,7 @@ the engine runs, so the server calls it on its own thread and bad input never re
 import dataclasses
 import functools
 
-from carpool.engine.request import CacheBreakpoint, EngineRequest
+from carpool.engine.request import CacheBreakpoint, EngineRequest, check_cache_breakpoints
 from carpool.engine.sampling_params import SamplingParams, check_text
 from carpool.engine.structured.grammars import GrammarCompiler
 from carpool.engine.tiers import BY_NAME, DEFAULT_TIER, TIER_NAMES
@@ -24,10 +24,19 @@ class ContextLengthExceeded(ValueError):
 
 class RequestDoor:
     """`max_model_len`: the context window; `max_request_tokens`: prompt plus output of one request, the context
-    window or the whole KV pool if that is smaller."""
+    window or the whole KV pool if that is smaller; `cache_min_tokens`: the shortest prefix a cache breakpoint may
+    pin (the price sheet's `[cache] min_tokens`)."""
 
-    def __init__(self, tokenizer: Tokenizer, model_config: ModelConfig, max_model_len: int, max_request_tokens: int):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        model_config: ModelConfig,
+        max_model_len: int,
+        max_request_tokens: int,
+        cache_min_tokens: int,
+    ):
         self.tokenizer = tokenizer
+        self.cache_min_tokens = cache_min_tokens
         self.model_config = model_config
         self.max_model_len = max_model_len
         self.max_request_tokens = max_request_tokens
@@ -46,8 +55,9 @@ class RequestDoor:
     ) -> EngineRequest:
         """A request that can run, settled: its tier checked, its prompt as token ids in the vocabulary, its
         `max_tokens` fixed (None: the rest of the window, as OpenAI's chat does) and fitting the window and the KV
-        pool, its params naming only tokens the model has, its grammar compiled. ValueError naming the field
-        (ContextLengthExceeded when it does not fit). Nothing past the door derives any of these again."""
+        pool, its params naming only tokens the model has, its grammar compiled, its cache breakpoints checked (those
+        shorter than cache_min_tokens dropped: such a prefix is cached and billed as any other). ValueError naming
+        the field (ContextLengthExceeded when it does not fit). Nothing past the door derives any of these again."""
         if not isinstance(params, SamplingParams):
             raise ValueError("params must be a SamplingParams")
         if tier not in BY_NAME:
@@ -62,6 +72,7 @@ class RequestDoor:
             self._check_length(len(token_ids), 1)
             params = dataclasses.replace(params, max_tokens=self.max_new_tokens(len(token_ids)))
         self._check_length(len(token_ids), params.max_tokens)
+        breakpoints = check_cache_breakpoints(cache_breakpoints, len(token_ids), self.cache_min_tokens)
         bad_words = self._check_params(params)
         if params.structured is not None:  # compiled here, so a bad grammar is the caller's 400, not the loop's
             params = dataclasses.replace(params, structured=self.grammars.bind(params.structured))
@@ -72,7 +83,7 @@ class RequestDoor:
             tier,
             cache_salt,
             bad_words_token_ids=bad_words,
-            cache_breakpoints=tuple(cache_breakpoints),
+            cache_breakpoints=breakpoints,
         )
 
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
@@ -126,8 +137,12 @@ class RequestDoor:
             )
 
     @classmethod
-    def for_model_files(cls, model: str | None, max_model_len: int, max_request_tokens: int) -> "RequestDoor":
+    def for_model_files(
+        cls, model: str | None, max_model_len: int, max_request_tokens: int, cache_min_tokens: int
+    ) -> "RequestDoor":
         """A door over a model's tokenizer and config alone, no weights: for an ingress in front of replicas that
         hold them (the limits are a replica's, every replica having the same config)."""
         directory = resolve_model_dir(model)
-        return cls(Tokenizer.from_dir(directory), read_config(directory), max_model_len, max_request_tokens)
+        return cls(
+            Tokenizer.from_dir(directory), read_config(directory), max_model_len, max_request_tokens, cache_min_tokens
+        )

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from carpool.engine.block_manager import BlockManager
+from carpool.engine.block_manager import BlockManager, cdiv
 from carpool.engine.config import EngineConfig, resolve_dtype
 from carpool.engine.detokenizer import Detokenizer
 from carpool.engine.door import RequestDoor
@@ -44,7 +44,9 @@ class StepStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None, **engine_args):
+    def __init__(self, config: EngineConfig | None = None, clock=time.monotonic, **engine_args):
+        """`clock`: the seconds that cache breakpoints' TTLs run on (tests and `carpool bench cache-ttl` pass a
+        simulated one; request timings stay on time.monotonic)."""
         self.config = config or EngineConfig(**engine_args)
         if self.config.num_threads:
             torch.set_num_threads(self.config.num_threads)
@@ -62,6 +64,7 @@ class LLMEngine:
             self.model_config.max_position_embeddings,
         )
         block_bytes = ModelRunner.kv_bytes_per_block(self.model_config, self.config.block_size, self.dtype)
+        self.kv_block_bytes = block_bytes  # the target model's, for the pinned-bytes gauge
         num_sliding_layers = sum(1 for i in range(self.model_config.num_layers) if self.model_config.layer_window(i))
         draft_model = self._load_draft_model(num_sliding_layers)
         if draft_model is not None:  # its pool has as many blocks as the target's, inside the same budget
@@ -79,6 +82,8 @@ class LLMEngine:
             self.config.enable_prefix_caching,
             sliding_window=pools.window,
             num_sliding_blocks=pools.sliding_blocks,
+            max_pinned_blocks=0 if pools.window else self._max_pinned_blocks(pools.full_blocks),
+            clock=clock,
         )
         self.scheduler = Scheduler(self.config, self.block_manager)
         self.runner = ModelRunner(
@@ -94,10 +99,20 @@ class LLMEngine:
         self.speculator = self._speculator(draft_model, pools.full_blocks)
         # Prompt plus output of one request: the context window, or the whole KV pool if that is smaller.
         max_request_tokens = min(self.max_model_len, self.block_manager.num_blocks * self.block_manager.block_size)
-        self.door = RequestDoor(self.tokenizer, self.model_config, self.max_model_len, max_request_tokens)
+        self.door = RequestDoor(
+            self.tokenizer, self.model_config, self.max_model_len, max_request_tokens, self.config.cache_min_tokens
+        )
         self.grammars = self.door.grammars
         self.seqs: dict[str, Sequence] = {}
         self.last_step: StepStats | None = None
+
+    def _max_pinned_blocks(self, num_blocks: int) -> int:
+        """The pins' bound: cache_pin_fraction of the pool, less whatever would leave too little beside the pins for
+        one request of max_request_tokens (else it would wait up to an hour for pins to lapse). Zero for a model
+        with sliding-window layers (a hit there needs the window's blocks of the other group too, which are not
+        pinned): its breakpoints are refused, so cached as ordinary prefixes and billed as such."""
+        room = num_blocks - cdiv(min(self.max_model_len, num_blocks * self.config.block_size), self.config.block_size)
+        return max(0, min(int(self.config.cache_pin_fraction * num_blocks), room))
 
     def _load_draft_model(self, num_sliding_layers: int):
         name = self.config.speculative_model
@@ -151,7 +166,8 @@ class LLMEngine:
         cache_breakpoints: tuple[CacheBreakpoint, ...] = (),
     ) -> EngineRequest:
         """Through the engine's door (carpool.engine.door): a checked, settled request, or ValueError naming the
-        field."""
+        field. `cache_breakpoints`: prompt prefixes to keep cached for a TTL (CacheBreakpoint); those shorter than
+        config.cache_min_tokens are dropped at the door, so such a prefix is cached and billed as any other."""
         return self.door.request(request_id, prompt, params, tier, cache_salt, cache_breakpoints)
 
     def add_request(
@@ -161,9 +177,10 @@ class LLMEngine:
         params: SamplingParams,
         tier: str = DEFAULT_TIER,
         cache_salt: str | None = None,
+        cache_breakpoints: tuple[CacheBreakpoint, ...] = (),
     ) -> Sequence:
         """Check a request at the door and queue it, in one call (offline use: `LLM`, the benchmarks)."""
-        return self.enqueue(self.request(request_id, prompt, params, tier, cache_salt))
+        return self.enqueue(self.request(request_id, prompt, params, tier, cache_salt, cache_breakpoints))
 
     def enqueue(self, request: EngineRequest) -> Sequence:
         """Queue a request that came through `request()`: all that can still be wrong is an id in use."""
@@ -177,6 +194,7 @@ class LLMEngine:
             cache_salt=request.cache_salt,
             bad_words_token_ids=request.bad_words_token_ids,
             arrival=request.arrival_time,
+            cache_breakpoints=request.cache_breakpoints,
         )
         self.seqs[request.request_id] = seq
         self.scheduler.add(seq)
@@ -300,6 +318,7 @@ class LLMEngine:
             prompt_logprobs=seq.prompt_logprobs if seq.params.prompt_logprobs is not None else None,
             num_cached_tokens=seq.num_cached_prompt_tokens,
             num_cache_write_tokens=seq.num_cache_write_tokens,
+            cache_write_tokens_by_ttl=dict(seq.cache_write_tokens_by_ttl),
             num_preemptions=seq.num_preemptions,
             times=dataclasses.replace(seq.times),  # a snapshot: the server reads it on another thread
         )

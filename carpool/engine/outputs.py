@@ -20,7 +20,9 @@ class RequestOutput:
     cumulative_logprob: float | None = None  # when params.logprobs or params.ranked asked for it
     prompt_logprobs: list[TokenLogprob | None] | None = None  # when params.prompt_logprobs asked (first: None)
     num_cached_tokens: int = 0
-    num_cache_write_tokens: int = 0
+    num_cache_write_tokens: int = 0  # automatic writes: prompt tokens cached without a pin
+    # Prompt tokens written under a cache breakpoint's pin, by its TTL in seconds (not in num_cache_write_tokens).
+    cache_write_tokens_by_ttl: dict[float, int] = field(default_factory=dict)
     num_preemptions: int = 0
     times: SequenceTimes | None = None
 

@@ -43,3 +43,34 @@ class EngineRequest:
     def priority(self) -> int:
         """The scheduler's number for its tier: lower is served first."""
         return BY_NAME[self.tier].priority
+
+
+def check_cache_breakpoints(breakpoints, num_prompt_tokens: int, min_tokens: int) -> tuple[CacheBreakpoint, ...]:
+    """The breakpoints a request may pin; ValueError naming `cache_breakpoints` unless each lies within the
+    prompt, they ascend, there are at most MAX_CACHE_BREAKPOINTS and no TTL is longer than the one before it
+    (Anthropic's rules). Those shorter than `min_tokens` (the price sheet's minimum cacheable prefix) are dropped:
+    such a prefix is cached as any other, never pinned nor billed as a TTL write."""
+    if not isinstance(breakpoints, (tuple, list)) or not all(isinstance(b, CacheBreakpoint) for b in breakpoints):
+        raise ValueError("cache_breakpoints must be a sequence of CacheBreakpoint")
+    if len(breakpoints) > MAX_CACHE_BREAKPOINTS:
+        raise ValueError(f"cache_breakpoints: at most {MAX_CACHE_BREAKPOINTS} breakpoints, got {len(breakpoints)}")
+    previous = None
+    for i, point in enumerate(breakpoints):
+        where = f"cache_breakpoints[{i}]"
+        if isinstance(point.num_tokens, bool) or not isinstance(point.num_tokens, int):
+            raise ValueError(f"{where}.num_tokens must be an integer, got {point.num_tokens!r}")
+        if not 0 < point.num_tokens <= num_prompt_tokens:
+            raise ValueError(
+                f"{where}.num_tokens must be within the prompt's {num_prompt_tokens} tokens, got {point.num_tokens}"
+            )
+        ttl = point.ttl_seconds
+        if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl < float("inf"):
+            raise ValueError(f"{where}.ttl_seconds must be a positive number of seconds, got {ttl!r}")
+        if previous is not None and point.num_tokens <= previous.num_tokens:
+            raise ValueError(f"{where}: breakpoints must ascend ({point.num_tokens} after {previous.num_tokens})")
+        if previous is not None and ttl > previous.ttl_seconds:
+            raise ValueError(
+                f"{where}: a longer TTL ({ttl:g} s) may not follow a shorter one ({previous.ttl_seconds:g} s)"
+            )
+        previous = point
+    return tuple(point for point in breakpoints if point.num_tokens >= min_tokens)

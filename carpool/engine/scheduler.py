@@ -71,6 +71,7 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
+        self.block_manager.expire_pins()  # lapsed TTL pins become ordinary cache before anything is evicted
         now = time.monotonic()
         # The flags are read every step: the ceilings under the SLO controller, the limits without it.
         ceilings = (self.config.max_num_batched_tokens, self.config.max_num_seqs)

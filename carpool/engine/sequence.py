@@ -1,9 +1,11 @@
 import itertools
 import random
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from enum import Enum, auto
 
+from carpool.engine.request import CacheBreakpoint
 from carpool.engine.sampling_params import SamplingParams
 from carpool.engine.tiers import BY_NAME, DEFAULT_TIER
 
@@ -52,6 +54,7 @@ class Sequence:
         cache_salt: str | None = None,
         bad_words_token_ids: list[list[int]] | None = None,
         arrival: float | None = None,
+        cache_breakpoints: tuple[CacheBreakpoint, ...] = (),
     ):
         self.seq_id = next(_counter)
         self.request_id = request_id
@@ -72,6 +75,14 @@ class Sequence:
         self.block_hashes: list[bytes] = []  # hashes of the full blocks of token_ids, filled lazily
         self.num_cached_prompt_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.num_cache_write_tokens = 0  # prompt tokens whose blocks this request added to the prefix cache
+        # Prefixes to pin (BlockManager.pin_breakpoints): how many breakpoints were settled (pinned or refused), the
+        # block their pins reach, the prompt tokens written under a pin by its TTL (moved out of
+        # num_cache_write_tokens), and the indices of the blocks this request registered in the cache.
+        self.cache_breakpoints = cache_breakpoints
+        self.num_pinned_breakpoints = 0
+        self.pinned_through_block = 0
+        self.cache_write_tokens_by_ttl: Counter = Counter()
+        self.written_blocks: set[int] = set()
         self.num_preemptions = 0
         self.finish_reason: str | None = None
         self.logprobs: list[TokenLogprob] = []

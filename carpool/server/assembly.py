@@ -98,12 +98,16 @@ def open_stores(args: argparse.Namespace, configs: dict) -> Stores:
 
     A fixed key list means no ledger; otherwise the key store, budgets and ledger in --db. Opened before the
     models load, so a bad price sheet, or one that prices no served model, fails at once. So is the batch dir
-    (created, writable, and this database's), so no store fails after minutes of loading."""
+    (created, writable, and this database's), so no store fails after minutes of loading. The sheet's minimum
+    cacheable prefix ([cache] min_tokens) goes into every engine's config, for their doors' cache breakpoints
+    (without a ledger there is no sheet: EngineConfig's default, the shipped sheet's 1024)."""
     from carpool.economics.db import default_db_path
     from carpool.economics.ledger_gate import open_ledger_gate
     from carpool.server.batch.home import claim_batch_dir, default_batch_dir
 
     ledger = None if args.api_key else open_ledger_gate(args.db, args.prices, served_models=tuple(configs))
+    for config in configs.values() if ledger else ():  # the sheet's shortest cacheable prefix, for every door
+        config.cache_min_tokens = ledger.prices.cache_min_tokens
     db_path = args.db or default_db_path()
     batch_dir = args.batch_dir or default_batch_dir(db_path, ledger=ledger is not None)
     batch_dir_lock = claim_batch_dir(batch_dir, db_path if ledger else None)  # held while this server runs

@@ -13,7 +13,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from functools import partial
 
-from carpool.economics.contract import WITHHELD, Gate, GateError, Principal, UsageRecord
+from carpool.economics.contract import WITHHELD, Gate, GateError, Principal, UsageRecord, ttl_write_tokens
 from carpool.engine.async_engine import AsyncEngine
 from carpool.engine.outputs import RequestOutput, best_of
 from carpool.engine.request import EngineRequest
@@ -200,7 +200,19 @@ class Generation:
 
     @property
     def cache_write_tokens(self) -> int:
+        """Prompt tokens written to the prefix cache without a TTL pin (automatic, LRU)."""
         return sum(c.last.num_cache_write_tokens for c in self.choices if c.bills_prompt and c.last)
+
+    @property
+    def ttl_write_tokens(self) -> tuple[int, int]:
+        """(5m, 1h): prompt tokens written under a cache breakpoint's TTL pin. A breakpoint the pins' bound refused,
+        or one shorter than the minimum, wrote its prefix as an ordinary (automatic) write, in cache_write_tokens."""
+        by_ttl: dict[float, int] = {}
+        for choice in self.choices:
+            if choice.bills_prompt and choice.last:
+                for ttl, tokens in choice.last.cache_write_tokens_by_ttl.items():
+                    by_ttl[ttl] = by_ttl.get(ttl, 0) + tokens
+        return ttl_write_tokens(by_ttl)
 
     @property
     def completion_tokens(self) -> int:
@@ -218,6 +230,7 @@ class Generation:
     def usage_record(self) -> UsageRecord:
         queue, prefill, decode = self._phase_seconds()
         reasons = {c.finish_reason for c in self.choices}
+        writes_5m, writes_1h = self.ttl_write_tokens
         record = UsageRecord(
             request_id=self.ledger_id,
             model=self.model_name,
@@ -225,6 +238,8 @@ class Generation:
             prompt_tokens=self.prompt_tokens,
             cached_tokens=self.cached_tokens,
             cache_write_tokens=self.cache_write_tokens,
+            cache_write_5m_tokens=writes_5m,
+            cache_write_1h_tokens=writes_1h,
             output_tokens=self.completion_tokens,
             queue_seconds=queue,
             prefill_seconds=prefill,

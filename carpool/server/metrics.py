@@ -8,6 +8,7 @@ are observed on the engine thread by a step listener, where every step's exact t
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from carpool.engine.async_engine import EngineSnapshot
+from carpool.engine.block_manager import PinStats
 from carpool.engine.llm_engine import StepStats
 from carpool.engine.outputs import RequestOutput
 from carpool.engine.tiers import TIER_NAMES
@@ -170,6 +171,19 @@ class ServerMetrics:
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.", model)
         self.prefix_blocks = gauge("prefix_cache_blocks", "KV blocks holding a cached prefix (in use or not).")
         self.prefix_hit_rate = gauge("prefix_cache_hit_rate", "prefix_cache_hits / prefix_cache_queries so far.")
+        # Cache breakpoints' TTL pins (carpool.engine.block_manager), read from the engine's snapshot at each scrape.
+        ttl = ["model_name", "ttl"]
+        self.pinned_blocks = gauge("cache_pinned_blocks", "KV blocks pinned by a cache breakpoint's TTL.", ttl)
+        self.pinned_bytes = gauge("cache_pinned_bytes", "KV bytes pinned by a cache breakpoint's TTL.", ttl)
+        self.pin_expired_blocks = counter(
+            "cache_pin_expired_blocks", "Pinned KV blocks whose TTL lapsed without a hit.", ttl
+        )
+        self.pin_expiries = counter("cache_pin_expiries", "Pinned prefixes whose TTL lapsed without a hit.", model)
+        self.pin_refused = counter(
+            "cache_pin_refused", "Cache breakpoints not pinned because the pins' bound was reached.", model
+        )
+        self.pin_hits = counter("cache_pin_hits", "Requests that read a pinned prefix (each renews its TTL).", model)
+        self.pin_hit_tokens = counter("cache_pin_hit_tokens", "Prompt tokens read from pinned KV blocks.", model)
         drafter = ["model_name", "drafter"]
         self.spec_drafts = counter(
             "spec_decode_num_drafts", "Sequence-steps that verified speculative drafts.", drafter
@@ -216,6 +230,7 @@ class Metrics:
         self._last_token_at: dict[str, float] = {}  # engine thread only
         self._budget_reason: tuple[str, str] | None = None  # engine thread only
         self._prefix_totals = [0, 0]  # prompt tokens queried, hit (event loop thread only)
+        self._pins_seen = PinStats()  # the engine's pin counters at the last scrape (they only grow)
 
     def on_step(self, stats: StepStats | None, outputs: list[RequestOutput]) -> None:
         """The engine's step listener (engine thread): batch shape, preemptions and inter-token gaps."""
@@ -297,3 +312,26 @@ class Metrics:
         self.families.cache_config.labels(self.model_name, str(snapshot.block_size), str(snapshot.num_blocks)).set(1)
         queries, hits = self._prefix_totals
         self.prefix_hit_rate.set(hits / queries if queries else 0.0)
+        self._set_pins(snapshot.pins, snapshot.kv_block_bytes)
+
+    def _set_pins(self, pins: PinStats, block_bytes: int) -> None:
+        families, seen = self.families, self._pins_seen
+        for ttl, blocks in pins.pinned_blocks.items():
+            families.pinned_blocks.labels(self.model_name, ttl_label(ttl)).set(blocks)
+            families.pinned_bytes.labels(self.model_name, ttl_label(ttl)).set(blocks * block_bytes)
+        for ttl, blocks in pins.expired_blocks.items():
+            families.pin_expired_blocks.labels(self.model_name, ttl_label(ttl)).inc(blocks - seen.expired_blocks[ttl])
+        families.pin_expiries.labels(self.model_name).inc(pins.expiries - seen.expiries)
+        families.pin_refused.labels(self.model_name).inc(pins.refused - seen.refused)
+        families.pin_hits.labels(self.model_name).inc(pins.hits - seen.hits)
+        families.pin_hit_tokens.labels(self.model_name).inc(pins.hit_tokens - seen.hit_tokens)
+        self._pins_seen = pins
+
+
+def ttl_label(seconds: float) -> str:
+    """A TTL as Anthropic names it: 300 -> 5m, 3600 -> 1h; others in seconds."""
+    if seconds % 3600 == 0:
+        return f"{seconds / 3600:g}h"
+    if seconds % 60 == 0:
+        return f"{seconds / 60:g}m"
+    return f"{seconds:g}s"

@@ -94,7 +94,7 @@ def test_cost_report(capsys, db_path, prices):
         {"priority": 0.0036, "batch": 0.0009}
     )
     code, out, _ = run(capsys, "cost", "report", "--format", "csv", "--db", str(db_path))
-    assert out.splitlines()[1].startswith("anonymous,2,2000,0,0,400,2400,")
+    assert out.splitlines()[1].startswith("anonymous,2,2000,0,0,0,0,400,2400,")
 
 
 METRICS_TEXT = """\

@@ -224,6 +224,8 @@ def test_ledger_row_has_every_issue_field(gate, db_path):
         "cascade_accepted": None,
         "constraint_kind": None,
         "original_prompt_tokens": None,
+        "cache_write_5m_tokens": 0,
+        "cache_write_1h_tokens": 0,
     }
 
 

@@ -50,6 +50,19 @@ def buckets(samples: Samples, family: str, **match: str) -> list[tuple[float, fl
     return sorted(sums.items())
 
 
+def pins(samples: Samples, model: str) -> dict:
+    """Cache breakpoints' TTL pins: blocks and bytes pinned now by TTL, and since start the pinned prefixes that
+    lapsed, the pins the bound refused and the requests that read a pinned prefix."""
+    ttls = sorted({dict(labels)["ttl"] for name, labels in samples if name == "carpool:cache_pinned_blocks"})
+    return {
+        "blocks": {ttl: total(samples, "carpool:cache_pinned_blocks", model_name=model, ttl=ttl) for ttl in ttls},
+        "bytes": total(samples, "carpool:cache_pinned_bytes", model_name=model),
+        "expiries": total(samples, "carpool:cache_pin_expiries_total", model_name=model),
+        "refused": total(samples, "carpool:cache_pin_refused_total", model_name=model),
+        "hits": total(samples, "carpool:cache_pin_hits_total", model_name=model),
+    }
+
+
 def quantile(q: float, cumulative: list[tuple[float, float]]) -> float | None:
     """Prometheus' histogram_quantile: linear within the bucket that holds the q-th observation; the largest
     finite bound when that bucket is +Inf's; None without observations."""
@@ -161,6 +174,7 @@ class DashboardData:
                 "step_max_seqs": total(samples, "carpool:step_max_seqs", model_name=name),
             },
             "step_budget_reason": step_budget_reason(samples, name),
+            "pins": pins(samples, name),
             "queued": {
                 tier: total(samples, "carpool:num_requests_queued", model_name=name, tier=tier) for tier in TIER_NAMES
             },

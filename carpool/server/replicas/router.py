@@ -18,6 +18,7 @@ from prometheus_client import Counter, Gauge
 from ray.exceptions import RayActorError, RayTaskError
 
 from carpool.engine.async_engine import EngineSnapshot
+from carpool.engine.block_manager import PinStats
 from carpool.engine.config import EngineConfig
 from carpool.engine.door import RequestDoor
 from carpool.engine.outputs import RequestOutput
@@ -94,6 +95,8 @@ class ReplicaRouter:
             num_blocks=blocks,
             block_size=known[0].block_size if known else 0,
             num_cached_blocks=sum(s.num_cached_blocks for s in known),
+            pins=PinStats.summed([s.pins for s in known]),
+            kv_block_bytes=known[0].kv_block_bytes if known else 0,
         )
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:

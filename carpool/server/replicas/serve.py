@@ -61,7 +61,9 @@ def deploy_routers(configs: dict[str, EngineConfig], replicas: int, routing: str
         routers[name] = ReplicaRouter(
             name,
             mine,
-            RequestDoor.for_model_files(config.model, limits["max_model_len"], limits["max_request_tokens"]),
+            RequestDoor.for_model_files(
+                config.model, limits["max_model_len"], limits["max_request_tokens"], config.cache_min_tokens
+            ),
             config,
             make_routing(routing, limits["block_size"]),
             limits["max_num_seqs"],

@@ -181,6 +181,10 @@ function renderModel(doc, model) {
 
   text("hit-rate-window", percent(w.prefix_cache_hit_rate));
   text("hit-rate-total", percent(model.gauges.prefix_cache_hit_rate));
+  const pins = model.pins;
+  text("pins-blocks", Object.entries(pins.blocks).map(([ttl, n]) => `${ttl}: ${integer(n)}`).join(", ") || "none");
+  text("pins-bytes", `${(pins.bytes / 2 ** 20).toFixed(1)} MiB`);
+  text("pins-events", `${integer(pins.hits)} / ${integer(pins.expiries)} / ${integer(pins.refused)}`);
   lineChart("chart-hits", [{ label: "hit rate % (window)", color: COLORS.value,
     values: series((m) => (m.window.prefix_cache_hit_rate === null ? null : 100 * m.window.prefix_cache_hit_rate)) }],
     "%");
