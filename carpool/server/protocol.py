@@ -11,7 +11,7 @@ Extensions are vLLM's, with vLLM's names and meanings. Text must be valid Unicod
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from carpool.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY
@@ -77,7 +77,8 @@ class ToolCall(Body):
 
 class ChatMessage(Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Text | Annotated[list[TextPart], NonEmpty] | None = None
+    # Checked when left out too: only an assistant turn (its calls, sent back) may come without content.
+    content: Text | Annotated[list[TextPart], NonEmpty] | None = Field(None, validate_default=True)
     name: Text | None = Field(None, description="passed to the chat template, which may use it")
     # What an assistant turn of an earlier response carries when a client sends the conversation back.
     refusal: Unsupported = None
@@ -86,6 +87,13 @@ class ChatMessage(Body):
     tool_calls: list[ToolCall] | None = None  # an assistant turn's calls, sent back with their results
     tool_call_id: Text | None = None  # the call a `tool` message answers
     function_call: Unsupported = None
+
+    @field_validator("content")
+    @classmethod
+    def _content_unless_assistant(cls, content, info: ValidationInfo):
+        if content is None and info.data.get("role", "assistant") != "assistant":  # OpenAI's words for it
+            raise PydanticCustomError("null_content", "Invalid value for 'content': expected a string, got null.")
+        return content
 
     @property
     def text(self) -> str:
@@ -214,6 +222,16 @@ class GenerationRequest(Body):
     prompt_cache_key: Unsupported = None
     safety_identifier: Unsupported = None
 
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, options: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if options is not None and not info.data.get("stream"):  # OpenAI's words for it
+            raise PydanticCustomError(
+                "stream_options_without_stream",
+                "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+            )
+        return options
+
     @field_validator("logit_bias")
     @classmethod
     def _token_ids(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
@@ -286,6 +304,21 @@ class ChatCompletionRequest(GenerationRequest):
     verbosity: Unsupported = None
     web_search_options: Unsupported = None
     prompt_cache_retention: Unsupported = None
+
+    @field_validator("tools")
+    @classmethod
+    def _unique_names(cls, tools: list[Tool] | None) -> list[Tool] | None:
+        """A call names its function, so two tools of one name could not be told apart (OpenAI refuses them too);
+        the call grammar also keeps each function's parameters under its name."""
+        first: dict[str, int] = {}
+        for i, tool in enumerate(tools or ()):
+            if first.setdefault(tool.function.name, i) != i:
+                raise PydanticCustomError(
+                    "duplicate_tool_name",
+                    "function names must be unique: {name!r} is the name of tools[{first}] and tools[{i}]",
+                    {"name": tool.function.name, "first": first[tool.function.name], "i": i},
+                )
+        return tools
 
 
 class CompletionRequest(GenerationRequest):

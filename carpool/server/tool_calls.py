@@ -19,6 +19,7 @@ import jsonschema
 
 from carpool.engine.structured import StructuredOutput
 from carpool.engine.structured.grammars import check_json_schema
+from carpool.engine.structured.schemas import embedded
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -43,21 +44,24 @@ def check_tools(tools: list[dict]) -> None:
 
 
 def _call_rule(tools: list[dict], name: str | None) -> str:
-    """The Lark rule of one tagged call of the function `name`, or of any tool."""
+    """The Lark rule of one tagged call of the function `name`, or of any tool. Each function's parameters sit in
+    the call schema's root `$defs` under the function's name (unique, and a JSON pointer as it is: check_tools),
+    with their references moved there: `#/$defs/P` of two tools are two definitions."""
     functions = [tool["function"] for tool in tools if name is None or tool["function"]["name"] == name]
+    parameters = {
+        f["name"]: embedded(f.get("parameters") or {"type": "object", "properties": {}}, f"/$defs/{f['name']}", "tools")
+        for f in functions
+    }
     calls = [
         {
             "type": "object",
             "additionalProperties": False,
             "required": ["name", "arguments"],
-            "properties": {
-                "name": {"const": f["name"]},
-                "arguments": f.get("parameters") or {"type": "object", "properties": {}},
-            },
+            "properties": {"name": {"const": f["name"]}, "arguments": {"$ref": f"#/$defs/{f['name']}"}},
         }
         for f in functions
     ]
-    schema = json.dumps(calls[0] if len(calls) == 1 else {"anyOf": calls})
+    schema = json.dumps({"$defs": parameters} | (calls[0] if len(calls) == 1 else {"anyOf": calls}))
     # The tags are single tokens in Qwen's vocabulary, named as tokens: llguidance treats every added token as
     # special, so the tag spelled as a "string" is matched by the token's text but not accepted by the parser.
     return f'call: {OPEN} "\\n" %json {schema} "\\n" {CLOSE}\n'
