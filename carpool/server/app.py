@@ -8,7 +8,7 @@ from contextlib import asynccontextmanager
 from typing import Annotated
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.background import BackgroundTask
 
@@ -23,7 +23,7 @@ from carpool.server.cascade.config import Cascade
 from carpool.server.cascade.runner import CascadeServing
 from carpool.server.compression import CompressionService
 from carpool.server.dashboard import dashboard_router
-from carpool.server.errors import APIError, error_body, install_error_handlers
+from carpool.server.errors import APIError, documented, error_body, install_error_handlers
 from carpool.server.gate import OpenGate
 from carpool.server.generation import Backends, Generation, GenerationFailed
 from carpool.server.metrics import ServerMetrics
@@ -111,7 +111,10 @@ def create_app(
         if spec is not None:
             await asyncio.to_thread(serving.compile_constraint, body, spec)
 
-    @app.post("/v1/chat/completions", response_model=None)
+    # What the gate (403, 429, 503), the model lookup (404) and a client leaving early (499) may answer.
+    generating = documented(403, 404, 429, 499, 503)
+
+    @app.post("/v1/chat/completions", response_model=None, responses=generating)
     async def chat_completions(body: ChatCompletionRequest, request: Request, caller: Caller):
         body, compressed = await compression.apply(body, caller, request.state.request_id)
         if body.model in cascade_serving:
@@ -127,7 +130,7 @@ def create_app(
             request, *compression.started(started_chat, compressed), None, body.stream, body.stream_options
         )
 
-    @app.post("/v1/completions", response_model=None)
+    @app.post("/v1/completions", response_model=None, responses=generating)
     async def completions(body: CompletionRequest, request: Request, caller: Caller):
         body, compressed = await compression.apply(body, caller, request.state.request_id)
         if body.model in cascade_serving:
@@ -143,7 +146,7 @@ def create_app(
             request, *compression.started(started_completion, compressed), None, body.stream, body.stream_options
         )
 
-    @app.post("/v1/compress")
+    @app.post("/v1/compress", responses=documented(403, 404, 429, 503))
     async def compress(body: CompressRequest, request: Request, caller: Caller) -> dict:
         return await compression.compress_body(body, caller, request.state.request_id)
 
@@ -155,22 +158,24 @@ def create_app(
             + cascade_serving.cards(started),
         }
 
-    @app.get("/v1/models/{model:path}")  # served names may hold a slash (`Qwen/Qwen2.5-Coder-0.5B`)
+    @app.get(
+        "/v1/models/{model:path}", responses=documented(404)
+    )  # served names may hold a slash (`Qwen/Qwen2.5-Coder-0.5B`)
     def get_model(model: str, caller: Caller) -> dict:
         if model in cascade_serving:
             return cascade_serving.card(model, started)
         serving.model(model)
         return _model_card(model, started, engines[model])
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses=documented(404))
     def tokenize(body: TokenizeRequest, caller: Caller) -> dict:
         return serving.tokenize(body)
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=documented(404))
     def detokenize(body: DetokenizeRequest, caller: Caller) -> dict:
         return serving.detokenize(body)
 
-    @app.get("/health")
+    @app.get("/health", responses=documented(503))
     def health() -> Response:
         """Ok only while every model's engine runs, warmed up, and the gate works (its ledger can write)."""
         stopped = [f"{name!r}: {engine.error!r}" for name, engine in engines.items() if engine.error is not None]
@@ -182,7 +187,7 @@ def create_app(
             return JSONResponse(error_body(503, f"Billable requests are refused: {problem}"), 503)
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     def prometheus_metrics() -> Response:
         snapshots = {name: engine.snapshot() for name, engine in engines.items()}
         return Response(metrics.render(snapshots), media_type=CONTENT_TYPE_LATEST)

@@ -16,6 +16,7 @@ from pydantic_core import PydanticCustomError
 
 from carpool.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY
 from carpool.engine.structured import StructuredOutput
+from carpool.engine.structured.spec import MAX_CHOICE_STRINGS
 from carpool.engine.tiers import LIVE_TIERS
 
 MAX_CHOICES = 128  # n (or best_of) times the number of prompts
@@ -40,6 +41,17 @@ def _valid_unicode(text: str) -> str:
     return text
 
 
+def _one_of(*fields: str) -> list[dict]:
+    """ "Exactly one of these fields", as /openapi.json says it: one not null, the others left out or null."""
+    return [
+        {
+            "required": [field],
+            "properties": {field: {"not": {"type": "null"}}} | {o: {"type": "null"} for o in fields if o != field},
+        }
+        for field in fields
+    ]
+
+
 def _nothing_asked(value: Any) -> Any:
     if not any(value == neutral and type(value) is type(neutral) for neutral in _NEUTRAL):
         raise PydanticCustomError("unsupported_parameter", "not supported by this server (omit it, or send null)")
@@ -47,6 +59,7 @@ def _nothing_asked(value: Any) -> Any:
 
 
 Text = Annotated[str, AfterValidator(_valid_unicode)]
+Choices = Annotated[list[Annotated[Text, Field(min_length=1)]], Field(min_length=1, max_length=MAX_CHOICE_STRINGS)]
 Unsupported = Annotated[Any, AfterValidator(_nothing_asked), Field(description="Not supported: omit it, or null")]
 
 
@@ -76,6 +89,15 @@ class ToolCall(Body):
 
 
 class ChatMessage(Body):
+    # Only an assistant turn may leave content out or null, as /openapi.json says it.
+    model_config = ConfigDict(
+        json_schema_extra={
+            "anyOf": [
+                {"properties": {"role": {"const": "assistant"}}},
+                {"required": ["content"], "properties": {"content": {"type": ["string", "array"]}}},
+            ]
+        }
+    )
     role: Literal["system", "developer", "user", "assistant", "tool"]
     # Checked when left out too: only an assistant turn (its calls, sent back) may come without content.
     content: Text | Annotated[list[TextPart], NonEmpty] | None = Field(None, validate_default=True)
@@ -119,7 +141,7 @@ class StructuredOutputs(Body):
 
     json_: dict | Text | None = Field(None, alias="json")
     regex: Text | None = None
-    choice: Annotated[list[Text], NonEmpty] | None = None
+    choice: Choices | None = None
     grammar: Text | None = None
     json_object: bool | None = None
 
@@ -150,6 +172,7 @@ class PromptCompression(Body):
     The system prompt, the final question (the last paragraph of the last message or prompt) and `protected`
     spans are kept verbatim."""
 
+    model_config = ConfigDict(json_schema_extra={"anyOf": _one_of("rate", "target_tokens")})
     rate: float | None = Field(None, gt=0, le=1, description="the share of the prompt's tokens to keep")
     target_tokens: int | None = Field(None, ge=1, description="how many prompt tokens to keep")
     protected: Annotated[list[Text], Field(max_length=64)] | None = Field(None, description="spans kept verbatim")
@@ -213,7 +236,7 @@ class GenerationRequest(Body):
     structured_outputs: StructuredOutputs | None = None
     guided_json: dict | Text | None = None
     guided_regex: Text | None = None
-    guided_choice: Annotated[list[Text], NonEmpty] | None = None
+    guided_choice: Choices | None = None
     guided_grammar: Text | None = Field(None, description="Lark, or llama.cpp's GBNF")
     prompt_compression: PromptCompression | None = None
     # OpenAI parameters carpool does not implement.
@@ -315,7 +338,7 @@ class ChatCompletionRequest(GenerationRequest):
             if first.setdefault(tool.function.name, i) != i:
                 raise PydanticCustomError(
                     "duplicate_tool_name",
-                    "function names must be unique: {name!r} is the name of tools[{first}] and tools[{i}]",
+                    "function names must be unique: '{name}' is the name of tools[{first}] and tools[{i}]",
                     {"name": tool.function.name, "first": first[tool.function.name], "i": i},
                 )
         return tools
@@ -323,8 +346,8 @@ class ChatCompletionRequest(GenerationRequest):
 
 class CompletionRequest(GenerationRequest):
     prompt: (
-        Text
-        | Annotated[list[Text], NonEmpty]
+        Annotated[Text, NonEmpty]
+        | Annotated[list[Annotated[Text, NonEmpty]], NonEmpty]
         | Annotated[list[int], NonEmpty]
         | Annotated[list[Annotated[list[int], NonEmpty]], NonEmpty]
     )
@@ -346,6 +369,7 @@ class CompletionRequest(GenerationRequest):
 
 
 class TokenizeRequest(Body):
+    model_config = ConfigDict(json_schema_extra={"anyOf": _one_of("prompt", "messages")})
     model: Text | None = None
     prompt: Text | None = None
     messages: Annotated[list[ChatMessage], NonEmpty] | None = None
@@ -355,6 +379,12 @@ class TokenizeRequest(Body):
 class CompressRequest(PromptCompression):
     """POST /v1/compress: a prompt or messages, compressed as `prompt_compression` would compress them."""
 
+    model_config = ConfigDict(
+        json_schema_extra={
+            "allOf": [{"anyOf": _one_of("rate", "target_tokens")}, {"anyOf": _one_of("prompt", "messages")}]
+        }
+    )
+
     model: Text | None = Field(None, description="the model whose tokens are counted (default: the scorer's)")
     prompt: Text | None = None
     messages: Annotated[list[ChatMessage], NonEmpty] | None = None
@@ -362,7 +392,7 @@ class CompressRequest(PromptCompression):
 
 class DetokenizeRequest(Body):
     model: Text | None = None
-    tokens: list[int]
+    tokens: list[Annotated[int, Field(ge=0)]]
 
 
 def _structured(name: str, value) -> StructuredOutput | None:

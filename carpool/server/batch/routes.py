@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, File, Form, Query, Request, UploadFile
 from fastapi.responses import FileResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from carpool.economics.contract import Gate, Principal
 from carpool.engine.tiers import BATCH_TIER
@@ -19,7 +19,7 @@ from carpool.server.batch.limits import COMPLETION_WINDOWS, ENDPOINTS, BatchLimi
 from carpool.server.batch.objects import batch_object, file_object, list_object
 from carpool.server.batch.runner import BatchRunner
 from carpool.server.batch.store import BatchStore, FileTooLarge
-from carpool.server.errors import APIError
+from carpool.server.errors import APIError, documented
 
 UPLOAD_PURPOSES = ("batch",)
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
@@ -28,10 +28,18 @@ MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 class BatchCreateRequest(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
+    # Checked by the route, with its own messages; /openapi.json says what it takes.
     input_file_id: str
-    endpoint: str
-    completion_window: str
-    metadata: dict[str, str] | None = None
+    endpoint: str = Field(json_schema_extra={"enum": list(ENDPOINTS)})
+    completion_window: str = Field(json_schema_extra={"enum": list(COMPLETION_WINDOWS)})
+    metadata: dict[str, str] | None = Field(
+        None,
+        json_schema_extra={
+            "maxProperties": MAX_METADATA_PAIRS,
+            "propertyNames": {"maxLength": MAX_METADATA_KEY},
+            "additionalProperties": {"type": "string", "maxLength": MAX_METADATA_VALUE},
+        },
+    )
 
 
 def create_batch_router(store: BatchStore, runner: BatchRunner, gate: Gate, limits: BatchLimits) -> APIRouter:
@@ -40,7 +48,11 @@ def create_batch_router(store: BatchStore, runner: BatchRunner, gate: Gate, limi
     # Files -----------------------------------------------------------------------------------------------
 
     @router.post("/v1/files")
-    async def upload_file(request: Request, file: Annotated[UploadFile, File()], purpose: Annotated[str, Form()]):
+    async def upload_file(
+        request: Request,
+        file: Annotated[UploadFile, File()],
+        purpose: Annotated[str, Form(json_schema_extra={"enum": list(UPLOAD_PURPOSES)})],
+    ):
         if purpose not in UPLOAD_PURPOSES:
             raise APIError(
                 400,
@@ -77,16 +89,20 @@ def create_batch_router(store: BatchStore, runner: BatchRunner, gate: Gate, limi
         )
         return list_object([file_object(row) for row in rows], has_more)
 
-    @router.get("/v1/files/{file_id}")
+    @router.get("/v1/files/{file_id}", responses=documented(404))
     def get_file(request: Request, file_id: str):
         return file_object(_visible_file(request, file_id))
 
-    @router.get("/v1/files/{file_id}/content")
+    @router.get(
+        "/v1/files/{file_id}/content",
+        response_class=FileResponse,
+        responses={200: {"content": {"application/octet-stream": {}}}} | documented(404),
+    )
     def file_content(request: Request, file_id: str):
         row = _visible_file(request, file_id)
         return FileResponse(store.file_path(row["id"]), media_type="application/octet-stream", filename=row["filename"])
 
-    @router.delete("/v1/files/{file_id}")
+    @router.delete("/v1/files/{file_id}", responses=documented(404, 409))
     def delete_file(request: Request, file_id: str):
         row = _visible_file(request, file_id)
         if store.file_in_use(row["id"]):
@@ -108,7 +124,7 @@ def create_batch_router(store: BatchStore, runner: BatchRunner, gate: Gate, limi
     # Batches ---------------------------------------------------------------------------------------------
 
     # These two touch the runner, which lives on the event loop: they must run there, not in a worker thread.
-    @router.post("/v1/batches")
+    @router.post("/v1/batches", responses=documented(403, 404, 429, 503))
     async def create_batch(request: Request, body: BatchCreateRequest):
         principal = _caller(request)
         if body.endpoint not in ENDPOINTS:
@@ -155,11 +171,11 @@ def create_batch_router(store: BatchStore, runner: BatchRunner, gate: Gate, limi
         rows, has_more = store.list_batches(_owner(principal), principal.is_admin, after, limit)
         return list_object([batch_object(row) for row in rows], has_more)
 
-    @router.get("/v1/batches/{batch_id}")
+    @router.get("/v1/batches/{batch_id}", responses=documented(404))
     def get_batch(request: Request, batch_id: str):
         return batch_object(_visible_batch(request, batch_id))
 
-    @router.post("/v1/batches/{batch_id}/cancel")
+    @router.post("/v1/batches/{batch_id}/cancel", responses=documented(404, 409))
     async def cancel_batch(request: Request, batch_id: str):
         row = _visible_batch(request, batch_id)
         if store.transition(row["id"], "cancelling", int(time.time()), ("validating", "in_progress")):
