@@ -60,7 +60,11 @@ def _nothing_asked(value: Any) -> Any:
 
 Text = Annotated[str, AfterValidator(_valid_unicode)]
 Choices = Annotated[list[Annotated[Text, Field(min_length=1)]], Field(min_length=1, max_length=MAX_CHOICE_STRINGS)]
-Unsupported = Annotated[Any, AfterValidator(_nothing_asked), Field(description="Not supported: omit it, or null")]
+Unsupported = Annotated[
+    Any,
+    AfterValidator(_nothing_asked),
+    Field(description="Not supported: omit it, or null", json_schema_extra={"enum": list(_NEUTRAL)}),
+]
 
 
 class Body(BaseModel):
@@ -89,12 +93,17 @@ class ToolCall(Body):
 
 
 class ChatMessage(Body):
-    # Only an assistant turn may leave content out or null, as /openapi.json says it.
+    # Only an assistant turn may leave content out or null, as /openapi.json says it (in an allOf, beside the
+    # object's own keywords, which tools reading only `type` and `properties` still find).
     model_config = ConfigDict(
         json_schema_extra={
-            "anyOf": [
-                {"properties": {"role": {"const": "assistant"}}},
-                {"required": ["content"], "properties": {"content": {"type": ["string", "array"]}}},
+            "allOf": [
+                {
+                    "anyOf": [
+                        {"properties": {"role": {"const": "assistant"}}},
+                        {"required": ["content"], "properties": {"content": {"type": ["string", "array"]}}},
+                    ]
+                }
             ]
         }
     )
@@ -172,7 +181,7 @@ class PromptCompression(Body):
     The system prompt, the final question (the last paragraph of the last message or prompt) and `protected`
     spans are kept verbatim."""
 
-    model_config = ConfigDict(json_schema_extra={"anyOf": _one_of("rate", "target_tokens")})
+    model_config = ConfigDict(json_schema_extra={"allOf": [{"anyOf": _one_of("rate", "target_tokens")}]})
     rate: float | None = Field(None, gt=0, le=1, description="the share of the prompt's tokens to keep")
     target_tokens: int | None = Field(None, ge=1, description="how many prompt tokens to keep")
     protected: Annotated[list[Text], Field(max_length=64)] | None = Field(None, description="spans kept verbatim")
@@ -369,7 +378,7 @@ class CompletionRequest(GenerationRequest):
 
 
 class TokenizeRequest(Body):
-    model_config = ConfigDict(json_schema_extra={"anyOf": _one_of("prompt", "messages")})
+    model_config = ConfigDict(json_schema_extra={"allOf": [{"anyOf": _one_of("prompt", "messages")}]})
     model: Text | None = None
     prompt: Text | None = None
     messages: Annotated[list[ChatMessage], NonEmpty] | None = None
