@@ -8,11 +8,26 @@ OpenAI's error body like any other.
 from collections.abc import Callable
 from typing import Annotated
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Query
 
 from carpool.economics.contract import USAGE_READ, GateError, Principal
 from carpool.economics.ledger_gate import LedgerGate
 from carpool.economics.reports import GROUP_BY, parse_time, report_document
+
+# What parse_time takes, as /openapi.json documents it: unix seconds, or an ISO 8601 date or date-time.
+Moment = Annotated[
+    str | None,
+    Query(
+        description="unix seconds, or an ISO 8601 date or date-time (UTC unless it says otherwise)",
+        json_schema_extra={
+            "anyOf": [
+                {"type": "string", "format": "date"},
+                {"type": "string", "format": "date-time"},
+                {"type": "string", "pattern": r"^-?[0-9]{1,12}(\.[0-9]+)?$"},
+            ]
+        },
+    ),
+]
 
 
 def usage_router(gate: LedgerGate, caller: Callable[..., Principal]) -> APIRouter:
@@ -22,9 +37,9 @@ def usage_router(gate: LedgerGate, caller: Callable[..., Principal]) -> APIRoute
     @router.get("/v1/usage")
     def usage(
         principal: Annotated[Principal, Depends(caller)],
-        start: str | None = None,
-        end: str | None = None,
-        group_by: str = "tenant",
+        start: Moment = None,
+        end: Moment = None,
+        group_by: Annotated[str, Query(json_schema_extra={"enum": list(GROUP_BY)})] = "tenant",
     ):
         _check_scope(principal)
         if group_by not in GROUP_BY:
@@ -39,9 +54,7 @@ def usage_router(gate: LedgerGate, caller: Callable[..., Principal]) -> APIRoute
         return report_document(rows, group_by, bounds["start"], bounds["end"])
 
     @router.get("/v1/usage/cascades")
-    def cascade_usage(
-        principal: Annotated[Principal, Depends(caller)], start: str | None = None, end: str | None = None
-    ):
+    def cascade_usage(principal: Annotated[Principal, Depends(caller)], start: Moment = None, end: Moment = None):
         """Per model cascade: share answered by each step, cost, estimated saving (reports.cascade_summary)."""
         _check_scope(principal)
         bounds = _bounds(start, end)

@@ -7,7 +7,7 @@ from contextlib import asynccontextmanager
 from typing import Annotated
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.background import BackgroundTask
 
@@ -25,7 +25,7 @@ from carpool.server.cascade.runner import CascadeServing
 from carpool.server.compression import CompressionService
 from carpool.server.dashboard import dashboard_router
 from carpool.server.disconnect import CLIENT_CLOSED_REQUEST, disconnected, finished_before_disconnect
-from carpool.server.errors import APIError, error_body, install_error_handlers
+from carpool.server.errors import APIError, documented, error_body, install_error_handlers
 from carpool.server.generation import Backends, Generation, GenerationFailed
 from carpool.server.metrics import ServerMetrics
 from carpool.server.open_gate import OpenGate
@@ -114,7 +114,10 @@ def create_app(
         )
     )
 
-    @app.post("/v1/chat/completions", response_model=None)
+    # What the gate (403, 429, 503), the model lookup (404) and a client leaving early (499) may answer.
+    generating = documented(403, 404, 429, 499, 503)
+
+    @app.post("/v1/chat/completions", response_model=None, responses=generating)
     async def chat_completions(body: ChatCompletionRequest, request: Request, caller: Caller):
         body, compressed = await compression.apply(body, caller, request.state.request_id)
         if body.model in cascade_serving:
@@ -135,7 +138,7 @@ def create_app(
             request, *compression.started(started_chat, compressed), None, body.stream, body.stream_options
         )
 
-    @app.post("/v1/completions", response_model=None)
+    @app.post("/v1/completions", response_model=None, responses=generating)
     async def completions(body: CompletionRequest, request: Request, caller: Caller):
         body, compressed = await compression.apply(body, caller, request.state.request_id)
         if body.model in cascade_serving:
@@ -156,7 +159,7 @@ def create_app(
             request, *compression.started(started_completion, compressed), None, body.stream, body.stream_options
         )
 
-    @app.post("/v1/compress")
+    @app.post("/v1/compress", responses=documented(403, 404, 429, 503))
     async def compress(body: CompressRequest, request: Request, caller: Caller) -> dict:
         return await compression.compress_body(body, caller, request.state.request_id)
 
@@ -168,22 +171,24 @@ def create_app(
             + cascade_serving.cards(started),
         }
 
-    @app.get("/v1/models/{model:path}")  # served names may hold a slash (`Qwen/Qwen2.5-Coder-0.5B`)
+    @app.get(
+        "/v1/models/{model:path}", responses=documented(404)
+    )  # served names may hold a slash (`Qwen/Qwen2.5-Coder-0.5B`)
     def get_model(model: str, caller: Caller) -> dict:
         if model in cascade_serving:
             return cascade_serving.card(model, started)
         serving.model(model)
         return _model_card(model, started, engines[model])
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses=documented(404))
     def tokenize(body: TokenizeRequest, caller: Caller) -> dict:
         return serving.tokenize(body)
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=documented(404))
     def detokenize(body: DetokenizeRequest, caller: Caller) -> dict:
         return serving.detokenize(body)
 
-    @app.get("/health")
+    @app.get("/health", responses=documented(503))
     def health() -> Response:
         """Ok while every model's engine runs, warmed up, and the gate works (its ledger can write). A model whose
         engine failed is named; while others still serve, the server is up but `degraded` (200), not down."""
@@ -199,7 +204,7 @@ def create_app(
             return JSONResponse({"status": "degraded", "failed": stopped})
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     def prometheus_metrics() -> Response:
         snapshots = {name: engine.snapshot() for name, engine in engines.items()}
         return Response(metrics.render(snapshots), media_type=CONTENT_TYPE_LATEST)

@@ -135,10 +135,11 @@ def attach_ledger(app, ledger, args: argparse.Namespace) -> None:
     """The ledger's /metrics series and usage routes, when there is a ledger."""
     from carpool.economics.routes import usage_router
     from carpool.server.auth import request_principal
+    from carpool.server.errors import documented
 
     if ledger:
         ledger.register_metrics(app.state.metrics.registry, per_tenant=args.metrics_tenants)
-        app.include_router(usage_router(ledger, caller=request_principal))
+        app.include_router(usage_router(ledger, caller=request_principal), responses=documented(403))
 
 
 def checked_extensions(args: argparse.Namespace, configs: dict) -> dict | None:

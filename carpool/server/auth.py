@@ -15,10 +15,7 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from carpool.economics.contract import Gate, GateError, Principal
-from carpool.server.errors import APIError, error_response
-
-# The dashboard's page and script hold no data: its data endpoint needs a key like the rest.
-OPEN_PATHS = frozenset({"/health", "/metrics", "/dashboard", "/dashboard/dashboard.js"})
+from carpool.server.errors import OPEN_PATHS, APIError, error_response
 
 
 class Authenticate:

@@ -1,6 +1,8 @@
 """Every failure leaves as OpenAI's error body, `{"error": {"message", "type", "param", "code"}}`, so the SDKs
 raise their usual exception classes. Validation failures are 400 naming the parameter (not FastAPI's 422), and
-/openapi.json documents them so."""
+/openapi.json documents them so, with every other status a route can answer: its own (`responses=documented(...)`
+on the route) and those of the layers around every route (401 from authentication, 413 from the body limit, 500).
+A 405 names in `Allow` every method the path takes, not only those of the first route that matched it."""
 
 import logging
 import re
@@ -9,6 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
+from starlette.routing import Match
 
 from carpool.economics.contract import GateError
 
@@ -101,7 +104,23 @@ def field_path(loc: list) -> str:
 
 
 def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
-    return JSONResponse(error_body(exc.status_code, str(exc.detail)), exc.status_code, exc.headers)
+    headers = exc.headers
+    if exc.status_code == 405:  # Starlette's names the methods of one route; a path may have one route per method
+        headers = (headers or {}) | {"Allow": ", ".join(_allowed_methods(request))}
+    return JSONResponse(error_body(exc.status_code, str(exc.detail)), exc.status_code, headers)
+
+
+def _allowed_methods(request: Request) -> list[str]:
+    """Asked of the router as a request of each method would be (its routes may be routers of routes)."""
+    routes = request.app.router.routes
+    return [
+        method
+        for method in _METHODS
+        if any(route.matches(request.scope | {"method": method})[0] == Match.FULL for route in routes)
+    ]
+
+
+_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE")
 
 
 def _unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -121,6 +140,25 @@ def install_error_handlers(app: FastAPI) -> None:
     _document_validation_as_400(app)
 
 
+STATUS_DESCRIPTIONS = {
+    401: "No API key, or one the server does not know",
+    403: "The key may not do this (another tenant's, not an admin's, or a model or tier it is not allowed)",
+    404: "No such model, or no such object visible to this key",
+    409: "The object is in a state that does not allow this",
+    413: "The request body is larger than the server accepts",
+    429: "Over the key's rate limit or budget, or the tier's queue is full: retry after Retry-After seconds",
+    499: "The client closed the connection before the response (nginx's status; nothing is sent)",
+    500: "The server had an error while processing the request",
+    503: "Not ready: the engine is warming up or stopped, or the ledger cannot record usage",
+}
+
+
+def documented(*statuses: int) -> dict[int, dict]:
+    """A route's `responses=`: its own error statuses, each with the error body."""
+    return {status: {"description": STATUS_DESCRIPTIONS[status]} | _ERROR_CONTENT for status in statuses}
+
+
+_ERROR_CONTENT = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
 _ERROR_SCHEMA = {
     "type": "object",
     "required": ["error"],
@@ -138,22 +176,34 @@ _ERROR_SCHEMA = {
 }
 
 
+# The paths that need no key (auth lets them through; the schema documents no 401 on them). The dashboard's page
+# and script hold no data: its data endpoint needs a key like the rest.
+OPEN_PATHS = frozenset({"/health", "/metrics", "/dashboard", "/dashboard/dashboard.js"})
+
+
 def _document_validation_as_400(app: FastAPI) -> None:
-    """FastAPI documents a 422 on every route that validates input; this server answers those with a 400."""
+    """FastAPI documents a 422 on every route that validates input; this server answers those with a 400. Every
+    route may also answer the statuses of the layers around it."""
     generate = app.openapi
 
     def openapi() -> dict:
         fresh = app.openapi_schema is None
         schema = generate()
         if fresh:
-            for operations in schema.get("paths", {}).values():
+            for path, operations in schema.get("paths", {}).items():
                 for operation in operations.values():
                     responses = operation.get("responses", {})
                     if responses.pop("422", None) is not None:
                         responses["400"] = {
                             "description": "Invalid request: the error's `param` names the field",
-                            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
-                        }
+                        } | _ERROR_CONTENT
+                    around = (
+                        [500]
+                        + ([401] if path not in OPEN_PATHS else [])
+                        + ([413] if "requestBody" in operation else [])
+                    )
+                    for status, response in documented(*around).items():
+                        responses.setdefault(str(status), response)
             components = schema.setdefault("components", {}).setdefault("schemas", {})
             for unused in ("HTTPValidationError", "ValidationError"):
                 components.pop(unused, None)

@@ -11,11 +11,12 @@ Extensions are vLLM's, with vLLM's names and meanings. Text must be valid Unicod
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from carpool.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY
 from carpool.engine.structured import StructuredOutput
+from carpool.engine.structured.spec import MAX_CHOICE_STRINGS
 from carpool.engine.tiers import LIVE_TIERS
 
 MAX_CHOICES = 128  # n (or best_of) times the number of prompts
@@ -40,6 +41,17 @@ def _valid_unicode(text: str) -> str:
     return text
 
 
+def _one_of(*fields: str) -> list[dict]:
+    """ "Exactly one of these fields", as /openapi.json says it: one not null, the others left out or null."""
+    return [
+        {
+            "required": [field],
+            "properties": {field: {"not": {"type": "null"}}} | {o: {"type": "null"} for o in fields if o != field},
+        }
+        for field in fields
+    ]
+
+
 def _nothing_asked(value: Any) -> Any:
     if not any(value == neutral and type(value) is type(neutral) for neutral in _NEUTRAL):
         raise PydanticCustomError("unsupported_parameter", "not supported by this server (omit it, or send null)")
@@ -47,7 +59,12 @@ def _nothing_asked(value: Any) -> Any:
 
 
 Text = Annotated[str, AfterValidator(_valid_unicode)]
-Unsupported = Annotated[Any, AfterValidator(_nothing_asked), Field(description="Not supported: omit it, or null")]
+Choices = Annotated[list[Annotated[Text, Field(min_length=1)]], Field(min_length=1, max_length=MAX_CHOICE_STRINGS)]
+Unsupported = Annotated[
+    Any,
+    AfterValidator(_nothing_asked),
+    Field(description="Not supported: omit it, or null", json_schema_extra={"enum": list(_NEUTRAL)}),
+]
 
 
 class Body(BaseModel):
@@ -76,8 +93,23 @@ class ToolCall(Body):
 
 
 class ChatMessage(Body):
+    # Only an assistant turn may leave content out or null, as /openapi.json says it (in an allOf, beside the
+    # object's own keywords, which tools reading only `type` and `properties` still find).
+    model_config = ConfigDict(
+        json_schema_extra={
+            "allOf": [
+                {
+                    "anyOf": [
+                        {"properties": {"role": {"const": "assistant"}}},
+                        {"required": ["content"], "properties": {"content": {"type": ["string", "array"]}}},
+                    ]
+                }
+            ]
+        }
+    )
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Text | Annotated[list[TextPart], NonEmpty] | None = None
+    # Checked when left out too: only an assistant turn (its calls, sent back) may come without content.
+    content: Text | Annotated[list[TextPart], NonEmpty] | None = Field(None, validate_default=True)
     name: Text | None = Field(None, description="passed to the chat template, which may use it")
     # What an assistant turn of an earlier response carries when a client sends the conversation back.
     refusal: Unsupported = None
@@ -86,6 +118,13 @@ class ChatMessage(Body):
     tool_calls: list[ToolCall] | None = None  # an assistant turn's calls, sent back with their results
     tool_call_id: Text | None = None  # the call a `tool` message answers
     function_call: Unsupported = None
+
+    @field_validator("content")
+    @classmethod
+    def _content_unless_assistant(cls, content, info: ValidationInfo):
+        if content is None and info.data.get("role", "assistant") != "assistant":  # OpenAI's words for it
+            raise PydanticCustomError("null_content", "Invalid value for 'content': expected a string, got null.")
+        return content
 
     @property
     def text(self) -> str:
@@ -111,7 +150,7 @@ class StructuredOutputs(Body):
 
     json_: dict | Text | None = Field(None, alias="json")
     regex: Text | None = None
-    choice: Annotated[list[Text], NonEmpty] | None = None
+    choice: Choices | None = None
     grammar: Text | None = None
     json_object: bool | None = None
 
@@ -142,6 +181,7 @@ class PromptCompression(Body):
     The system prompt, the final question (the last paragraph of the last message or prompt) and `protected`
     spans are kept verbatim."""
 
+    model_config = ConfigDict(json_schema_extra={"allOf": [{"anyOf": _one_of("rate", "target_tokens")}]})
     rate: float | None = Field(None, gt=0, le=1, description="the share of the prompt's tokens to keep")
     target_tokens: int | None = Field(None, ge=1, description="how many prompt tokens to keep")
     protected: Annotated[list[Text], Field(max_length=64)] | None = Field(None, description="spans kept verbatim")
@@ -205,7 +245,7 @@ class GenerationRequest(Body):
     structured_outputs: StructuredOutputs | None = None
     guided_json: dict | Text | None = None
     guided_regex: Text | None = None
-    guided_choice: Annotated[list[Text], NonEmpty] | None = None
+    guided_choice: Choices | None = None
     guided_grammar: Text | None = Field(None, description="Lark, or llama.cpp's GBNF")
     prompt_compression: PromptCompression | None = None
     # OpenAI parameters carpool does not implement.
@@ -213,6 +253,16 @@ class GenerationRequest(Body):
     metadata: Unsupported = None
     prompt_cache_key: Unsupported = None
     safety_identifier: Unsupported = None
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, options: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if options is not None and not info.data.get("stream"):  # OpenAI's words for it
+            raise PydanticCustomError(
+                "stream_options_without_stream",
+                "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+            )
+        return options
 
     @field_validator("logit_bias")
     @classmethod
@@ -287,11 +337,26 @@ class ChatCompletionRequest(GenerationRequest):
     web_search_options: Unsupported = None
     prompt_cache_retention: Unsupported = None
 
+    @field_validator("tools")
+    @classmethod
+    def _unique_names(cls, tools: list[Tool] | None) -> list[Tool] | None:
+        """A call names its function, so two tools of one name could not be told apart (OpenAI refuses them too);
+        the call grammar also keeps each function's parameters under its name."""
+        first: dict[str, int] = {}
+        for i, tool in enumerate(tools or ()):
+            if first.setdefault(tool.function.name, i) != i:
+                raise PydanticCustomError(
+                    "duplicate_tool_name",
+                    "function names must be unique: '{name}' is the name of tools[{first}] and tools[{i}]",
+                    {"name": tool.function.name, "first": first[tool.function.name], "i": i},
+                )
+        return tools
+
 
 class CompletionRequest(GenerationRequest):
     prompt: (
-        Text
-        | Annotated[list[Text], NonEmpty]
+        Annotated[Text, NonEmpty]
+        | Annotated[list[Annotated[Text, NonEmpty]], NonEmpty]
         | Annotated[list[int], NonEmpty]
         | Annotated[list[Annotated[list[int], NonEmpty]], NonEmpty]
     )
@@ -313,6 +378,7 @@ class CompletionRequest(GenerationRequest):
 
 
 class TokenizeRequest(Body):
+    model_config = ConfigDict(json_schema_extra={"allOf": [{"anyOf": _one_of("prompt", "messages")}]})
     model: Text | None = None
     prompt: Text | None = None
     messages: Annotated[list[ChatMessage], NonEmpty] | None = None
@@ -322,6 +388,12 @@ class TokenizeRequest(Body):
 class CompressRequest(PromptCompression):
     """POST /v1/compress: a prompt or messages, compressed as `prompt_compression` would compress them."""
 
+    model_config = ConfigDict(
+        json_schema_extra={
+            "allOf": [{"anyOf": _one_of("rate", "target_tokens")}, {"anyOf": _one_of("prompt", "messages")}]
+        }
+    )
+
     model: Text | None = Field(None, description="the model whose tokens are counted (default: the scorer's)")
     prompt: Text | None = None
     messages: Annotated[list[ChatMessage], NonEmpty] | None = None
@@ -329,7 +401,7 @@ class CompressRequest(PromptCompression):
 
 class DetokenizeRequest(Body):
     model: Text | None = None
-    tokens: list[int]
+    tokens: list[Annotated[int, Field(ge=0)]]
 
 
 def _structured(name: str, value) -> StructuredOutput | None:

@@ -167,3 +167,29 @@ def test_auto_grammar_leaves_text_free_and_holds_an_opened_call_to_its_schema(qw
     for wrong in ('{"town": "Paris"}', '{"city": 5}', '{"city": "Paris", "unit": "celsius"}'):
         assert not accepted(CALL.replace('{"city": "Paris"}', wrong))
     assert not accepted(CALL.replace("get_weather", "rm_rf"))
+
+
+def test_a_block_may_hold_several_calls_a_line_each_and_a_bad_one_makes_it_all_content():
+    paris, rome = (f'{{"name": "get_weather", "arguments": {{"city": "{city}"}}}}' for city in ("Paris", "Rome"))
+    content, calls = parse_tool_calls(f"<tool_call>\n{paris}\n{rome}\n</tool_call>", NAMES)
+    assert content is None and [json.loads(c["function"]["arguments"])["city"] for c in calls] == ["Paris", "Rome"]
+    assert parse_tool_calls(f"{paris}\n{rome}", NAMES)[1][1]["function"]["arguments"] == '{"city": "Rome"}'
+    broken = f'<tool_call>\n{paris}\n{{"name": "rm_rf", "arguments": {{}}}}\n</tool_call>'
+    assert parse_tool_calls(broken, NAMES) == (broken, [])
+
+
+def test_parallel_calls_may_share_a_block_and_one_call_may_not(qwen_grammars):
+    tokenizer, grammars = qwen_grammars
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": CITY}}]
+    shared = CALL.replace("\n</tool_call>", '\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>')
+    for parallel in (True, False):
+        for spec in (call_grammar(tools, None, parallel), auto_grammar(tools, parallel)):
+            tokens = tokenizer.encode(shared, add_special_tokens=False)
+            assert (grammars.bind(spec).grammar.matcher().validate_tokens(tokens) == len(tokens)) == parallel
+
+
+def test_a_block_cut_by_max_tokens_keeps_its_whole_calls_and_the_rest_is_content():
+    cut = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n{"name": "get_weather", "argu'
+    content, calls = parse_tool_calls(cut, NAMES)
+    assert [c["function"]["arguments"] for c in calls] == ['{"city": "Paris"}']
+    assert content == '{"name": "get_weather", "argu'

@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, File, Form, Query, Request, UploadFile
 from fastapi.responses import FileResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from carpool.economics.contract import BATCHES_READ_ALL, FILES_READ_ALL, Gate, Principal
 from carpool.engine.tiers import BATCH_TIER
@@ -22,7 +22,7 @@ from carpool.server.batch.limits import COMPLETION_WINDOWS, ENDPOINTS, BatchLimi
 from carpool.server.batch.objects import batch_object, file_object, list_object
 from carpool.server.batch.runner import BatchRunner
 from carpool.server.batch.store import BatchStore, FileTooLarge
-from carpool.server.errors import APIError
+from carpool.server.errors import APIError, documented
 
 UPLOAD_PURPOSES = ("batch",)
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
@@ -31,10 +31,18 @@ MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 class BatchCreateRequest(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
+    # Checked by the route, with its own messages; /openapi.json says what it takes.
     input_file_id: str
-    endpoint: str
-    completion_window: str
-    metadata: dict[str, str] | None = None
+    endpoint: str = Field(json_schema_extra={"enum": list(ENDPOINTS)})
+    completion_window: str = Field(json_schema_extra={"enum": list(COMPLETION_WINDOWS)})
+    metadata: dict[str, str] | None = Field(
+        None,
+        json_schema_extra={
+            "maxProperties": MAX_METADATA_PAIRS,
+            "propertyNames": {"maxLength": MAX_METADATA_KEY},
+            "additionalProperties": {"type": "string", "maxLength": MAX_METADATA_VALUE},
+        },
+    )
 
 
 def create_batch_router(store: BatchStore, runner: BatchRunner, gate: Gate, limits: BatchLimits) -> APIRouter:
@@ -43,7 +51,11 @@ def create_batch_router(store: BatchStore, runner: BatchRunner, gate: Gate, limi
     # Files -----------------------------------------------------------------------------------------------
 
     @router.post("/v1/files")
-    async def upload_file(request: Request, file: Annotated[UploadFile, File()], purpose: Annotated[str, Form()]):
+    async def upload_file(
+        request: Request,
+        file: Annotated[UploadFile, File()],
+        purpose: Annotated[str, Form(json_schema_extra={"enum": list(UPLOAD_PURPOSES)})],
+    ):
         if purpose not in UPLOAD_PURPOSES:
             raise APIError(
                 400,
@@ -80,11 +92,15 @@ def create_batch_router(store: BatchStore, runner: BatchRunner, gate: Gate, limi
         )
         return list_object([file_object(row) for row in rows], has_more)
 
-    @router.get("/v1/files/{file_id}")
+    @router.get("/v1/files/{file_id}", responses=documented(404))
     def get_file(request: Request, file_id: str):
         return file_object(_visible_file(request, file_id, FILES_READ_ALL))
 
-    @router.get("/v1/files/{file_id}/content")
+    @router.get(
+        "/v1/files/{file_id}/content",
+        response_class=FileResponse,
+        responses={200: {"content": {"application/octet-stream": {}}}} | documented(404),
+    )
     def file_content(request: Request, file_id: str):
         principal = _caller(request)
         row = _visible_file(request, file_id, FILES_READ_ALL)
@@ -92,7 +108,7 @@ def create_batch_router(store: BatchStore, runner: BatchRunner, gate: Gate, limi
             gate.audit(principal, "files.content", row["id"], row["owner"])
         return FileResponse(store.file_path(row["id"]), media_type="application/octet-stream", filename=row["filename"])
 
-    @router.delete("/v1/files/{file_id}")
+    @router.delete("/v1/files/{file_id}", responses=documented(404, 409))
     def delete_file(request: Request, file_id: str):
         row = _visible_file(request, file_id, None)
         if store.file_in_use(row["id"]):
@@ -114,7 +130,7 @@ def create_batch_router(store: BatchStore, runner: BatchRunner, gate: Gate, limi
     # Batches ---------------------------------------------------------------------------------------------
 
     # These two touch the runner, which lives on the event loop: they run there, their store calls in threads.
-    @router.post("/v1/batches")
+    @router.post("/v1/batches", responses=documented(403, 404, 429, 503))
     async def create_batch(request: Request, body: BatchCreateRequest):
         principal = _caller(request)
         if body.endpoint not in ENDPOINTS:
@@ -162,11 +178,11 @@ def create_batch_router(store: BatchStore, runner: BatchRunner, gate: Gate, limi
         rows, has_more = store.list_batches(owner_of(principal), principal.may(BATCHES_READ_ALL), after, limit)
         return list_object([batch_object(row) for row in rows], has_more)
 
-    @router.get("/v1/batches/{batch_id}")
+    @router.get("/v1/batches/{batch_id}", responses=documented(404))
     def get_batch(request: Request, batch_id: str):
         return batch_object(_visible_batch(request, batch_id, BATCHES_READ_ALL))
 
-    @router.post("/v1/batches/{batch_id}/cancel")
+    @router.post("/v1/batches/{batch_id}/cancel", responses=documented(404, 409))
     async def cancel_batch(request: Request, batch_id: str):
         row = await asyncio.to_thread(_visible_batch, request, batch_id, None)
         cancelling = ("validating", "in_progress")

@@ -19,7 +19,7 @@ from carpool.engine.async_engine import AsyncEngine
 from carpool.server.auth import request_principal
 from carpool.server.batch.service import BatchService
 from carpool.server.dashboard.data import DashboardData
-from carpool.server.errors import APIError
+from carpool.server.errors import APIError, documented
 from carpool.server.metrics import ServerMetrics
 
 PAGE_PATHS = ("/dashboard", "/dashboard/dashboard.js")  # open: no data in them
@@ -51,7 +51,7 @@ def dashboard_router(
         return Response(script, media_type="text/javascript")
 
     # A plain `def`: FastAPI runs it on its thread pool, so the ledger's report never stalls the event loop.
-    @router.get("/dashboard/data")
+    @router.get("/dashboard/data", responses=documented(403))
     def dashboard_data(principal: Annotated[Principal, Depends(request_principal)]) -> dict:
         if admin_only and not principal.may(USAGE_READ):
             raise APIError(403, f"The dashboard needs a key with the {USAGE_READ} scope.", code="admin_key_required")
