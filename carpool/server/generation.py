@@ -69,6 +69,9 @@ class Generation:
         self.request_id, self.tier, self.principal, self.choices = request_id, tier, principal, choices
         self.ledger_id = ledger_id or request_id  # its ledger row's request_id (contract.UsageRecord)
         self.abandoned = False  # stopped for another run to answer: its row is withheld (`abandon`)
+        # Whether the prefix cache's automatic writes are billed as writes (the price sheet's `[cache] write`), as on
+        # OpenAI's routes; False: as plain input (Anthropic's Messages API, where only a breakpoint writes).
+        self.bills_automatic_writes = True
         self.keep = keep  # best_of: the number of each prompt's candidates that the response shows
         self.created = int(time.time())
         self.arrival = time.monotonic()
@@ -237,7 +240,7 @@ class Generation:
             tier=self.tier,
             prompt_tokens=self.prompt_tokens,
             cached_tokens=self.cached_tokens,
-            cache_write_tokens=self.cache_write_tokens,
+            cache_write_tokens=self.cache_write_tokens if self.bills_automatic_writes else 0,
             cache_write_5m_tokens=writes_5m,
             cache_write_1h_tokens=writes_1h,
             output_tokens=self.completion_tokens,

@@ -77,7 +77,7 @@ def fresh_prompt() -> list[int]:
     return [(seed * 7919 + i * 104729) % 40000 + 100 for i in range(PROMPT)]
 
 
-def bill(engine, ledger, token_ids, breakpoints=(), tier="default") -> sqlite3.Row:
+def bill(engine, ledger, token_ids, breakpoints=(), tier="default", automatic_writes=True) -> sqlite3.Row:
     """Serve one request through a Generation (the server's path to the gate) and return its ledger row."""
     gate, db = ledger
 
@@ -95,6 +95,7 @@ def bill(engine, ledger, token_ids, breakpoints=(), tier="default") -> sqlite3.R
         backends = Backends(engine, gate, ServerMetrics(["m"]).models["m"], queues, "m")
         choice = Choice(0, request, bills_prompt=True)
         generation = Generation(backends, request.request_id, tier, gate.authenticate(None), [choice], False)
+        generation.bills_automatic_writes = automatic_writes
         await generation.wait()
 
     asyncio.run(serve())
@@ -140,6 +141,13 @@ def test_a_prefix_below_the_minimum_is_not_billed_as_a_ttl_write(engine, ledger)
     row = bill(engine, ledger, fresh_prompt(), (CacheBreakpoint(PREFIX - 2 * BLOCK, ONE_HOUR),))
     assert tokens(row) == (PROMPT, 0, PREFIX, 0, 0)
     assert row["cost"] == pytest.approx((3 + PREFIX * 1.25) / MILLION + OUTPUT, rel=1e-12)
+
+
+def test_on_anthropics_route_a_prefix_below_the_minimum_is_plain_input(engine, ledger):
+    """The Messages API writes only what a breakpoint pins: a breakpoint below the minimum writes nothing billed."""
+    row = bill(engine, ledger, fresh_prompt(), (CacheBreakpoint(PREFIX - 2 * BLOCK, ONE_HOUR),), automatic_writes=False)
+    assert tokens(row) == (PROMPT, 0, 0, 0, 0)
+    assert row["cost"] == pytest.approx(PROMPT / MILLION + OUTPUT, rel=1e-12)
 
 
 def test_a_pin_past_the_bound_is_billed_as_an_ordinary_write(engine, ledger):

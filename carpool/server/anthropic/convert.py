@@ -186,6 +186,10 @@ def start_message(
     with _anthropic_names():
         breakpoints = cache_breakpoints(request, model, chat)
         gen, chat_format = serving.start_chat(chat, principal, request_id=request_id, cache_breakpoints=breakpoints)
+    # Anthropic's contract: only a breakpoint writes. The engine still caches every prompt (a later hit reads at
+    # 0.1x), but a prefix no breakpoint asked for, or one below the minimum length or past the pins' bound, is
+    # billed as plain input, not as a write.
+    gen.bills_automatic_writes = False
     return gen, MessageFormat(model.tokenizer, chat_format.tools, request.stop_sequences or [])
 
 
