@@ -335,7 +335,16 @@ def ledger_checks(db: Path, log: list[Sent]) -> dict:
         "batch_rows": sum(1 for row in billed if row[5] == "batch"),
         "doubled_ids": doubled,
         "whole_without_row": unbilled_whole,
-        "billed_without_delivery": [sorted(sent.ids) for sent in billed_unseen],
+        "billed_without_delivery": [
+            {
+                "ids": sorted(sent.ids),
+                "kind": sent.kind,
+                "outcome": sent.outcome,
+                "why": sent.why,
+                "in_fault": sent.during_fault,
+            }
+            for sent in billed_unseen
+        ],
         "over_budget": over_budget,
         # A fault may cut a request after its row was committed (the row comes before the last byte); nothing else may.
         "ok": not doubled and not unbilled_whole and not over_budget and all(s.during_fault for s in billed_unseen),
