@@ -86,6 +86,9 @@ def test_system_blocks_metadata_and_sampling_fields_are_taken(client):
 
 def test_stop_sequence_is_reported_with_the_string_that_ended_it(client):
     ask = {"model": SMOL, "max_tokens": 16, "messages": HI, "extra_body": {"temperature": 0}}
+    # Asked twice, the second answer read: it starts from the prefix cache as the stopped request does, and a
+    # cache hit may flip a near-tie in the greedy tokens (issue 53), so both must start alike.
+    client.messages.create(**ask)
     text = client.messages.create(**ask).content[0].text
     words = text.split()
     assert len(words) >= 3, text
