@@ -114,7 +114,12 @@ def test_stream_sends_anthropics_event_sequence(client, server):
 
 def test_tool_choice_any_and_named_tool_give_tool_use_blocks(client):
     message = client.messages.create(
-        model=QWEN, max_tokens=40, tools=[WEATHER, TIME], tool_choice={"type": "any"}, messages=WEATHER_ASK
+        model=QWEN,
+        max_tokens=40,
+        tools=[WEATHER, TIME],
+        # One call ends the turn; with parallel calls allowed the model may write calls until max_tokens.
+        tool_choice={"type": "any", "disable_parallel_tool_use": True},
+        messages=WEATHER_ASK,
     )
     assert message.stop_reason == "tool_use"
     calls = [block for block in message.content if block.type == "tool_use"]
@@ -145,7 +150,11 @@ def test_tool_choice_auto_and_none(client):
 
 def test_streamed_tool_use_sends_input_json_deltas(client):
     with client.messages.stream(
-        model=QWEN, max_tokens=40, tools=[WEATHER], tool_choice={"type": "any"}, messages=WEATHER_ASK
+        model=QWEN,
+        max_tokens=40,
+        tools=[WEATHER],
+        tool_choice={"type": "any", "disable_parallel_tool_use": True},
+        messages=WEATHER_ASK,
     ) as stream:
         deltas = [event.delta.type for event in stream if event.type == "content_block_delta"]
         final = stream.get_final_message()
