@@ -36,7 +36,9 @@ def weather_agent(server):
         instructions="Answer questions about the weather with the get_weather tool.",
         model=QWEN,
         tools=[get_weather],
-        model_settings=agents.ModelSettings(tool_choice="required", temperature=0, max_tokens=40),
+        model_settings=agents.ModelSettings(
+            tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=40
+        ),
     )
     return agent, asked
 
