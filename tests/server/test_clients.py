@@ -104,7 +104,9 @@ def test_pydantic_ai_agent_with_a_tool_and_a_structured_output(base_url):
     from pydantic_ai.settings import ModelSettings
 
     model = OpenAIChatModel(QWEN, provider=OpenAIProvider(base_url=base_url, api_key="unused"))
-    agent = Agent(model, output_type=Forecast, model_settings=ModelSettings(max_tokens=60, temperature=0))
+    # One call a turn: with parallel calls allowed the model may write calls until max_tokens.
+    settings = ModelSettings(max_tokens=60, temperature=0, parallel_tool_calls=False)
+    agent = Agent(model, output_type=Forecast, model_settings=settings)
     asked = []
 
     @agent.tool_plain
