@@ -13,7 +13,8 @@ from carpool import LLM
 from carpool.engine.async_engine import AsyncEngine
 from carpool.server.app import create_app
 from carpool.server.cascade.config import Cascade, Step
-from carpool.server.cascade.runner import ANSWERED_BY_HEADER, STEP_HEADER
+from carpool.economics.contract import GateError
+from carpool.server.cascade.runner import ANSWERED_BY_HEADER, ESCALATION_REFUSED_HEADER, STEP_HEADER
 from carpool.server.cascade.scorers import Scorer
 from carpool.server.open_gate import RecordingGate
 
@@ -159,6 +160,46 @@ def test_a_last_step_that_failed_is_not_accepted(engine, strong_engine, monkeypa
     response = post(app, "/v1/chat/completions", BODY | {"model": "casc"})
     assert response.status_code == 500
     assert [(r.model, r.cascade_accepted) for r in gate.records] == [("cheap", False), ("strong", False)]
+
+
+class SpentOnStrong(RecordingGate):
+    """The budget holds the cheap step and not the strong one."""
+
+    def admit(self, principal, tier, estimated_tokens, request_id=None, model=None):
+        if model == "strong":
+            raise GateError(429, "The key's budget is spent.", "insufficient_quota")
+        super().admit(principal, tier, estimated_tokens, request_id, model)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_refused_escalation_delivers_the_billed_answer_instead_of_an_error(engine, strong_engine, stream):
+    """Before: the cheap attempt was billed and the client answered 429, "billed without delivery" (issue 55)."""
+    gate = SpentOnStrong()
+    cascade = Cascade("casc", (Step("cheap", Scorer("mean"), 1.0), Step("strong")))  # always escalates
+    app = create_app({"cheap": engine, "strong": strong_engine}, gate, cascades={"casc": cascade})
+    response = post(app, "/v1/chat/completions", BODY | {"model": "casc", "stream": stream})
+    assert response.status_code == 200, response.text
+    assert response.headers[STEP_HEADER] == "0" and response.headers[ANSWERED_BY_HEADER] == "cheap"
+    assert response.headers[ESCALATION_REFUSED_HEADER] == "429 insufficient_quota"
+    [row] = gate.records
+    assert (row.model, row.cascade_accepted, row.output_tokens > 0) == ("cheap", False, True)
+    if stream:
+        assert "data: [DONE]" in response.text and '"logprobs": {' not in response.text
+    else:
+        assert response.json()["choices"][0]["message"]["content"]
+        assert response.json()["choices"][0]["logprobs"] is None
+
+
+def test_a_refused_first_step_is_the_error(engine, strong_engine):
+    class SpentOnCheap(RecordingGate):
+        def admit(self, principal, tier, estimated_tokens, request_id=None, model=None):
+            raise GateError(429, "The key's budget is spent.", "insufficient_quota")
+
+    gate = SpentOnCheap()
+    cascade = Cascade("casc", (Step("cheap", Scorer("mean"), 1.0), Step("strong")))
+    app = create_app({"cheap": engine, "strong": strong_engine}, gate, cascades={"casc": cascade})
+    response = post(app, "/v1/chat/completions", BODY | {"model": "casc"})
+    assert response.status_code == 429 and gate.records == []
 
 
 def test_a_body_the_last_step_refuses_runs_no_step(engine, strong_engine):

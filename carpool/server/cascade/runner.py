@@ -9,7 +9,7 @@ step is accepted, and never the chunks of a rejected step. The last step, accept
 
 from dataclasses import dataclass
 
-from carpool.economics.contract import Principal, part_request_id
+from carpool.economics.contract import GateError, Principal, part_request_id
 from carpool.server.cascade.config import Cascade, Step
 from carpool.server.errors import APIError
 from carpool.server.generation import Generation, GenerationFailed
@@ -18,6 +18,8 @@ from carpool.server.serving import Serving
 
 STEP_HEADER = "x-carpool-cascade-step"  # 0-based step that answered
 ANSWERED_BY_HEADER = "x-carpool-answered-by"  # the model that answered (also the response's `model`)
+# "<status> <code>" of the refusal when an escalation was refused and a rejected step's answer stands instead
+ESCALATION_REFUSED_HEADER = "x-carpool-cascade-escalation-refused"
 
 
 @dataclass
@@ -70,9 +72,25 @@ class CascadeServing:
         ]
         for attempt in attempts:  # a body a later step refuses must not run (and bill) the earlier ones
             self.serving.check(attempt, principal)
+        best = None  # (generation, format, index, step) of the last rejected step with a whole answer
         for index, (step, attempt) in enumerate(zip(cascade.steps, attempts)):
             last = index == final
-            gen, fmt = self._start(attempt, principal, part_request_id(client_request_id, f"cascade-{index}"))
+            try:
+                gen, fmt = self._start(attempt, principal, part_request_id(client_request_id, f"cascade-{index}"))
+            except (APIError, GateError) as refusal:
+                # The escalation is refused (a full tier queue, a spent budget, the ledger down) after an earlier
+                # step ran and was billed: that step's whole answer is delivered, marked, rather than an error
+                # for a request billed anyway (the soak's "billed without delivery", issue 55).
+                if best is None:
+                    raise
+                gen, fmt, index, step = best
+                fmt.logprobs = _client_wants_logprobs(body)
+                refused = f"{refusal.status} {refusal.code or 'refused'}"
+                return (
+                    gen,
+                    fmt,
+                    {STEP_HEADER: str(index), ANSWERED_BY_HEADER: step.model, ESCALATION_REFUSED_HEADER: refused},
+                )
             verdict = Verdict()
             gen.ledger_fields = _ledger_fields(cascade, index, step, verdict, client_request_id, last)
             if not last:
@@ -83,6 +101,8 @@ class CascadeServing:
                 finally:  # the handler cancelled (server stopping): the step's engine work stops with it
                     gen.cancel()
                 if not verdict.accepted:
+                    if gen.choices[0].finish_reason in ("stop", "length"):
+                        best = (gen, fmt, index, step)
                     continue
             fmt.logprobs = _client_wants_logprobs(body)  # the scorer's logprobs go to the client only if asked
             return gen, fmt, {STEP_HEADER: str(index), ANSWERED_BY_HEADER: step.model}
