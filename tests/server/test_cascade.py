@@ -10,10 +10,10 @@ import httpx
 import pytest
 
 from carpool import LLM
+from carpool.economics.contract import GateError
 from carpool.engine.async_engine import AsyncEngine
 from carpool.server.app import create_app
 from carpool.server.cascade.config import Cascade, Step
-from carpool.economics.contract import GateError
 from carpool.server.cascade.runner import ANSWERED_BY_HEADER, ESCALATION_REFUSED_HEADER, STEP_HEADER
 from carpool.server.cascade.scorers import Scorer
 from carpool.server.open_gate import RecordingGate
