@@ -25,8 +25,14 @@ $(VENV)/.all-kernels: $(VENV)/.runtime
 
 kernels: $(VENV)/.all-kernels
 
-$(VENV)/.dev: requirements-dev.txt $(VENV)/.all-kernels $(VENV)/.scale $(VENV)/.test-models
+$(VENV)/.dev: requirements-dev.txt $(VENV)/.all-kernels $(VENV)/.scale $(VENV)/.test-models $(VENV)/instructor/.installed
 	$(BIN)/pip install -q -r requirements-dev.txt
+	touch $@
+
+# instructor cannot share .venv (requirements-instructor.txt says why): tests/server/test_clients.py runs it from here.
+$(VENV)/instructor/.installed: requirements-instructor.txt | $(BIN)/activate
+	$(PYTHON) -m venv $(VENV)/instructor
+	$(VENV)/instructor/bin/pip install -q -r requirements-instructor.txt
 	touch $@
 
 $(VENV)/.scale: requirements-scale.txt $(VENV)/.runtime

@@ -3,17 +3,21 @@
 (`bind_tools`, `with_structured_output` both ways) and LiteLLM (a chat and a tool call), with the openai SDK for
 nested schemas under every tool_choice and parallel calls. Each schema is a nested pydantic model (its JSON schema
 has `$defs`), and each result must validate against its model. The model is tiny and greedy: constrained decoding
-guarantees the shape, not the sense, so the tests check shapes. instructor is not here: no release installs beside
-openai 3.x (docs/clients.md)."""
+guarantees the shape, not the sense, so the tests check shapes. instructor runs in a venv of its own (no release
+installs beside openai 3.51: requirements-instructor.txt), as a script against the same server."""
 
 import json
+import subprocess
 from enum import Enum
+from pathlib import Path
 
 import pytest
 from live_server import LiveServer
 from pydantic import BaseModel, Field
 
 QWEN = "qwen2.5-coder-0.5b"
+ROOT = Path(__file__).resolve().parents[2]
+INSTRUCTOR_PYTHON = ROOT / ".venv" / "instructor" / "bin" / "python"  # `make test` builds it
 
 
 class Unit(str, Enum):
@@ -151,3 +155,16 @@ def test_litellm_chat_and_tool_call(base_url, monkeypatch):
     assert calls, answer
     for call in calls:
         Forecast.model_validate_json(call.function.arguments)
+
+
+def test_instructor_tools_and_json_schema_modes(base_url):
+    assert INSTRUCTOR_PYTHON.exists(), "instructor's venv is missing: `make test` builds it (requirements-instructor.txt)"
+    script = Path(__file__).with_name("instructor_client.py")
+    done = subprocess.run(
+        [str(INSTRUCTOR_PYTHON), str(script), base_url, QWEN], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [r["mode"] for r in results] == ["tool_call", "json_schema_mode"], results
+    for result in results:
+        Forecast.model_validate(result["forecast"])
