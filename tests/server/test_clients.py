@@ -158,7 +158,9 @@ def test_litellm_chat_and_tool_call(base_url, monkeypatch):
 
 
 def test_instructor_tools_and_json_schema_modes(base_url):
-    assert INSTRUCTOR_PYTHON.exists(), "instructor's venv is missing: `make test` builds it (requirements-instructor.txt)"
+    assert INSTRUCTOR_PYTHON.exists(), (
+        "instructor's venv is missing: `make test` builds it (requirements-instructor.txt)"
+    )
     script = Path(__file__).with_name("instructor_client.py")
     done = subprocess.run(
         [str(INSTRUCTOR_PYTHON), str(script), base_url, QWEN], capture_output=True, text=True, timeout=300
