@@ -10,6 +10,7 @@ import re
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 from starlette.routing import Match
 
@@ -141,6 +142,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 STATUS_DESCRIPTIONS = {
+    400: "Invalid request: the error's `param` names the field",
     401: "No API key, or one the server does not know",
     403: "The key may not do this (another tenant's, not an admin's, or a model or tier it is not allowed)",
     404: "No such model, or no such object visible to this key",
@@ -153,9 +155,25 @@ STATUS_DESCRIPTIONS = {
 }
 
 
-def documented(*statuses: int) -> dict[int, dict]:
-    """A route's `responses=`: its own error statuses, each with the error body."""
-    return {status: {"description": STATUS_DESCRIPTIONS[status]} | _ERROR_CONTENT for status in statuses}
+def documented(*statuses: int, error_schema: str = "Error") -> dict[int, dict]:
+    """A route's `responses=`: its own error statuses, each with the error body (`error_schema`: a schema of the
+    components, e.g. one an operation brings under EXTRA_COMPONENTS)."""
+    content = {"content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{error_schema}"}}}}
+    return {status: {"description": STATUS_DESCRIPTIONS[status]} | content for status in statuses}
+
+
+# An operation's own schemas for the components (its body's nested models, its error shape), as its openapi_extra
+# carries them: the hook below moves them into the components.
+EXTRA_COMPONENTS = "x-carpool-components"
+
+
+def body_schema(model: type[BaseModel]) -> dict:
+    """The `openapi_extra=` of a route that reads its JSON body itself (to word its own 400s): the body's schema,
+    its nested models among the components."""
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    components = schema.pop("$defs", {})
+    body = {"required": True, "content": {"application/json": {"schema": schema}}}
+    return {"requestBody": body, EXTRA_COMPONENTS: components}
 
 
 _ERROR_CONTENT = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
@@ -190,13 +208,15 @@ def _document_validation_as_400(app: FastAPI) -> None:
         fresh = app.openapi_schema is None
         schema = generate()
         if fresh:
+            extra: dict[str, dict] = {}
             for path, operations in schema.get("paths", {}).items():
                 for operation in operations.values():
+                    for name, component in operation.pop(EXTRA_COMPONENTS, {}).items():
+                        if extra.setdefault(name, component) != component:
+                            raise ValueError(f"two operations bring different schemas named {name!r}")
                     responses = operation.get("responses", {})
                     if responses.pop("422", None) is not None:
-                        responses["400"] = {
-                            "description": "Invalid request: the error's `param` names the field",
-                        } | _ERROR_CONTENT
+                        responses["400"] = {"description": STATUS_DESCRIPTIONS[400]} | _ERROR_CONTENT
                     around = (
                         [500]
                         + ([401] if path not in OPEN_PATHS else [])
@@ -208,6 +228,9 @@ def _document_validation_as_400(app: FastAPI) -> None:
             for unused in ("HTTPValidationError", "ValidationError"):
                 components.pop(unused, None)
             components["Error"] = _ERROR_SCHEMA
+            for name, component in extra.items():
+                if components.setdefault(name, component) != component:
+                    raise ValueError(f"an operation's schema {name!r} is named as one of the API's own")
         return schema
 
     app.openapi = openapi

@@ -281,6 +281,10 @@ BAD_BODIES = [
         },
         "messages[0].content[3].cache_control: at most 4",
     ),
+    (
+        {"messages": HI, "tools": [{"name": "f", "input_schema": {"type": "object"}}] * 2},
+        "tools: tool names must be unique: 'f' is the name of tools[0] and tools[1]",
+    ),
     ({"messages": HI, "cache_control": {"type": "persistent"}}, "cache_control.type"),
     ({"messages": HI, "cache_control": {"type": "ephemeral", "ttl": "2h"}}, "cache_control.ttl"),
 ]

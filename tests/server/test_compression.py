@@ -310,3 +310,21 @@ def test_a_prompt_with_nothing_to_compress_is_a_400_saying_why(engine):
     chat = {"model": "m", "messages": [{"role": "user", "content": "What is two plus two?"}], "max_tokens": 2}
     refused = post(app, "/v1/chat/completions", chat | {"prompt_compression": {"rate": 0.3}})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_compression"
+
+
+def test_a_scorer_whose_context_is_shorter_than_a_window_scores_shorter_windows(engine):
+    """Before: a server started with --max-model-len 64 answered a 500 (IndexError) to a compressed request,
+    its scorer returning surprisals for only the last 63 of a 96-token window (found by schemathesis)."""
+    from carpool.server.compression.compressor import WINDOW_TOKENS, Scorer
+
+    class ShortContext(Scorer):
+        max_tokens = 20
+        tokenizer = engine.engine.tokenizer
+
+        async def surprisals(self, prompts, starts=None):
+            assert all(len(prompt) <= self.max_tokens for prompt in prompts)
+            return [[float("inf")] + [float(token % 7) for token in prompt[1:]] for prompt in prompts]
+
+    text = " ".join(f"word{i}" for i in range(WINDOW_TOKENS))
+    result = asyncio.run(compress([Piece(text)], Budget(rate=0.5), ShortContext()))
+    assert 0 < result.compressed_tokens < result.original_tokens

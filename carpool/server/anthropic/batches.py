@@ -26,8 +26,8 @@ from carpool.economics.contract import BATCHES_READ_ALL, Gate
 from carpool.engine.tiers import BATCH_TIER
 from carpool.server.anthropic.caching import marks
 from carpool.server.anthropic.convert import check_conversation
-from carpool.server.anthropic.errors import from_openai
-from carpool.server.anthropic.protocol import MessagesRequest, json_body, parse
+from carpool.server.anthropic.errors import from_openai, openapi
+from carpool.server.anthropic.protocol import CreateMessageBatch, MessagesRequest, json_body, parse
 from carpool.server.batch.limits import COMPLETION_WINDOWS
 from carpool.server.batch.routes import may_see, owner_of
 from carpool.server.batch.service import BatchService
@@ -46,7 +46,7 @@ def create_message_batches_router(batches: BatchService, gate: Gate) -> APIRoute
     store, runner, limits = batches.store, batches.runner, batches.limits
     router = APIRouter()
 
-    @router.post("/v1/messages/batches")
+    @router.post("/v1/messages/batches", **openapi(403, 429, 503, body=CreateMessageBatch))
     async def create(request: Request) -> dict:
         principal = request.state.principal
         lines = await asyncio.to_thread(_input_lines, await json_body(request), limits.max_requests)
@@ -75,7 +75,7 @@ def create_message_batches_router(batches: BatchService, gate: Gate) -> APIRoute
         runner.submit(row["id"])
         return _batch_object(row, request)
 
-    @router.get("/v1/messages/batches")
+    @router.get("/v1/messages/batches", **openapi(400))
     def list_batches(
         request: Request,
         before_id: str | None = None,
@@ -83,6 +83,7 @@ def create_message_batches_router(batches: BatchService, gate: Gate) -> APIRoute
         limit: Annotated[int, Query(ge=1, le=1000)] = 20,
     ) -> dict:
         principal = request.state.principal
+        before_id, after_id = before_id or None, after_id or None  # `?before_id=`: no cursor, as an absent one
         if before_id is not None and after_id is not None:
             raise APIError(400, "before_id: give at most one of before_id and after_id", param="before_id")
         owner, everyone = owner_of(principal), principal.may(BATCHES_READ_ALL)
@@ -100,18 +101,18 @@ def create_message_batches_router(batches: BatchService, gate: Gate) -> APIRoute
             "last_id": data[-1]["id"] if data else None,
         }
 
-    @router.get("/v1/messages/batches/{batch_id}")
+    @router.get("/v1/messages/batches/{batch_id}", **openapi(404))
     def retrieve(request: Request, batch_id: str) -> dict:
         return _batch_object(_visible(request, batch_id, BATCHES_READ_ALL), request)
 
-    @router.post("/v1/messages/batches/{batch_id}/cancel")
+    @router.post("/v1/messages/batches/{batch_id}/cancel", **openapi(404))
     async def cancel(request: Request, batch_id: str) -> dict:
         row = _visible(request, batch_id)
         if store.transition(row["id"], "cancelling", int(time.time()), ("validating", "in_progress")):
             runner.cancel(row["id"])
         return _batch_object(store.get_batch(row["id"]), request)
 
-    @router.delete("/v1/messages/batches/{batch_id}")
+    @router.delete("/v1/messages/batches/{batch_id}", **openapi(404, 409))
     def delete(request: Request, batch_id: str) -> dict:
         row = _visible(request, batch_id)
         if row["status"] not in _ENDED:
@@ -121,7 +122,10 @@ def create_message_batches_router(batches: BatchService, gate: Gate) -> APIRoute
         store.delete_batch(row["id"])
         return {"id": batch_id, "type": "message_batch_deleted"}
 
-    @router.get("/v1/messages/batches/{batch_id}/results")
+    results = openapi(404)
+    results["responses"][200] = {"description": "One JSON line per request", "content": {"application/binary": {}}}
+
+    @router.get("/v1/messages/batches/{batch_id}/results", **results)
     def message_batch_results(request: Request, batch_id: str) -> StreamingResponse:
         row = _visible(request, batch_id)
         if row["status"] not in _ENDED:

@@ -10,7 +10,10 @@ route runs (a bad key, a body too large) has Anthropic's shape too.
 import json
 import logging
 
+from pydantic import BaseModel
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from carpool.server.errors import EXTRA_COMPONENTS, body_schema, documented
 
 log = logging.getLogger("carpool.server")
 
@@ -25,6 +28,30 @@ _TYPES = {
     503: "overloaded_error",
     529: "overloaded_error",
 }
+
+
+ERROR_SCHEMA = {
+    "type": "object",
+    "required": ["type", "error"],
+    "properties": {
+        "type": {"const": "error"},
+        "error": {
+            "type": "object",
+            "required": ["type", "message"],
+            "properties": {"type": {"type": "string"}, "message": {"type": "string"}},
+        },
+    },
+}
+
+
+def openapi(*statuses: int, body: type[BaseModel] | None = None) -> dict:
+    """A Messages API route's `responses` and `openapi_extra` keywords: its statuses in Anthropic's error shape,
+    with what every route may answer (401, 500; with a body 400 and 413), and its body's schema."""
+    around = {401, 500} | ({400, 413} if body else set())
+    extra = body_schema(body) if body else {EXTRA_COMPONENTS: {}}
+    extra[EXTRA_COMPONENTS]["AnthropicError"] = ERROR_SCHEMA
+    responses = documented(*sorted({*statuses, *around}), error_schema="AnthropicError")
+    return {"responses": responses, "openapi_extra": extra}
 
 
 def error_type(status: int) -> str:

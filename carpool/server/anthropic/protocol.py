@@ -172,6 +172,21 @@ class CountTokensRequest(Body):
     cache_control: CacheControl | None = Field(None, description="one breakpoint on the last cacheable block")
     thinking: ThinkingConfig | None = None
 
+    @field_validator("tools")
+    @classmethod
+    def _unique_names(cls, tools: list[ToolParam] | None) -> list[ToolParam] | None:
+        """A tool_use block names its tool, so two tools of one name could not be told apart (Anthropic refuses
+        them too; before, the chat request they became refused them, a 500)."""
+        first: dict[str, int] = {}
+        for i, tool in enumerate(tools or ()):
+            if first.setdefault(tool.name, i) != i:
+                raise PydanticCustomError(
+                    "duplicate_tool_name",
+                    "tool names must be unique: '{name}' is the name of tools[{first}] and tools[{i}]",
+                    {"name": tool.name, "first": first[tool.name], "i": i},
+                )
+        return tools
+
     def system_blocks(self) -> list[TextBlock]:
         if isinstance(self.system, str):
             return [TextBlock(type="text", text=self.system)]
@@ -197,6 +212,18 @@ class MessagesRequest(CountTokensRequest):
     container: None = None
     mcp_servers: None = None
     context_management: None = None
+
+
+class MessageBatchRequest(Body):
+    custom_id: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    params: MessagesRequest
+
+
+class CreateMessageBatch(Body):
+    """POST /v1/messages/batches, as /openapi.json documents it: the route checks each request itself (batches.py),
+    to name `requests[i].params...` in its 400s."""
+
+    requests: Annotated[list[MessageBatchRequest], NonEmpty]
 
 
 async def json_body(request: Request):

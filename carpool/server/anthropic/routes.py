@@ -16,6 +16,7 @@ from starlette.background import BackgroundTask
 from carpool.economics.contract import Gate
 from carpool.server.anthropic.batches import create_message_batches_router
 from carpool.server.anthropic.convert import checked_chat_request, count_tokens, start_message
+from carpool.server.anthropic.errors import openapi
 from carpool.server.anthropic.protocol import CountTokensRequest, MessagesRequest, json_body, parse
 from carpool.server.anthropic.stream import message_events
 from carpool.server.batch.service import BatchService
@@ -36,7 +37,7 @@ def anthropic_routers(serving: Serving, batches: BatchService | None, gate: Gate
 def create_messages_router(serving: Serving) -> APIRouter:
     router = APIRouter()
 
-    @router.post("/v1/messages", response_model=None)
+    @router.post("/v1/messages", response_model=None, **openapi(403, 404, 429, 499, 503, body=MessagesRequest))
     async def messages(request: Request) -> Response:
         body = parse(MessagesRequest, await json_body(request))
         await serving.precompile(checked_chat_request(body))  # off the event loop, as the chat route does
@@ -65,7 +66,7 @@ def create_messages_router(serving: Serving) -> APIRouter:
             raise APIError(500, f"The engine failed while generating: {error}") from error
         return JSONResponse(fmt.response(gen))
 
-    @router.post("/v1/messages/count_tokens")
+    @router.post("/v1/messages/count_tokens", **openapi(404, body=CountTokensRequest))
     async def messages_count_tokens(request: Request) -> dict:
         body = parse(CountTokensRequest, await json_body(request))
         # A chat template over a long conversation and its tokenizing take milliseconds: off the event loop.

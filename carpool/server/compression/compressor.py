@@ -186,6 +186,9 @@ async def _keep_tokens(units: list[_Unit], budget_tokens: int, scorer: Scorer) -
     quota_left = min(budget_tokens, left)
     prefix: list[int] = []
     window: list[tuple[_Unit, int]] = []  # (unit, position) of the kept tokens waiting to be scored
+    # A window is scored whole: a scorer whose context is shorter than WINDOW_TOKENS (a server started with
+    # --max-model-len 64, found by schemathesis) gets shorter windows, not surprisals for only part of one.
+    window_tokens = min(WINDOW_TOKENS, scorer.max_tokens)
 
     async def score_window():
         nonlocal left, quota_left, prefix
@@ -211,7 +214,7 @@ async def _keep_tokens(units: list[_Unit], budget_tokens: int, scorer: Scorer) -
             continue
         for i in (i for i, k in enumerate(unit.keep) if k):
             window.append((unit, i))
-            if len(window) == WINDOW_TOKENS:
+            if len(window) == window_tokens:
                 await score_window()
     if window:
         await score_window()
