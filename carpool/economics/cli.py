@@ -12,13 +12,13 @@ import torch
 
 from carpool.economics import keys as key_store
 from carpool.economics.contract import SCOPES
-from carpool.economics.cost_model import cost_model
+from carpool.economics.cost_model import CostModel, cost_model
 from carpool.economics.cost_model import render as render_cost_model
 from carpool.economics.db import default_db_path, open_database
 from carpool.economics.footprint import model_footprint
 from carpool.economics.hardware import measure_hardware
 from carpool.economics.phase_meter import PhaseTotals, totals_from_metrics_text
-from carpool.economics.prices import load_price_sheet
+from carpool.economics.prices import PriceSheet, load_price_sheet
 from carpool.economics.reports import (
     FORMATS,
     GROUP_BY,
@@ -28,6 +28,8 @@ from carpool.economics.reports import (
     render_cascades,
     usage_summary,
 )
+from carpool.economics.suggested_prices import render as render_suggested
+from carpool.economics.suggested_prices import sheet_toml, suggest
 from carpool.engine.config import DTYPES, resolve_dtype
 from carpool.engine.tiers import TIER_NAMES
 from carpool.models.quantization import QUANTIZATION_MODES
@@ -120,6 +122,28 @@ def add_cost_parser(subparsers) -> None:
     cascades.set_defaults(func=_cost_cascades)
 
     model = commands.add_parser("model", help="cost per 1M tokens per tier from measured throughput, and decode floors")
+    _add_measurement_args(model)
+    model.add_argument("--format", choices=("table", "json"), default="table", help="output format (default: table)")
+    model.set_defaults(func=_cost_model)
+
+    prices = commands.add_parser(
+        "prices",
+        help="a price sheet that covers the machine at a target utilization and margin, from measured throughput",
+    )
+    _add_measurement_args(prices)
+    prices.add_argument(
+        "--target-utilization",
+        type=float,
+        required=True,
+        help="the share of the hour the machine is busy (0-1]: each token carries the idle time's cost too",
+    )
+    prices.add_argument("--margin", type=float, default=0.0, help="over the machine's cost, e.g. 0.3 (default: 0)")
+    prices.add_argument("--out", type=Path, default=None, help="write the sheet here (default: stdout)")
+    prices.set_defaults(func=_cost_prices)
+
+
+def _add_measurement_args(model: argparse.ArgumentParser) -> None:
+    """What the cost model reads: the machine's price, the engine's measured phase totals, the model as served."""
     model.add_argument("--hourly-price", type=float, required=True, help="dollars per hour for the machine")
     source = model.add_mutually_exclusive_group(required=True)
     source.add_argument("--metrics", help="a running server's /metrics URL, or a saved copy of it")
@@ -141,8 +165,6 @@ def add_cost_parser(subparsers) -> None:
         choices=list(QUANTIZATION_MODES),
         help="weight format as served (default: auto)",
     )
-    model.add_argument("--format", choices=("table", "json"), default="table", help="output format (default: table)")
-    model.set_defaults(func=_cost_model)
 
 
 # keys ---------------------------------------------------------------------------------------------------
@@ -223,7 +245,26 @@ def _cost_report(args: argparse.Namespace) -> int:
 
 
 def _cost_model(args: argparse.Namespace) -> int:
-    prices = load_price_sheet(args.prices)  # first: a bad sheet should fail before the measurements run
+    sys.stdout.write(render_cost_model(_measured_cost_model(args, load_price_sheet(args.prices)), args.format))
+    return 0
+
+
+def _cost_prices(args: argparse.Namespace) -> int:
+    prices = load_price_sheet(args.prices)
+    suggested = suggest(_measured_cost_model(args, prices), prices, args.target_utilization, args.margin)
+    sheet = sheet_toml(suggested, prices, datetime.now(UTC).strftime("%Y-%m-%d"))
+    if args.out is None:
+        sys.stdout.write(sheet)
+    else:
+        args.out.write_text(sheet)
+    # The comparison on stderr, so that `> prices.toml` keeps the sheet alone.
+    sys.stderr.write(render_suggested(suggested, prices.price(suggested.model.model)))
+    return 0
+
+
+def _measured_cost_model(args: argparse.Namespace, prices: PriceSheet) -> CostModel:
+    """The cost model of the measurements the arguments name (the sheet loaded first: a bad one fails before the
+    measurements run)."""
     if args.bench is not None:
         document = json.loads(args.bench.read_text())
         if "phases" not in document:
@@ -233,9 +274,7 @@ def _cost_model(args: argparse.Namespace) -> int:
         phases = totals_from_metrics_text(_read_metrics(args.metrics), args.served_model_name)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     footprint = model_footprint(args.model, resolve_dtype(args.dtype, device), args.quantization)
-    model = cost_model(phases, args.hourly_price, measure_hardware(args.device), footprint, prices)
-    sys.stdout.write(render_cost_model(model, args.format))
-    return 0
+    return cost_model(phases, args.hourly_price, measure_hardware(args.device), footprint, prices)
 
 
 def _read_metrics(source: str) -> str:

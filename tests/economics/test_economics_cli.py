@@ -8,6 +8,7 @@ from carpool.economics import cli as economics_cli
 from carpool.economics.db import connect
 from carpool.economics.keys import find_key
 from carpool.economics.ledger_gate import LedgerGate
+from carpool.economics.prices import load_price_sheet
 
 
 def run(capsys, *argv):
@@ -157,6 +158,34 @@ def test_cost_model_from_bench_json_or_saved_metrics(capsys, tmp_path, measured,
         }
     )
     assert model["decode"]["bound"] == "memory bandwidth"
+
+
+def test_cost_prices_writes_a_sheet_that_covers_the_machine_at_the_target(capsys, tmp_path, measured):
+    """$3.60/hour is $0.001 a second: at 10,000 prompt and 500 output tokens a busy second, $0.10 and $2.00 per
+    1M at full load; at half the hour busy and a 20% margin, $0.24 and $4.80."""
+    sheet, bench, out = tmp_path / "prices.toml", tmp_path / "bench.json", tmp_path / "suggested.toml"
+    sheet.write_text(TEST_SHEET + '\n[models."other"]\ninput = 0.5\noutput = 1.5\n')
+    bench.write_text(json.dumps({"phases": PHASES.as_dict()}))
+    measure = ["--hourly-price", "3.60", "--bench", str(bench), "--prices", str(sheet)]
+    code, _, err = run(
+        capsys, "cost", "prices", *measure, "--target-utilization", "0.5", "--margin", "0.2", "--out", str(out)
+    )
+    assert code == 0, err
+    current, suggested = load_price_sheet(sheet), load_price_sheet(out)
+    price = suggested.price("test-model")
+    assert (price.input, price.output) == pytest.approx((0.24, 4.8))
+    assert suggested.models["other"] == current.models["other"]
+    assert (suggested.tiers, suggested.cache_read, suggested.cache_write) == (
+        current.tiers,
+        current.cache_read,
+        current.cache_write,
+    )
+    # The listed $4 output breaks even at 50% busy in the default tier, 100% in flex and batch (half the price).
+    tiers = {line.split()[0]: line for line in err.splitlines()[4:]}
+    assert "10% / 50%" in tiers["default"] and "below cost" not in tiers["default"]
+    assert "100%" in tiers["flex"] and "below cost" in tiers["flex"] and "below cost" in tiers["batch"]
+    code, _, err = run(capsys, "cost", "prices", *measure, "--target-utilization", "1.5")
+    assert code == 2 and "target utilization must be in (0, 1]" in err
 
 
 def test_cost_model_stops_on_a_bad_price_sheet(capsys, tmp_path, measured):

@@ -1,0 +1,104 @@
+"""A price sheet that covers the machine: from the cost model's measured cost per token, the share of the hour the
+machine is busy, and a margin.
+
+The cost model prices a token by the machine time it took at full load (busy time only). A machine rented by the
+hour is also paid while idle, so at a utilization U (the share of the hour it is busy) each token carries 1/U of
+that cost: a model's suggested input and output prices are `cost at full load / U x (1 + margin)`, for the
+default tier (multiplier 1). The tiers keep their multipliers and the cache its multipliers, as the sheet had
+them: each tier is shown with the utilization at which its price breaks even, since a cheaper tier (flex, batch)
+only covers the machine when it runs in time that would otherwise be idle.
+"""
+
+from dataclasses import dataclass
+
+from carpool.economics.cost_model import SECONDS_PER_HOUR, CostModel
+from carpool.economics.prices import TOKENS_PER_PRICE_UNIT, ModelPrice, PriceSheet
+
+
+@dataclass(frozen=True)
+class TierBreakEven:
+    """Utilization: the share of the hour the machine must be busy for the tier's list price to cover it."""
+
+    tier: str
+    multiplier: float
+    input_utilization: float
+    output_utilization: float
+
+
+@dataclass(frozen=True)
+class SuggestedPrices:
+    model: CostModel
+    utilization: float
+    margin: float
+    cost: ModelPrice  # the measured model's machine cost per 1M tokens at full load (busy time)
+    price: ModelPrice  # its suggested default-tier price
+    tiers: list[TierBreakEven]
+
+    def below_cost(self, tier: TierBreakEven) -> bool:
+        """Whether the tier's list price misses the machine's cost at the target utilization."""
+        return max(tier.input_utilization, tier.output_utilization) > self.utilization
+
+
+def suggest(model: CostModel, prices: PriceSheet, utilization: float, margin: float) -> SuggestedPrices:
+    if not 0 < utilization <= 1:
+        raise ValueError(f"target utilization must be in (0, 1], got {utilization}")
+    if margin < 0:
+        raise ValueError(f"margin must not be negative, got {margin}")
+    per_second = model.hourly_price / SECONDS_PER_HOUR * TOKENS_PER_PRICE_UNIT
+    cost = ModelPrice(per_second / model.prefill_tokens_per_second, per_second / model.decode_tokens_per_second)
+    scale = (1 + margin) / utilization
+    listed = prices.price(model.model)
+    tiers = [
+        TierBreakEven(
+            tier.tier,
+            prices.tier_multiplier(tier.tier),
+            cost.input / (listed.input * prices.tier_multiplier(tier.tier)),
+            cost.output / (listed.output * prices.tier_multiplier(tier.tier)),
+        )
+        for tier in model.tiers
+    ]
+    return SuggestedPrices(model, utilization, margin, cost, ModelPrice(cost.input * scale, cost.output * scale), tiers)
+
+
+def sheet_toml(suggested: SuggestedPrices, prices: PriceSheet, when: str) -> str:
+    """The suggested sheet, loadable by `--prices`: the measured model's new prices, every other entry of the
+    current sheet as it was."""
+    m = suggested.model
+    models = dict(prices.models) | {m.model: suggested.price}
+    lines = [
+        f"# Suggested by `carpool cost prices` on {when}: {m.model} on {m.hardware.device} at ${m.hourly_price:g}/hour,",
+        f"# target utilization {suggested.utilization:g}, margin {suggested.margin:g}. Measured (busy time): prefill",
+        f"# {m.prefill_tokens_per_second:,.0f} tokens/s, decode {m.decode_tokens_per_second:,.1f} tokens/s.",
+        f"# Other entries are {prices.source}'s, unchanged.",
+        "",
+        "[cache]",
+        f"read = {prices.cache_read:g}",
+        f"write = {prices.cache_write:g}",
+        f"write_1h = {prices.cache_write_1h:g}",
+        f"min_tokens = {prices.cache_min_tokens}",
+        "",
+        "[tiers]",
+        *(f"{tier} = {multiplier:g}" for tier, multiplier in prices.tiers.items()),
+    ]
+    for name, price in models.items():
+        lines += ["", f'[models."{name}"]', f"input = {price.input:.6g}", f"output = {price.output:.6g}"]
+    return "\n".join(lines) + "\n"
+
+
+def render(suggested: SuggestedPrices, listed: ModelPrice) -> str:
+    """What a person reads: the suggestion against the list, and the utilization at which each tier's list price
+    breaks even (over 100%: never)."""
+    s = suggested
+    lines = [
+        f"{s.model.model}: machine cost at full load, per 1M tokens: input ${s.cost.input:.4f}, output ${s.cost.output:.4f}",
+        (
+            f"suggested at utilization {s.utilization:g}, margin {s.margin:g}: input ${s.price.input:.4f}, "
+            f"output ${s.price.output:.4f} (listed: ${listed.input:.4f}, ${listed.output:.4f})"
+        ),
+        "",
+        f"{'tier':<9}{'x':>6}  list breaks even at (input / output utilization)",
+    ]
+    for t in s.tiers:
+        flag = "   below cost at the target" if s.below_cost(t) else ""
+        lines.append(f"{t.tier:<9}{t.multiplier:>6g}  {t.input_utilization:>8.0%} / {t.output_utilization:.0%}{flag}")
+    return "\n".join(lines) + "\n"
