@@ -117,8 +117,9 @@ def create_app(
     # What the gate (403, 429, 503), the model lookup (404) and a client leaving early (499) may answer.
     generating = documented(403, 404, 429, 499, 503)
 
-    @app.post("/v1/chat/completions", response_model=None, responses=generating)
-    async def chat_completions(body: ChatCompletionRequest, request: Request, caller: Caller):
+    async def generate(body: ChatCompletionRequest | CompletionRequest, request: Request, caller: Caller, start):
+        """The generating routes' one path: compression, a cascade or the model (`start`: the serving's start of
+        the body's kind), then the response, whole or streamed."""
         body, compressed = await compression.apply(body, caller, request.state.request_id)
         if body.model in cascade_serving:
             return await _respond(
@@ -129,35 +130,22 @@ def create_app(
             )
         await serving.precompile(body)
         try:
-            started_chat = await serving.started(
-                serving.start_chat, body, caller, request.state.request_id, lambda: disconnected(request)
+            started = await serving.started(
+                start, body, caller, request.state.request_id, lambda: disconnected(request)
             )
         except ClientLeft:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         return await _respond(
-            request, *compression.started(started_chat, compressed), None, body.stream, body.stream_options
+            request, *compression.started(started, compressed), None, body.stream, body.stream_options
         )
+
+    @app.post("/v1/chat/completions", response_model=None, responses=generating)
+    async def chat_completions(body: ChatCompletionRequest, request: Request, caller: Caller):
+        return await generate(body, request, caller, serving.start_chat)
 
     @app.post("/v1/completions", response_model=None, responses=generating)
     async def completions(body: CompletionRequest, request: Request, caller: Caller):
-        body, compressed = await compression.apply(body, caller, request.state.request_id)
-        if body.model in cascade_serving:
-            return await _respond(
-                request,
-                *await cascade_serving.answer(body, caller, request.state.request_id),
-                body.stream,
-                body.stream_options,
-            )
-        await serving.precompile(body)
-        try:
-            started_completion = await serving.started(
-                serving.start_completion, body, caller, request.state.request_id, lambda: disconnected(request)
-            )
-        except ClientLeft:
-            return Response(status_code=CLIENT_CLOSED_REQUEST)
-        return await _respond(
-            request, *compression.started(started_completion, compressed), None, body.stream, body.stream_options
-        )
+        return await generate(body, request, caller, serving.start_completion)
 
     @app.post("/v1/compress", responses=documented(403, 404, 429, 503))
     async def compress(body: CompressRequest, request: Request, caller: Caller) -> dict:

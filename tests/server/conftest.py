@@ -24,6 +24,18 @@ def small_server():
     live.stop()
 
 
+@pytest.fixture(scope="module")
+def two_models_two_keys(request, tmp_path_factory):
+    """A server of SmolLM2 and Qwen2.5-Coder 0.5B (whose template has tools) with two keys, the module's KEY and
+    OTHER_KEY (a second tenant), for the API tests of one module."""
+    module = request.module
+    models = ("--model", "smollm2-135m", "--model", "qwen2.5-coder-0.5b", "--max-num-seqs", "4")
+    home = str(tmp_path_factory.mktemp("home"))
+    live = LiveServer(*models, "--api-key", module.OTHER_KEY, api_key=module.KEY, home=home)
+    yield live
+    live.stop()
+
+
 @pytest.fixture(scope="session")
 def client(server):
     return server.client()

@@ -7,7 +7,6 @@ import time
 import anthropic
 import httpx
 import pytest
-from live_server import LiveServer
 
 SMOL, QWEN = "smollm2-135m", "qwen2.5-coder-0.5b"
 KEY, OTHER_KEY = "sk-anthropic-test", "sk-anthropic-other"
@@ -35,21 +34,8 @@ WEATHER_ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    live = LiveServer(
-        "--model",
-        SMOL,
-        "--model",
-        QWEN,
-        "--max-num-seqs",
-        "4",
-        "--api-key",
-        OTHER_KEY,
-        api_key=KEY,
-        home=str(tmp_path_factory.mktemp("home")),
-    )
-    yield live
-    live.stop()
+def server(two_models_two_keys):
+    return two_models_two_keys
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ import json
 import httpx
 import openai
 import pytest
-from live_server import LiveServer
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import BaseModel, Field, TypeAdapter
 
@@ -40,21 +39,8 @@ WEATHER_ASK = "What is the weather in Paris?"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    live = LiveServer(
-        "--model",
-        SMOL,
-        "--model",
-        QWEN,
-        "--max-num-seqs",
-        "4",
-        "--api-key",
-        OTHER_KEY,
-        api_key=KEY,
-        home=str(tmp_path_factory.mktemp("home")),
-    )
-    yield live
-    live.stop()
+def server(two_models_two_keys):
+    return two_models_two_keys
 
 
 @pytest.fixture(scope="module")
@@ -172,6 +158,32 @@ def test_text_format_json_schema_parses(client):
         temperature=0,
     )
     assert isinstance(json.loads(obj.output_text), dict)
+
+
+def test_input_items_list_what_a_stored_response_answered_a_page_at_a_time(server, client):
+    first = client.responses.create(model=SMOL, input="My name is Ann.", max_output_tokens=4, temperature=0)
+    second = client.responses.create(
+        model=SMOL, input="What is my name?", previous_response_id=first.id, max_output_tokens=4, temperature=0
+    )
+    newest_first = client.responses.input_items.list(second.id).data  # the default order: desc
+    assert [(item.type, item.role) for item in newest_first] == [("message", "user"), ("message", "assistant")] + [
+        ("message", "user")
+    ]
+    assert newest_first[0].content[0].text == "What is my name?" and newest_first[0].content[0].type == "input_text"
+    assert newest_first[1].content[0].text == first.output_text and newest_first[1].content[0].type == "output_text"
+    assert newest_first[2].content[0].text == "My name is Ann."
+    # The first response's output item keeps its own id and status (cut by max_output_tokens: incomplete).
+    assert (newest_first[1].id, newest_first[1].status) == (first.output[0].id, first.output[0].status)
+    assert (
+        len({item.id for item in newest_first}) == 3 and newest_first[0].status == newest_first[2].status == "completed"
+    )
+    page = client.responses.input_items.list(second.id, order="asc", limit=1)
+    assert page.has_more and [item.id for item in page.data] == [newest_first[2].id]
+    rest = client.responses.input_items.list(second.id, order="asc", limit=2, after=page.data[0].id)
+    assert [item.id for item in rest.data] == [newest_first[1].id, newest_first[0].id] and not rest.has_more
+    other = openai.OpenAI(base_url=f"{server.url}/v1", api_key=OTHER_KEY, max_retries=0)
+    with pytest.raises(openai.NotFoundError):
+        other.responses.input_items.list(second.id)
 
 
 def test_stored_responses_continue_and_are_private_to_their_key(server, client):

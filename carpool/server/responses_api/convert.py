@@ -38,6 +38,24 @@ def input_items(body: ResponsesRequest) -> list[Item]:
     return [MessageItem(role="user", content=body.input)] if isinstance(body.input, str) else body.input
 
 
+# Item id prefixes by type, as OpenAI's own ids start.
+_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+
+
+def listed_item(item: dict, response_id: str, index: int) -> dict:
+    """A stored input item as `input_items` lists it: typed, with an id (its own, else one made from the response's
+    and its place, so the same item has the same id on every call), content as a list of parts, completed."""
+    kind = item.get("type", "message")
+    listed = {"id": f"{_ID_PREFIXES[kind]}_{response_id.removeprefix('resp_')}_{index}"} | item
+    listed |= {"type": kind, "status": item.get("status") or "completed"}
+    if kind == "message" and isinstance(item["content"], str):
+        part = "output_text" if item["role"] == "assistant" else "input_text"
+        listed["content"] = [
+            {"type": part, "text": item["content"]} | ({"annotations": []} if part == "output_text" else {})
+        ]
+    return listed
+
+
 def chat_request(body: ResponsesRequest, context: list[Item]) -> ChatCompletionRequest:
     """The chat request that answers `body` after `context` (its input items, earlier turns included)."""
     system = [{"role": "system", "content": body.instructions}] if body.instructions is not None else []

@@ -1,11 +1,11 @@
-"""`POST /v1/responses`, `GET` and `DELETE /v1/responses/{id}`: the Responses API over the chat pipeline (Serving.
+"""`POST /v1/responses`, `GET` and `DELETE /v1/responses/{id}`, `GET /v1/responses/{id}/input_items`: the Responses API over the chat pipeline (Serving.
 start_chat: its tools, grammars, tiers, gate and ledger), with stored responses private to their API key."""
 
 import asyncio
 import time
-from typing import Annotated
+from typing import Annotated, Literal
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
@@ -19,6 +19,7 @@ from carpool.server.responses_api.convert import (
     chat_request,
     finished_status,
     input_items,
+    listed_item,
     output_items,
     renamed,
     response_body,
@@ -77,6 +78,34 @@ def create_responses_router(serving: Serving, store: ResponseStore) -> APIRouter
     @router.get("/v1/responses/{response_id}", responses=NOT_FOUND)
     async def get_response(response_id: str, caller: Caller) -> dict:
         return (await _stored(store, caller, response_id, "response_id"))[0]
+
+    @router.get("/v1/responses/{response_id}/input_items", responses=NOT_FOUND)
+    async def list_input_items(
+        response_id: str,
+        caller: Caller,
+        after: str | None = None,
+        limit: Annotated[int, Query(ge=1, le=100)] = 20,
+        order: Literal["asc", "desc"] = "desc",
+    ) -> dict:
+        """The items the response answered (a previous_response_id chain's earlier turns included), newest first
+        unless `order=asc`, a page of `limit` after the item `after`."""
+        _, context = await _stored(store, caller, response_id, "response_id")
+        items = [listed_item(item, response_id, i) for i, item in enumerate(context)]
+        if order == "desc":
+            items.reverse()
+        if after:
+            ids = [item["id"] for item in items]
+            if after not in ids:
+                raise APIError(400, f"after: no input item {after!r} in response {response_id!r}", param="after")
+            items = items[ids.index(after) + 1 :]
+        page = items[:limit]
+        return {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": len(items) > limit,
+        }
 
     @router.delete("/v1/responses/{response_id}", responses=NOT_FOUND)
     async def delete_response(response_id: str, caller: Caller) -> dict:
