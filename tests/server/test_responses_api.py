@@ -181,6 +181,9 @@ def test_input_items_list_what_a_stored_response_answered_a_page_at_a_time(serve
     assert page.has_more and [item.id for item in page.data] == [newest_first[2].id]
     rest = client.responses.input_items.list(second.id, order="asc", limit=2, after=page.data[0].id)
     assert [item.id for item in rest.data] == [newest_first[1].id, newest_first[0].id] and not rest.has_more
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.input_items.list(second.id, include=["message.output_text.logprobs"])
+    assert refused.value.body["param"] == "include"
     other = openai.OpenAI(base_url=f"{server.url}/v1", api_key=OTHER_KEY, max_retries=0)
     with pytest.raises(openai.NotFoundError):
         other.responses.input_items.list(second.id)

@@ -82,13 +82,18 @@ def create_responses_router(serving: Serving, store: ResponseStore) -> APIRouter
     @router.get("/v1/responses/{response_id}/input_items", responses=NOT_FOUND)
     async def list_input_items(
         response_id: str,
+        request: Request,
         caller: Caller,
         after: str | None = None,
         limit: Annotated[int, Query(ge=1, le=100)] = 20,
         order: Literal["asc", "desc"] = "desc",
     ) -> dict:
         """The items the response answered (a previous_response_id chain's earlier turns included), newest first
-        unless `order=asc`, a page of `limit` after the item `after`."""
+        unless `order=asc`, a page of `limit` after the item `after`. Any other query parameter is a 400: `include`
+        (`include[]` as the SDK sends it) adds what the served items never hold (images, logprobs, tool results)."""
+        for name in request.query_params:
+            if name not in ("after", "limit", "order"):
+                raise APIError(400, f"{name}: not supported by this server", param=name.removesuffix("[]"))
         _, context = await _stored(store, caller, response_id, "response_id")
         items = [listed_item(item, response_id, i) for i, item in enumerate(context)]
         if order == "desc":
