@@ -9,10 +9,12 @@ them: each tier is shown with the utilization at which its price breaks even, si
 only covers the machine when it runs in time that would otherwise be idle.
 """
 
+import math
 from dataclasses import dataclass
 
 from carpool.economics.cost_model import SECONDS_PER_HOUR, CostModel
 from carpool.economics.prices import TOKENS_PER_PRICE_UNIT, ModelPrice, PriceSheet
+from carpool.engine.tiers import TIER_NAMES
 
 
 @dataclass(frozen=True)
@@ -48,16 +50,23 @@ def suggest(model: CostModel, prices: PriceSheet, utilization: float, margin: fl
     cost = ModelPrice(per_second / model.prefill_tokens_per_second, per_second / model.decode_tokens_per_second)
     scale = (1 + margin) / utilization
     listed = prices.price(model.model)
-    tiers = [
-        TierBreakEven(
-            tier.tier,
-            prices.tier_multiplier(tier.tier),
-            cost.input / (listed.input * prices.tier_multiplier(tier.tier)),
-            cost.output / (listed.output * prices.tier_multiplier(tier.tier)),
+    tiers = []
+    for tier in TIER_NAMES:
+        multiplier = prices.tier_multiplier(tier)
+        tiers.append(
+            TierBreakEven(
+                tier,
+                multiplier,
+                _break_even(cost.input, listed.input * multiplier),
+                _break_even(cost.output, listed.output * multiplier),
+            )
         )
-        for tier in model.tiers
-    ]
     return SuggestedPrices(model, utilization, margin, cost, ModelPrice(cost.input * scale, cost.output * scale), tiers)
+
+
+def _break_even(cost: float, price: float) -> float:
+    """The utilization at which `price` covers `cost` (both per 1M tokens at full load); a free price never does."""
+    return cost / price if price > 0 else math.inf
 
 
 def sheet_toml(suggested: SuggestedPrices, prices: PriceSheet, when: str) -> str:
@@ -100,5 +109,6 @@ def render(suggested: SuggestedPrices, listed: ModelPrice) -> str:
     ]
     for t in s.tiers:
         flag = "   below cost at the target" if s.below_cost(t) else ""
-        lines.append(f"{t.tier:<9}{t.multiplier:>6g}  {t.input_utilization:>8.0%} / {t.output_utilization:.0%}{flag}")
+        shares = [f"{u:.0%}" if math.isfinite(u) else "never" for u in (t.input_utilization, t.output_utilization)]
+        lines.append(f"{t.tier:<9}{t.multiplier:>6g}  {shares[0]:>8} / {shares[1]}{flag}")
     return "\n".join(lines) + "\n"

@@ -1,4 +1,5 @@
 import json
+import math
 
 import pytest
 import torch
@@ -14,8 +15,12 @@ from carpool.economics.phase_meter import (
     PhaseTotals,
     totals_from_metrics_text,
 )
+from carpool.economics.prices import ModelPrice, PriceSheet
+from carpool.economics.suggested_prices import render as render_suggested
+from carpool.economics.suggested_prices import suggest
 from carpool.engine.llm_engine import StepStats
 from carpool.engine.outputs import RequestOutput
+from carpool.engine.tiers import TIER_NAMES
 
 
 def test_cost_per_million_tokens_per_tier(prices):
@@ -163,3 +168,17 @@ def test_hardware_measurements_are_positive():
     cpu = torch.device("cpu")
     assert measure_bandwidth(cpu, 8 * 2**20, repeats=2) > 1e8
     assert measure_flops(cpu, 128, repeats=2) > 1e7
+
+
+def test_a_free_list_price_never_breaks_even_and_is_below_cost():
+    free = PriceSheet(
+        models={"test-model": ModelPrice(input=0.0, output=4.0)},
+        cache_read=0.1,
+        cache_write=1.25,
+        tiers={tier: 1.0 for tier in TIER_NAMES},
+        source="test",
+    )
+    suggested = suggest(cost_model(PHASES, 3.6, HARDWARE, FOOTPRINT, free), free, 0.5, 0.0)
+    default = next(t for t in suggested.tiers if t.tier == "default")
+    assert math.isinf(default.input_utilization) and suggested.below_cost(default)
+    assert "never / 50%" in render_suggested(suggested, free.price("test-model"))
