@@ -112,3 +112,18 @@ def render(suggested: SuggestedPrices, listed: ModelPrice) -> str:
         shares = [f"{u:.0%}" if math.isfinite(u) else "never" for u in (t.input_utilization, t.output_utilization)]
         lines.append(f"{t.tier:<9}{t.multiplier:>6g}  {shares[0]:>8} / {shares[1]}{flag}")
     return "\n".join(lines) + "\n"
+
+
+def below_cost(model: str, prices: PriceSheet, hourly_price: float, decode_tokens_per_second: float) -> list[str]:
+    """What `carpool serve --hourly-price` warns of at start: each tier whose list output price is below what an
+    output token costs the machine even at full load, at the warm-up's best decode rate (cold steps only make the
+    rate lower, and a machine busy part of the hour costs more a token: a tier listed here never covers it)."""
+    cost = hourly_price / SECONDS_PER_HOUR * TOKENS_PER_PRICE_UNIT / decode_tokens_per_second
+    listed = prices.price(model).output
+    return [
+        f"{model}: the list output price of tier {tier}, ${listed * prices.tier_multiplier(tier):.4f} per 1M tokens, is"
+        f" below the machine's cost at full load, at least ${cost:.4f} ({decode_tokens_per_second:,.0f} tokens/s, the"
+        f" warm-up's best decode step, at ${hourly_price:g}/hour): `carpool cost prices` writes a sheet that covers it"
+        for tier in TIER_NAMES
+        if listed * prices.tier_multiplier(tier) < cost
+    ]

@@ -24,7 +24,7 @@ from carpool.engine.config import EngineConfig
 from carpool.engine.llm_engine import LLMEngine, StepStats
 from carpool.engine.outputs import RequestOutput
 from carpool.engine.request import EngineRequest
-from carpool.engine.warmup import warm_up
+from carpool.engine.warmup import WarmupReport, warm_up
 
 
 @dataclass(frozen=True)
@@ -156,6 +156,7 @@ class AsyncEngine:
         # warmup: run every step shape once on the engine thread (carpool.engine.warmup) before serving; until
         # then `ready` is clear and requests wait in the command queue.
         self.warmup = warmup
+        self.warmup_report: WarmupReport | None = None  # set before `ready`, when a warm-up ran
         self.ready = threading.Event()
         if not warmup:
             self.ready.set()
@@ -219,7 +220,7 @@ class AsyncEngine:
 
     def _warm_up(self) -> None:
         if not self.ready.is_set():
-            warm_up(self.engine)
+            self.warmup_report = warm_up(self.engine)
             self.ready.set()
 
     def _deliver(self, items: list[tuple[str, object]]) -> None:

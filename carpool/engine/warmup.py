@@ -32,6 +32,11 @@ class WarmupReport:
     long_prefill_tokens: int  # the one prompt as long as a step's token budget
     steps: int
     seconds: float
+    # The best output tokens a second of its decode-only steps, for the start-up price check (carpool.economics.
+    # suggested_prices.below_cost): the best, not the largest batch's, since a step's first runs are cold (on 2
+    # loaded cores the 32-sequence batch decoded in 303 ms, then 1,268 ms); so the cost it implies is a floor.
+    # None if no step decoded alone.
+    decode_tokens_per_second: float | None = None
 
 
 def decode_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -65,14 +70,17 @@ def warm_up(engine: LLMEngine) -> WarmupReport:
                 for i in range(size)
             ]
         )
-    steps = 0
+    steps, decode_rate = 0, None
     for requests in rounds:
         for request_id, prompt, params in requests:
             engine.add_request(request_id, prompt, params, DEFAULT_TIER, salt)
         while engine.has_unfinished_requests():
             engine.step()
             steps += 1
-    report = WarmupReport(sizes, max(long_tokens, 0), steps, time.monotonic() - start)
+            last = engine.last_step
+            if last is not None and last.num_prefill_tokens == 0 and last.num_decode_tokens and last.duration > 0:
+                decode_rate = max(decode_rate or 0.0, last.num_decode_tokens / last.duration)
+    report = WarmupReport(sizes, max(long_tokens, 0), steps, time.monotonic() - start, decode_rate)
     logger.info(
         "warm-up: decode batch sizes %s and a %d-token prefill in %d steps, %.2f s",
         report.batch_sizes,

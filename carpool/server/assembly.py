@@ -184,3 +184,28 @@ def meter_phases(app, engines: dict) -> None:
     for name, engine in engines.items():
         engine.add_step_listener(phases[name])
     register_phase_metrics(app.state.metrics.registry, phases)
+
+
+def check_prices_after_warmup(engines: dict, prices_path: str | None, hourly_price: float) -> None:
+    """`--hourly-price`: once each engine's warm-up has measured its decode rate, a warning (logged: the operator
+    may price below cost on purpose) for every tier whose list output price does not cover the machine. On a
+    thread of its own, so the port opens while the engines warm up."""
+    import logging
+    import threading
+
+    from carpool.economics.prices import load_price_sheet
+    from carpool.economics.suggested_prices import below_cost
+
+    prices, log = load_price_sheet(prices_path), logging.getLogger("carpool.server")
+
+    def check() -> None:
+        for name, engine in engines.items():
+            engine.ready.wait()
+            report = engine.warmup_report
+            if report is None or report.decode_tokens_per_second is None:
+                log.warning("%s: no warm-up ran, so --hourly-price has no decode rate to check the prices by", name)
+                continue
+            for line in below_cost(name, prices, hourly_price, report.decode_tokens_per_second):
+                log.warning(line)
+
+    threading.Thread(target=check, name="carpool-price-check", daemon=True).start()

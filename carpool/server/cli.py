@@ -15,6 +15,7 @@ from carpool.engine.config import EngineConfig
 from carpool.server import limits
 from carpool.server.assembly import (
     build_app,
+    check_prices_after_warmup,
     checked_extensions,
     meter_phases,
     model_configs,
@@ -65,6 +66,13 @@ def add_serve_parser(subparsers) -> None:
         action="store_true",
         help="serve at once instead of first running every step shape once (/health says "
         '"warming" until then; without it the first requests pay for the cold start)',
+    )
+    parser.add_argument(
+        "--hourly-price",
+        type=float,
+        default=None,
+        help="dollars an hour for the machine: once the warm-up has measured each model's decode rate, warn of every "
+        "tier whose list output price is below what a token costs the machine even at full load",
     )
     parser.add_argument(
         "--log-level",
@@ -165,6 +173,8 @@ def add_serve_parser(subparsers) -> None:
 def serve(args: argparse.Namespace, configs: dict) -> int:
     # Checked before any model loads: a bad file or a step naming an unserved model fails at once.
     checked_extensions(args, configs)
+    if args.hourly_price is not None and args.hourly_price <= 0:
+        raise ValueError(f"--hourly-price must be positive, got {args.hourly_price}")
     if args.replicas:
         from carpool.server.replicas.serve import serve_replicas
 
@@ -183,6 +193,8 @@ def serve(args: argparse.Namespace, configs: dict) -> int:
     }
     app = build_app(args, configs, engines, stores)
     meter_phases(app, engines)
+    if args.hourly_price is not None:
+        check_prices_after_warmup(engines, args.prices, args.hourly_price)
     # The engine loop and HTTP share the GIL; at Python's default 5 ms switch interval a thread that wants it can
     # wait a third of a decode step. 1 ms: +15-20% output tokens/s at 8 and 32 streams here (carpool bench
     # serve, 2 cores).

@@ -16,8 +16,8 @@ from carpool.economics.phase_meter import (
     totals_from_metrics_text,
 )
 from carpool.economics.prices import ModelPrice, PriceSheet
+from carpool.economics.suggested_prices import below_cost, suggest
 from carpool.economics.suggested_prices import render as render_suggested
-from carpool.economics.suggested_prices import suggest
 from carpool.engine.llm_engine import StepStats
 from carpool.engine.outputs import RequestOutput
 from carpool.engine.tiers import TIER_NAMES
@@ -182,3 +182,18 @@ def test_a_free_list_price_never_breaks_even_and_is_below_cost():
     default = next(t for t in suggested.tiers if t.tier == "default")
     assert math.isinf(default.input_utilization) and suggested.below_cost(default)
     assert "never / 50%" in render_suggested(suggested, free.price("test-model"))
+
+
+def test_the_start_up_check_names_the_tiers_whose_output_price_misses_the_machine_at_full_load():
+    """$3.60 an hour is $0.001 a second: at 250 output tokens a second, $4.00 per 1M at full load."""
+    sheet = PriceSheet(
+        models={"m": ModelPrice(input=1.0, output=4.0)},
+        cache_read=0.1,
+        cache_write=1.25,
+        tiers={"priority": 2.0, "default": 1.0, "flex": 0.5, "batch": 0.5},
+        source="test",
+    )
+    assert below_cost("m", sheet, 3.6, 500.0) == []  # $2.00: flex and batch at 0.5x just cover it
+    lines = below_cost("m", sheet, 3.6, 250.0)
+    assert [line.split("tier ")[1].split(",")[0] for line in lines] == ["flex", "batch"]
+    assert "$2.0000 per 1M" in lines[0] and "at least $4.0000" in lines[0]

@@ -79,6 +79,7 @@ def test_warmup_runs_every_decode_batch_size_and_a_full_budget_prefill_then_leav
     assert set(decode_batch_sizes(engine.config.max_num_seqs)) <= decode_sizes
     assert max(prefill for _, prefill in shapes) == engine.config.max_num_batched_tokens
     assert report.steps == len(shapes)
+    assert report.decode_tokens_per_second > 0  # the start-up price check's measure (--hourly-price)
     assert not engine.has_unfinished_requests() and not engine.seqs
     assert engine.block_manager.usage() == 0
 
@@ -97,11 +98,18 @@ class WatchedServer(LiveServer):
         super()._wait_ready(lambda status, body: self.answers.append((status, body)))
 
 
-def test_carpool_serve_says_warming_before_it_says_ok():
-    live = WatchedServer("--max-num-seqs", "4", warmup=True)
+def test_carpool_serve_says_warming_before_it_says_ok_and_warns_of_prices_below_cost():
+    """At $1,000 an hour no tier of the shipped sheet covers the machine: each is named once the warm-up has
+    measured the decode rate."""
+    live = WatchedServer("--max-num-seqs", "4", "--hourly-price", "1000", warmup=True)
     try:
         name = httpx.get(f"{live.url}/v1/models").json()["data"][0]["id"]
+        deadline = time.monotonic() + 60
+        while live.output().count("below the machine's cost") < 4 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        warnings = [line for line in live.output().splitlines() if "below the machine's cost" in line]
     finally:
         live.stop()
     assert (503, {"status": "warming", "models": [name]}) in live.answers
     assert live.answers[-1] == (200, {"status": "ok"})
+    assert [line.split("tier ")[1].split(",")[0] for line in warnings] == ["priority", "default", "flex", "batch"]
