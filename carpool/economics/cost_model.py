@@ -66,6 +66,11 @@ class CostModel:
         }
 
 
+def machine_cost_per_1m(hourly_price: float, tokens_per_second: float) -> float:
+    """Dollars per 1M tokens for a machine at `hourly_price` that is busy the whole hour at that rate."""
+    return hourly_price / SECONDS_PER_HOUR * TOKENS_PER_PRICE_UNIT / tokens_per_second
+
+
 def cost_model(
     phases: PhaseTotals, hourly_price: float, hardware: Hardware, footprint: ModelFootprint, prices: PriceSheet
 ) -> CostModel:
@@ -75,9 +80,8 @@ def cost_model(
         raise ValueError("the measurements hold no prefill or no decode: run load through the server first")
     prefill_rate = phases.prefill_tokens / phases.prefill_seconds
     decode_rate = phases.decode_tokens / phases.decode_seconds
-    per_second = hourly_price / SECONDS_PER_HOUR
-    base_input = per_second / prefill_rate * TOKENS_PER_PRICE_UNIT
-    base_output = per_second / decode_rate * TOKENS_PER_PRICE_UNIT
+    base_input = machine_cost_per_1m(hourly_price, prefill_rate)
+    base_output = machine_cost_per_1m(hourly_price, decode_rate)
     listed = prices.price(footprint.name)
     tiers = []
     for tier in TIER_NAMES:

@@ -12,8 +12,8 @@ only covers the machine when it runs in time that would otherwise be idle.
 import math
 from dataclasses import dataclass
 
-from carpool.economics.cost_model import SECONDS_PER_HOUR, CostModel
-from carpool.economics.prices import TOKENS_PER_PRICE_UNIT, ModelPrice, PriceSheet
+from carpool.economics.cost_model import CostModel, machine_cost_per_1m
+from carpool.economics.prices import ModelPrice, PriceSheet
 from carpool.engine.tiers import TIER_NAMES
 
 
@@ -46,8 +46,10 @@ def suggest(model: CostModel, prices: PriceSheet, utilization: float, margin: fl
         raise ValueError(f"target utilization must be in (0, 1], got {utilization}")
     if margin < 0:
         raise ValueError(f"margin must not be negative, got {margin}")
-    per_second = model.hourly_price / SECONDS_PER_HOUR * TOKENS_PER_PRICE_UNIT
-    cost = ModelPrice(per_second / model.prefill_tokens_per_second, per_second / model.decode_tokens_per_second)
+    cost = ModelPrice(
+        machine_cost_per_1m(model.hourly_price, model.prefill_tokens_per_second),
+        machine_cost_per_1m(model.hourly_price, model.decode_tokens_per_second),
+    )
     scale = (1 + margin) / utilization
     listed = prices.price(model.model)
     tiers = []
@@ -118,7 +120,7 @@ def below_cost(model: str, prices: PriceSheet, hourly_price: float, decode_token
     """What `carpool serve --hourly-price` warns of at start: each tier whose list output price is below what an
     output token costs the machine even at full load, at the warm-up's best decode rate (cold steps only make the
     rate lower, and a machine busy part of the hour costs more a token: a tier listed here never covers it)."""
-    cost = hourly_price / SECONDS_PER_HOUR * TOKENS_PER_PRICE_UNIT / decode_tokens_per_second
+    cost = machine_cost_per_1m(hourly_price, decode_tokens_per_second)
     listed = prices.price(model).output
     return [
         f"{model}: the list output price of tier {tier}, ${listed * prices.tier_multiplier(tier):.4f} per 1M tokens, is"
