@@ -17,8 +17,8 @@ def tokenizer(llm):
 
 @pytest.fixture(scope="session")
 def postgres_server():
-    """A real PostgreSQL server for the tests of the shared stores (tests/postgres_server.py), started once."""
-    from postgres_server import PostgresServer, postgres_bin_dir
+    """A real PostgreSQL server for the tests of the shared stores (carpool.bench.postgres_server), started once."""
+    from carpool.bench.postgres_server import PostgresServer, postgres_bin_dir
 
     bin_dir = postgres_bin_dir()
     if bin_dir is None:

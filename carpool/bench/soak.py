@@ -9,11 +9,14 @@ money and the memory must keep:
   is written before the last byte, so kill -9 between the two bills what the client did not see);
 - no key spends past its budget;
 - every KV block is free once the server is idle;
-- the server's resident memory after warm-up stays flat within 5% (sampled every few seconds, plotted).
+- the server's resident memory after warm-up, less the KV pools' pages, stays flat within 5%, and all of it stays
+  within the start's plus the pools' bytes (sampled every few seconds with `carpool:kv_cache_resident_bytes`,
+  plotted): a CPU pool's pages are backed on first touch and the prefix cache's LRU free list hands out every
+  block in turn, so RSS grows by the pools over the first minutes of slow traffic and then stops.
 
 The ledger and the batch dir live on a small tmpfs of their own (a real full disk for the window; where mounting is
-not allowed, the window is skipped and the report says so). SQLite only for now: a PostgreSQL restart needs a
-server the bench controls.
+not allowed, the window is skipped and the report says so). With `--db postgres` the ledger is a PostgreSQL server
+the soak starts (carpool.bench.postgres_server) and takes down for a window mid-run, as a crash would.
 """
 
 import argparse
@@ -23,7 +26,6 @@ import os
 import random
 import shutil
 import signal
-import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -35,9 +37,12 @@ from pathlib import Path
 import httpx
 
 from carpool.bench.local_server import free_port, wait_healthy
+from carpool.bench.postgres_server import PostgresServer, postgres_bin_dir
+from carpool.economics.db import open_database
 
 ABORT_SHARE = 0.3  # streams the client leaves after its first token, as the issue's soak did
-RSS_FLAT = 0.05  # resident memory after warm-up may move this much, no more
+RSS_FLAT = 0.05  # resident memory after warm-up, less the KV pools' pages, may move this much, no more
+POSTGRES_DOWN_SECONDS = 10
 KINDS = ("chat", "stream", "completion", "structured", "cascade")
 TIERS = ("priority", "default", "flex")
 CASCADES = """[[cascade]]
@@ -63,6 +68,12 @@ def add_parser(modes) -> None:
     parser.add_argument("--streams", type=int, default=16, help="concurrent clients (default: 16)")
     parser.add_argument("--model", default="smollm2-135m", help="served twice, as `small` and `other`")
     parser.add_argument("--max-tokens", type=int, default=24, help="output tokens a request at most")
+    parser.add_argument(
+        "--db",
+        choices=("sqlite", "postgres"),
+        default="sqlite",
+        help="the ledger: a SQLite file (default), or a PostgreSQL server the soak starts and restarts mid-run",
+    )
     parser.add_argument("--no-faults", action="store_true", help="traffic only: no kill -9, no full disk")
     parser.add_argument("--budget", type=float, default=0.0002, help="each budgeted tenant's daily budget, dollars")
     parser.add_argument("--no-warmup", action="store_true", help="start (and restart) the server without warm-up")
@@ -86,18 +97,27 @@ class Sent:
 @dataclass
 class Home:
     root: Path
-    disk: Path  # the ledger's and the batch dir's folder: a tmpfs of its own where mounting is allowed
+    disk: Path  # the ledger's (on SQLite) and the batch dir's folder: a tmpfs of its own where mounting is allowed
     mounted: bool
+    db: str  # the ledger: a SQLite file on the disk, or the soak's PostgreSQL server's URL
+    postgres: PostgresServer | None = None
     env: dict = field(default_factory=dict)
 
 
-def make_home() -> Home:
+def make_home(db_kind: str) -> Home:
     root = Path(tempfile.mkdtemp(prefix="carpool-soak-"))
     disk = root / "disk"
     disk.mkdir()
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256m", "tmpfs", str(disk)], capture_output=True)
-    home = Home(root, disk, mounted.returncode == 0)
-    home.env = {**os.environ, "CARPOOL_DB": str(disk / "carpool.db"), "CARPOOL_BATCH_DIR": str(disk / "batches")}
+    postgres, db = None, str(disk / "carpool.db")
+    if db_kind == "postgres":
+        bin_dir = postgres_bin_dir()
+        if bin_dir is None:
+            raise SystemExit("--db postgres: PostgreSQL is not installed (`make postgres` installs it)")
+        postgres = PostgresServer(bin_dir).start()
+        db = postgres.create_database("carpool_soak")
+    home = Home(root, disk, mounted.returncode == 0, db, postgres)
+    home.env = {**os.environ, "CARPOOL_DB": db, "CARPOOL_BATCH_DIR": str(disk / "batches")}
     return home
 
 
@@ -205,7 +225,11 @@ async def one_request(client: httpx.AsyncClient, sent: Sent, path: str, body: di
                 return
             async for line in response.aiter_lines():
                 if line.startswith("data: {"):
-                    sent.ids.add(json.loads(line[6:])["id"])
+                    event = json.loads(line[6:])
+                    if "error" in event:  # the server ended the stream with an error event (a fault, say)
+                        sent.outcome, sent.why = "failed", f"stream error {event['error'].get('type')}"
+                        return
+                    sent.ids.add(event["id"])
                     if leave:
                         sent.outcome = "left"
                         return  # leaving the block closes the connection: the server aborts the request
@@ -213,7 +237,7 @@ async def one_request(client: httpx.AsyncClient, sent: Sent, path: str, body: di
                     sent.outcome = "whole"
             if sent.outcome != "whole":
                 sent.outcome = "failed"
-    except (httpx.HTTPError, json.JSONDecodeError, KeyError) as error:
+    except (httpx.HTTPError, json.JSONDecodeError) as error:
         sent.outcome, sent.why = "failed", type(error).__name__
 
 
@@ -306,14 +330,21 @@ def batch_results(url: str, key: str, batch_ids: list[str], deadline: float) -> 
     return results
 
 
-def ledger_checks(db: Path, log: list[Sent]) -> dict:
+def ledger_checks(db: str, log: list[Sent]) -> dict:
     """The money invariants, read from the ledger itself."""
-    with sqlite3.connect(db) as connection:
+    connection = open_database(db)
+    try:
         rows = connection.execute(
             "SELECT request_id, parent_request_id, key_id, cost, finish_reason, tier FROM ledger"
         ).fetchall()
-        spent = dict(connection.execute("SELECT key_id, SUM(cost) FROM ledger GROUP BY key_id").fetchall())
-        budgets = dict(connection.execute("SELECT key_id, budget FROM keys WHERE budget IS NOT NULL").fetchall())
+        spent = {
+            key: total for key, total in connection.execute("SELECT key_id, SUM(cost) FROM ledger GROUP BY key_id")
+        }
+        budgets = {
+            key: limit for key, limit in connection.execute("SELECT key_id, budget FROM keys WHERE budget IS NOT NULL")
+        }
+    finally:
+        connection.close()
     billed = [row for row in rows if row[3] > 0]
     by_id: dict[str, int] = {}
     for request_id, *_ in billed:
@@ -351,23 +382,64 @@ def ledger_checks(db: Path, log: list[Sent]) -> dict:
     }
 
 
-def idle_kv_usage(url: str) -> dict[str, float]:
+def metric_values(url: str, name: str) -> dict[str, float]:
+    """{labels: value} of one of the server's gauges."""
     text = httpx.get(f"{url}/metrics", timeout=30).text
-    usage = {}
+    values = {}
     for line in text.splitlines():
-        if line.startswith("carpool:kv_cache_usage_perc{"):
+        if line.startswith(f"{name}{{"):
             labels, value = line.rsplit(" ", 1)
-            usage[labels] = float(value)
-    return usage
+            values[labels] = float(value)
+    return values
+
+
+def kv_pool_megabytes(url: str) -> tuple[float, float] | None:
+    """(the KV pools' MB, the MB of them backed by memory now), every model's together; None while the server is
+    down."""
+    try:
+        pools = metric_values(url, "carpool:kv_cache_pool_bytes")
+        resident = metric_values(url, "carpool:kv_cache_resident_bytes")
+    except httpx.HTTPError:
+        return None
+    return sum(pools.values()) / 2**20, sum(resident.values()) / 2**20
+
+
+@dataclass
+class MemorySample:
+    at_s: float
+    rss_mb: float
+    kv_resident_mb: float
+    kv_pool_mb: float
+    pid: int
+
+
+def memory_checks(samples: list[MemorySample]) -> dict:
+    """The last server process's memory (a restart starts afresh): RSS less the KV pools' resident pages, past the
+    first third of its life (warm-up and first allocations), flat within RSS_FLAT; and RSS never above its first
+    sample's non-KV memory plus the whole pools (with the same allowance)."""
+    last = [sample for sample in samples if sample.pid == samples[-1].pid] if samples else []
+    if len(last) < 2:
+        return {"growth_outside_kv": None, "flat": False, "peak_over_start_plus_pools": None, "bounded": False}
+    warm = [sample for sample in last if sample.at_s >= last[0].at_s + (last[-1].at_s - last[0].at_s) / 3]
+    outside = [sample.rss_mb - sample.kv_resident_mb for sample in warm]
+    growth = (outside[-1] - outside[0]) / outside[0]
+    start_plus_pools = last[0].rss_mb - last[0].kv_resident_mb + last[0].kv_pool_mb
+    peak = max(sample.rss_mb for sample in last)
+    return {
+        "growth_outside_kv": growth,
+        "flat": abs(growth) <= RSS_FLAT,
+        "peak_over_start_plus_pools": peak / start_plus_pools - 1,
+        "bounded": peak <= start_plus_pools * (1 + RSS_FLAT),
+    }
 
 
 def main(args: argparse.Namespace) -> int:
-    home = make_home()
+    home = make_home(args.db)
     keys = create_keys(home, tenants=3, budget=args.budget)
     server = Server(home, args.model, warmup=not args.no_warmup)
     log: list[Sent] = []
     faults: list[dict] = []
-    rss: list[tuple[float, float, int]] = []  # (seconds into the soak, MB, which server process)
+    memory: list[MemorySample] = []
     server.start()
     start = time.monotonic()
     duration = args.minutes * 60
@@ -376,7 +448,8 @@ def main(args: argparse.Namespace) -> int:
 
     async def run() -> None:
         load = asyncio.create_task(traffic(server.url, keys, args, until, log))
-        schedule = [] if args.no_faults else [(0.35, "kill -9"), (0.65, "disk full")]
+        schedule = [(0.35, "kill -9"), *([(0.5, "postgres down")] if home.postgres else []), (0.65, "disk full")]
+        schedule = [] if args.no_faults else schedule
         sampled = 0.0
         while time.monotonic() < until:
             now = time.monotonic() - start
@@ -385,9 +458,12 @@ def main(args: argparse.Namespace) -> int:
                 faults.append({"at_s": round(now, 1), "fault": fault, **await asyncio.to_thread(inject, fault)})
             if now - sampled >= 5:
                 sampled = now
-                megabytes = server.rss_mb()
-                if megabytes is not None:
-                    rss.append((round(now, 1), round(megabytes, 1), server.process.pid))
+                megabytes, pools = server.rss_mb(), await asyncio.to_thread(kv_pool_megabytes, server.url)
+                if megabytes is not None and pools is not None:
+                    pool_mb, resident_mb = pools
+                    memory.append(
+                        MemorySample(round(now, 1), round(megabytes, 1), resident_mb, pool_mb, server.process.pid)
+                    )
             if len(batch_ids) < 3 and now >= len(batch_ids) * duration / 3:
                 batch_id = await asyncio.to_thread(submit_batch, server.url, keys[-1], 12, args.max_tokens)
                 if batch_id:
@@ -409,6 +485,9 @@ def main(args: argparse.Namespace) -> int:
             began = time.monotonic()
             server.start()  # the same ledger and batch dir: unfinished batches resume
             return {"restart_s": round(time.monotonic() - began, 1)}
+        if fault == "postgres down":
+            home.postgres.restart(down_seconds=POSTGRES_DOWN_SECONDS)
+            return {"window_s": POSTGRES_DOWN_SECONDS}
         if not home.mounted:
             return {"skipped": "could not mount a tmpfs for the ledger (not root?)"}
         filler = fill_disk(home.disk)
@@ -420,7 +499,7 @@ def main(args: argparse.Namespace) -> int:
         asyncio.run(run())
         batches = batch_results(server.url, keys[-1], batch_ids, time.monotonic() + 600)
         time.sleep(3)  # the last aborts and ledger commits settle
-        kv = idle_kv_usage(server.url)
+        kv = metric_values(server.url, "carpool:kv_cache_usage_perc")
     finally:
         server.stop()
     outcomes = {name: sum(1 for sent in log if sent.outcome == name) for name in ("whole", "left", "refused", "failed")}
@@ -428,14 +507,15 @@ def main(args: argparse.Namespace) -> int:
     for sent in log:
         if sent.why:
             why[f"{sent.outcome} {sent.why}"] = why.get(f"{sent.outcome} {sent.why}", 0) + 1
-    ledger = ledger_checks(home.disk / "carpool.db", log)
-    # The last server process's samples past the first third of its life (its warm-up and first pages): a restart
-    # starts memory afresh, so growth is measured within one process.
-    last = [(at, megabytes) for at, megabytes, pid in rss if pid == rss[-1][2]] if rss else []
-    warm = [megabytes for at, megabytes in last if at >= last[0][0] + (last[-1][0] - last[0][0]) / 3] if last else []
-    growth = (warm[-1] - warm[0]) / warm[0] if len(warm) >= 2 else None
+    try:
+        ledger = ledger_checks(home.db, log)
+    finally:
+        if home.postgres:
+            home.postgres.stop()
+    memory_report = memory_checks(memory)
     report = {
         "minutes": args.minutes,
+        "db": args.db,
         "streams": args.streams,
         "requests": len(log),
         "outcomes": outcomes,
@@ -444,8 +524,8 @@ def main(args: argparse.Namespace) -> int:
         "batches": batches,
         "ledger": ledger,
         "idle_kv_usage": kv,
-        "rss_mb": rss,
-        "rss_growth_after_warmup": growth,
+        "memory": [vars(sample) for sample in memory],
+        "memory_checks": memory_report,
     }
     batch_ok = all(
         result["status"] == "completed" and all(count == 1 for count in result["answered"].values())
@@ -455,12 +535,13 @@ def main(args: argparse.Namespace) -> int:
         "ledger": ledger["ok"],
         "batches_each_line_once": batch_ok,
         "kv_free_when_idle": bool(kv) and all(value == 0 for value in kv.values()),
-        "rss_flat": growth is not None and abs(growth) <= RSS_FLAT,
+        "rss_flat_outside_kv": memory_report["flat"],
+        "rss_within_start_plus_pools": memory_report["bounded"],
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
-    _plot(rss, faults, out.with_suffix(".png"))
+    _plot(memory, faults, out.with_suffix(".png"))
     print(_summary(report))
     if home.mounted:
         subprocess.run(["umount", str(home.disk)], capture_output=True)
@@ -468,16 +549,19 @@ def main(args: argparse.Namespace) -> int:
     return 0 if all(report["invariants"].values()) else 1
 
 
-def _plot(rss: list[tuple[float, float, int]], faults: list[dict], path: Path) -> None:
+def _plot(memory: list[MemorySample], faults: list[dict], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     figure, axis = plt.subplots(figsize=(8, 3.5))
-    for pid in dict.fromkeys(pid for _, _, pid in rss):
-        samples = [(at / 60, megabytes) for at, megabytes, owner in rss if owner == pid]
-        axis.plot(*zip(*samples, strict=True), label=f"server RSS (pid {pid})")
+    for pid in dict.fromkeys(sample.pid for sample in memory):
+        samples = [sample for sample in memory if sample.pid == pid]
+        minutes = [sample.at_s / 60 for sample in samples]
+        axis.plot(minutes, [sample.rss_mb for sample in samples], label=f"server RSS (pid {pid})")
+        outside = [sample.rss_mb - sample.kv_resident_mb for sample in samples]
+        axis.plot(minutes, outside, linestyle="--", label=f"RSS less KV pool pages (pid {pid})")
     for fault in faults:
         axis.axvline(fault["at_s"] / 60, color="red", linestyle=":", label=fault["fault"])
     axis.set_xlabel("minutes")
@@ -501,7 +585,7 @@ def _summary(report: dict) -> str:
         ),
         f"batches: {[(b['status'], len(b['answered'])) for b in report['batches'].values()]}",
         f"idle KV usage: {report['idle_kv_usage']}",
-        f"RSS growth after warm-up: {report['rss_growth_after_warmup']}",
+        f"memory: {report['memory_checks']}",
         "invariants: " + ", ".join(f"{name} {'ok' if ok else 'FAILED'}" for name, ok in report["invariants"].items()),
     ]
     return "\n".join(lines)

@@ -47,6 +47,8 @@ class EngineSnapshot:
     num_cached_blocks: int
     pins: PinStats = field(default_factory=PinStats)  # cache breakpoints' TTL pins
     kv_block_bytes: int = 0  # one KV block's bytes, to turn pinned blocks into memory
+    kv_pool_bytes: int = 0  # every KV pool's bytes
+    kv_resident_bytes: int = 0  # the pools' bytes backed by memory (pages are backed on first touch)
 
 
 class EngineLoop:
@@ -204,6 +206,7 @@ class AsyncEngine:
 
     def snapshot(self) -> EngineSnapshot:
         scheduler, blocks = self.engine.scheduler, self.engine.block_manager
+        pool_bytes, resident_bytes = self.engine.kv_pool_memory()
         return EngineSnapshot(
             num_running=len(scheduler.running),
             num_waiting=len(scheduler.waiting),
@@ -214,6 +217,8 @@ class AsyncEngine:
             num_cached_blocks=blocks.num_cached_blocks,
             pins=blocks.pin_stats.copy(),
             kv_block_bytes=self.engine.kv_block_bytes,
+            kv_pool_bytes=pool_bytes,
+            kv_resident_bytes=resident_bytes,
         )
 
     # The engine thread -------------------------------------------------------------------------------

@@ -209,6 +209,13 @@ class LLMEngine:
         seq.times.finished = time.monotonic()
         return self._output(seq, 0, 0)
 
+    def kv_pool_memory(self) -> tuple[int, int]:
+        """(bytes of this engine's KV pools, a draft model's included; how many of them are backed by memory now)."""
+        runners = [self.runner]
+        if self.speculator and isinstance(self.speculator.drafter, DraftModelDrafter):
+            runners.append(self.speculator.drafter.runner)
+        return sum(runner.kv_pool_bytes for runner in runners), sum(runner.kv_resident_bytes() for runner in runners)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work()
 

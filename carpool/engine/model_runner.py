@@ -1,6 +1,7 @@
 """Turns a scheduled batch into one forward pass: flat token ids and positions, cache slots, attention
 metadata, and logits only for the sequences that will sample."""
 
+import ctypes
 import math
 import mmap
 
@@ -25,6 +26,31 @@ def _zeroed_pool(shape: tuple[int, ...], device: torch.device, dtype: torch.dtyp
         return torch.zeros(shape, dtype=dtype, device=device)
     mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return torch.frombuffer(mapping, dtype=dtype).view(shape)
+
+
+def resident_bytes(pool: torch.Tensor) -> int:
+    """How much of a pool is backed by memory now: all of it on an accelerator, the pages touched so far of a CPU
+    pool (mincore(2) on its mapping). With the prefix cache's LRU free list every block is used in turn, so a
+    server's RSS grows by its pools over the first minutes of slow traffic (a 40-minute soak: +2 GB for two 1 GB
+    pools, then flat); this is how to tell that growth from a leak."""
+    nbytes = pool.numel() * pool.element_size()
+    if pool.device.type != "cpu" or nbytes == 0 or _mincore is None:
+        return nbytes
+    pages = -(-nbytes // mmap.PAGESIZE)
+    present = (ctypes.c_ubyte * pages)()
+    if _mincore(ctypes.c_void_p(pool.data_ptr()), ctypes.c_size_t(nbytes), present) != 0:
+        return nbytes  # not a mapping of its own (a zeroed tensor): count it whole
+    return int(torch.frombuffer(present, dtype=torch.uint8).bitwise_and(1).sum()) * mmap.PAGESIZE
+
+
+def _libc_mincore():
+    try:
+        return ctypes.CDLL(None, use_errno=True).mincore
+    except (OSError, AttributeError):  # not a POSIX libc
+        return None
+
+
+_mincore = _libc_mincore()
 
 
 class ModelRunner:
@@ -58,11 +84,16 @@ class ModelRunner:
             for group in (False, True)
         }
         self.kv_cache, self.sliding_kv_cache = pools[False], pools[True]
+        self.kv_pool_bytes = sum(pool.numel() * pool.element_size() for pool in pools.values())
         index_in_group = {False: 0, True: 0}
         for layer, is_sliding in zip(model.layers, sliding):
             cache = pools[is_sliding][index_in_group[is_sliding]]
             index_in_group[is_sliding] += 1
             layer.self_attn.attn.k_cache, layer.self_attn.attn.v_cache = cache[0], cache[1]
+
+    def kv_resident_bytes(self) -> int:
+        """Bytes of this runner's KV pools backed by memory now (`resident_bytes`)."""
+        return resident_bytes(self.kv_cache) + resident_bytes(self.sliding_kv_cache)
 
     @staticmethod
     def kv_bytes_per_block(config, block_size: int, dtype: torch.dtype = torch.float32) -> int:

@@ -167,6 +167,13 @@ class ServerMetrics:
             "The KV cache each model was given (value 1).",
             ["model_name", "block_size", "num_blocks"],
         )
+        # Pages of a CPU pool are backed on first touch, and the prefix cache's LRU free list hands every block out
+        # in turn: resident memory grows by the pools over the first minutes of traffic. These two tell that growth
+        # from a leak (carpool bench soak checks the rest of RSS for flatness).
+        self.kv_pool_bytes = gauge("kv_cache_pool_bytes", "Bytes of the KV pools each model was given.")
+        self.kv_resident_bytes = gauge(
+            "kv_cache_resident_bytes", "Bytes of the KV pools backed by memory (pages are backed on first touch)."
+        )
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", model)
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.", model)
         self.prefix_blocks = gauge("prefix_cache_blocks", "KV blocks holding a cached prefix (in use or not).")
@@ -309,6 +316,8 @@ class Metrics:
         self.waiting.set(snapshot.num_waiting)
         self.kv_usage.set(snapshot.kv_cache_usage)
         self.prefix_blocks.set(snapshot.num_cached_blocks)
+        self.families.kv_pool_bytes.labels(self.model_name).set(snapshot.kv_pool_bytes)
+        self.families.kv_resident_bytes.labels(self.model_name).set(snapshot.kv_resident_bytes)
         self.families.cache_config.labels(self.model_name, str(snapshot.block_size), str(snapshot.num_blocks)).set(1)
         queries, hits = self._prefix_totals
         self.prefix_hit_rate.set(hits / queries if queries else 0.0)

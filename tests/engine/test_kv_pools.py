@@ -5,9 +5,10 @@ from pathlib import Path
 
 import torch
 
+from carpool import SamplingParams
 from carpool.engine.config import EngineConfig
 from carpool.engine.kv_pools import kv_pool_sizes
-from carpool.engine.model_runner import _zeroed_pool
+from carpool.engine.model_runner import _zeroed_pool, resident_bytes
 
 # Gemma 3 270M: 18 layers (15 sliding, window 512), 1 KV head of 256, bf16, 16-token blocks.
 LAYERS, SLIDING, WINDOW = 18, 15, 512
@@ -59,3 +60,19 @@ def test_the_cpu_pool_is_zeroed_private_memory(llm):
     assert not fresh.abs().sum()
     for pool in (fresh, llm.engine.runner.kv_cache):
         assert pool.device.type == "cpu" and _mapping_permissions(pool.data_ptr()) == "rw-p"
+
+
+def test_a_cpu_pool_is_backed_by_memory_only_where_it_was_written():
+    """The soak's RSS check subtracts this: a pool's pages count once something wrote them, not at start."""
+    pool = _zeroed_pool((64, 256, 1024), torch.device("cpu"), torch.float32)  # 64 MiB, 1 MiB a row
+    assert resident_bytes(pool) < 1 << 20
+    pool[:8] = 1.0
+    assert 8 << 20 <= resident_bytes(pool) < 9 << 20
+    assert resident_bytes(torch.zeros(1000)) == 4000  # not a mapping of its own: counted whole
+
+
+def test_an_engine_reports_its_pools_bytes_and_what_of_them_is_resident(llm):
+    llm.generate(["A fact about owls:"], SamplingParams(max_tokens=4, temperature=0))
+    pool_bytes, resident = llm.engine.kv_pool_memory()
+    assert pool_bytes == llm.engine.runner.kv_cache.numel() * llm.engine.runner.kv_cache.element_size()
+    assert 0 < resident < pool_bytes  # one request's blocks written, not the whole pool

@@ -190,6 +190,30 @@ def test_a_refused_escalation_delivers_the_billed_answer_instead_of_an_error(eng
         assert response.json()["choices"][0]["logprobs"] is None
 
 
+class LedgerFailsForStrong(RecordingGate):
+    """The cheap step's row is written; the strong step's write fails (the ledger's disk full meanwhile)."""
+
+    def record(self, principal, usage):
+        if usage.model == "strong":
+            raise OSError(28, "No space left on device")
+        super().record(principal, usage)
+
+
+def test_an_escalation_whose_row_could_not_be_written_delivers_the_billed_answer(engine, strong_engine):
+    """Before: the strong answer was withheld (503 usage_not_recorded) and the cheap attempt stayed billed: the
+    soak's cascades "billed without delivery" in its full-disk and PostgreSQL-down windows (issue 55)."""
+    gate = LedgerFailsForStrong()
+    cascade = Cascade("casc", (Step("cheap", Scorer("mean"), 1.0), Step("strong")))  # always escalates
+    app = create_app({"cheap": engine, "strong": strong_engine}, gate, cascades={"casc": cascade})
+    response = post(app, "/v1/chat/completions", BODY | {"model": "casc"})
+    assert response.status_code == 200, response.text
+    assert response.headers[ANSWERED_BY_HEADER] == "cheap"
+    assert response.headers[ESCALATION_REFUSED_HEADER] == "503 usage_not_recorded"
+    [row] = gate.records
+    assert (row.model, row.cascade_accepted) == ("cheap", False)
+    assert response.json()["choices"][0]["message"]["content"]
+
+
 def test_a_refused_first_step_is_the_error(engine, strong_engine):
     class SpentOnCheap(RecordingGate):
         def admit(self, principal, tier, estimated_tokens, request_id=None, model=None):

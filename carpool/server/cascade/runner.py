@@ -83,16 +83,18 @@ class CascadeServing:
                 # for a request billed anyway (the soak's "billed without delivery", issue 55).
                 if best is None:
                     raise
-                gen, fmt, index, step = best
-                fmt.logprobs = _client_wants_logprobs(body)
-                refused = f"{refusal.status} {refusal.code or 'refused'}"
-                return (
-                    gen,
-                    fmt,
-                    {STEP_HEADER: str(index), ANSWERED_BY_HEADER: step.model, ESCALATION_REFUSED_HEADER: refused},
-                )
+                return _escalation_refused(best, body, refusal)
             verdict = Verdict()
             gen.ledger_fields = _ledger_fields(cascade, index, step, verdict, client_request_id, last)
+            if last and best is not None and not body.stream:
+                # The same when the last step ran but its row could not be written (the ledger's disk full, its
+                # database down): its answer is withheld, and the billed earlier one stands instead of a 503.
+                try:
+                    await gen.wait()
+                except GateError as unrecorded:
+                    return _escalation_refused(best, body, unrecorded)
+                except GenerationFailed:
+                    pass  # answered by the response as without a cascade (a 500)
             if not last:
                 try:
                     await gen.wait()
@@ -112,6 +114,15 @@ class CascadeServing:
         if isinstance(body, ChatCompletionRequest):
             return self.serving.start_chat(body, principal, request_id=request_id)
         return self.serving.start_completion(body, principal, request_id=request_id)
+
+
+def _escalation_refused(best: tuple, body, refusal: APIError | GateError) -> tuple:
+    """(generation, format, headers) of the last rejected step's billed answer, marked with why the escalation
+    did not answer."""
+    gen, fmt, index, step = best
+    fmt.logprobs = _client_wants_logprobs(body)
+    refused = f"{refusal.status} {refusal.code or 'refused'}"
+    return gen, fmt, {STEP_HEADER: str(index), ANSWERED_BY_HEADER: step.model, ESCALATION_REFUSED_HEADER: refused}
 
 
 def _check_single_choice(body) -> None:

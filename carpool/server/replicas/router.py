@@ -97,6 +97,8 @@ class ReplicaRouter:
             num_cached_blocks=sum(s.num_cached_blocks for s in known),
             pins=PinStats.summed([s.pins for s in known]),
             kv_block_bytes=known[0].kv_block_bytes if known else 0,
+            kv_pool_bytes=sum(s.kv_pool_bytes for s in known),
+            kv_resident_bytes=sum(s.kv_resident_bytes for s in known),
         )
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:

@@ -1,5 +1,6 @@
-"""A throwaway PostgreSQL server for the tests: Debian's postgresql (`make test` installs it), a data dir and unix
-socket in a temp dir, a free TCP port on 127.0.0.1, trust authentication. Started once per session (~2 s here).
+"""A throwaway PostgreSQL server for the tests and `carpool bench soak --db postgres`: Debian's postgresql (`make
+test` installs it), a data dir and unix socket in a temp dir, a free TCP port on 127.0.0.1, trust authentication.
+Started once per test session (~2 s here); the soak restarts its own mid-run.
 
 PostgreSQL refuses to run as root, and this project's machines run everything as root: then initdb and the
 server run as the `postgres` user the Debian package creates, in a temp dir that user owns.
@@ -9,10 +10,12 @@ import glob
 import os
 import pwd
 import shutil
-import socket
 import subprocess
 import tempfile
+import time
 from pathlib import Path
+
+from carpool.bench.local_server import free_port
 
 
 def postgres_bin_dir() -> Path | None:
@@ -24,18 +27,12 @@ def postgres_bin_dir() -> Path | None:
     return Path(on_path).parent if on_path else None
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 class PostgresServer:
     def __init__(self, bin_dir: Path):
         self.bin_dir = bin_dir
         self.root = Path(tempfile.mkdtemp(prefix="carpool-pg-"))
         self.data = self.root / "data"
-        self.port = _free_port()
+        self.port = free_port()
         self._user = None
         if os.geteuid() == 0:
             self._user = "postgres"
@@ -52,12 +49,22 @@ class PostgresServer:
 
     def start(self) -> "PostgresServer":
         self._run("initdb", "-D", str(self.data), "-A", "trust", "-U", self.superuser, "--no-sync", "-E", "UTF8")
+        self._start_server()
+        return self
+
+    def _start_server(self) -> None:
         # fsync off: a test server's data need not survive a power cut, and it makes commits ~10x faster here.
         options = f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.root} -c fsync=off -c max_connections=200"
         self._run(
             "pg_ctl", "-D", str(self.data), "-o", options, "-l", str(self.root / "log"), "-w", "-t", "30", "start"
         )
-        return self
+
+    def restart(self, down_seconds: float = 0.0) -> None:
+        """Down at once, as a crash would take it (`-m immediate`: no checkpoint, WAL replay on start), `down_seconds`
+        of outage, then up on the same port; every session open on it is gone."""
+        self._run("pg_ctl", "-D", str(self.data), "-m", "immediate", "-w", "stop")
+        time.sleep(down_seconds)
+        self._start_server()
 
     def url(self, database: str = "postgres") -> str:
         return f"postgresql://{self.superuser}@127.0.0.1:{self.port}/{database}"
