@@ -9,6 +9,7 @@ it). A refusal is a GateError: plain data (HTTP status, OpenAI error code, messa
 server turns into OpenAI's error body.
 """
 
+import base64
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -86,6 +87,10 @@ class UsageRecord:
     # cache_write_tokens. A TTL up to 5 minutes counts as 5m, a longer one as 1h.
     cache_write_5m_tokens: int = 0
     cache_write_1h_tokens: int = 0
+    # What a replay needs (`carpool cost whatif`): when it arrived (unix seconds), and its prompts' prefix-cache
+    # block hashes (`block_chain_text`), which show shared prefixes as shared and carry no text.
+    arrived: float | None = None
+    prompt_block_chain: str | None = None
 
     @property
     def uncached_prompt_tokens(self) -> int:
@@ -95,6 +100,33 @@ class UsageRecord:
 def part_request_id(parent: str, part: str) -> str:
     """The request id of one part (`compression`, `cascade-0`, ...) of the client's request `parent`."""
     return f"{parent}#{part}"
+
+
+# A prompt block's hash as the ledger keeps it: the first 8 bytes of the prefix cache's sha256 key (a collision
+# among a day's distinct blocks is a ~1e-8 chance at 1e6 of them), 12 characters of base64 each.
+CHAIN_DIGEST_BYTES = 8
+
+
+def block_chain_text(chains: list[list[bytes]]) -> str | None:
+    """A request's prompts' block-hash chains (the prefix cache's keys: each covers every block before it and
+    the request's cache salt) as one ledger value: one base64 run per prompt, comma-separated. Equal leading
+    hashes are a shared prefix, whoever's text it was; only the tenant's own salt makes them equal."""
+    if not any(chains):
+        return None
+    return ",".join(
+        base64.b64encode(b"".join(digest[:CHAIN_DIGEST_BYTES] for digest in chain)).decode() for chain in chains
+    )
+
+
+def read_block_chain(text: str | None) -> list[list[bytes]]:
+    """block_chain_text's value back as chains of CHAIN_DIGEST_BYTES-byte hashes ([] for NULL)."""
+    if not text:
+        return []
+    chains = []
+    for run in text.split(","):
+        raw = base64.b64decode(run)
+        chains.append([raw[i : i + CHAIN_DIGEST_BYTES] for i in range(0, len(raw), CHAIN_DIGEST_BYTES)])
+    return chains
 
 
 FIVE_MINUTES = 300.0

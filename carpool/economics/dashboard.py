@@ -1,5 +1,6 @@
-"""The ledger's panels on the server's /dashboard: spend against budget per key, and cost per 1K tokens per
-tenant today. `carpool serve` hands `ledger_panels(gate)` to the app; the server calls it on every refresh.
+"""The ledger's panels on the server's /dashboard: spend against budget per key, cost per 1K tokens per tenant
+today, and with `--hourly-price` the margin per tier and tenant (carpool.economics.margin). `carpool serve` hands
+`ledger_panels(gate, bill)` to the app; the server calls it on every refresh.
 
 Spend comes from admission's in-memory figures (what budgets are enforced against), so it costs no query. The
 per-tenant report is the ledger's own (`carpool cost report --group-by tenant` over today, UTC), at most once
@@ -10,15 +11,19 @@ import threading
 import time
 from collections.abc import Callable
 
+from carpool.economics.db import open_database
 from carpool.economics.ledger_gate import LedgerGate
+from carpool.economics.margin import MachineBill, margins
 from carpool.economics.spend import period_start
 
 TENANT_REPORT_SECONDS = 10.0
 
 
-def ledger_panels(gate: LedgerGate, clock: Callable[[], float] = time.monotonic) -> Callable[[], dict]:
+def ledger_panels(
+    gate: LedgerGate, bill: MachineBill | None = None, clock: Callable[[], float] = time.monotonic
+) -> Callable[[], dict]:
     lock = threading.Lock()
-    cached: dict = {"at": None, "tenants": []}
+    cached: dict = {"at": None, "tenants": [], "margin": None}
 
     def tenants_today() -> list[dict]:
         with lock:
@@ -34,8 +39,16 @@ def ledger_panels(gate: LedgerGate, clock: Callable[[], float] = time.monotonic)
                     }
                     for row in rows
                 ]
+                cached["margin"] = margin_today() if bill else None
                 cached["at"] = clock()
             return cached["tenants"]
+
+    def margin_today() -> dict:
+        conn = open_database(gate.db_path)
+        try:
+            return margins(conn, bill, period_start("day", gate.clock()), gate.clock())
+        finally:
+            conn.close()
 
     def panels() -> dict:
         budgets = []
@@ -51,6 +64,7 @@ def ledger_panels(gate: LedgerGate, clock: Callable[[], float] = time.monotonic)
                     "spent": spent[period],
                 }
             )
-        return {"budgets": budgets, "tenants": tenants_today()}
+        tenants = tenants_today()
+        return {"budgets": budgets, "tenants": tenants, "margin": cached["margin"]}
 
     return panels

@@ -57,7 +57,10 @@ CREATE TABLE IF NOT EXISTS ledger (
     -- Prompt tokens written under a cache breakpoint's TTL pin, by TTL (not in cache_write_tokens, which holds
     -- automatic writes; all three are part of uncached_prompt_tokens). Migration 005 on PostgreSQL.
     cache_write_5m_tokens INTEGER NOT NULL DEFAULT 0,
-    cache_write_1h_tokens INTEGER NOT NULL DEFAULT 0
+    cache_write_1h_tokens INTEGER NOT NULL DEFAULT 0,
+    -- What a replay of the traffic needs (`carpool cost whatif`), and no text. Migration 007 on PostgreSQL.
+    arrived REAL,                       -- unix seconds at which the request arrived; NULL: written before
+    prompt_block_chain TEXT             -- its prompt's prefix-cache block hashes (economics.block_chain); NULL: before
 );
 CREATE INDEX IF NOT EXISTS ledger_time ON ledger (time);
 CREATE INDEX IF NOT EXISTS ledger_key_time ON ledger (key_id, time);
@@ -90,6 +93,8 @@ ADDED_COLUMNS = {
         "original_prompt_tokens INTEGER",
         "cache_write_5m_tokens INTEGER NOT NULL DEFAULT 0",
         "cache_write_1h_tokens INTEGER NOT NULL DEFAULT 0",
+        "arrived REAL",
+        "prompt_block_chain TEXT",
     ],
 }
 

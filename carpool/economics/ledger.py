@@ -38,8 +38,8 @@ _INSERT = (
     "INSERT INTO ledger (time, request_id, key_id, tenant, model, tier, uncached_prompt_tokens, cache_read_tokens,"
     " cache_write_tokens, output_tokens, queue_seconds, prefill_seconds, decode_seconds, finish_reason, cost,"
     " purpose, parent_request_id, cascade, cascade_step, cascade_accepted, constraint_kind, original_prompt_tokens,"
-    " cache_write_5m_tokens, cache_write_1h_tokens)"
-    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    " cache_write_5m_tokens, cache_write_1h_tokens, arrived, prompt_block_chain)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
     # The index db.SCHEMA's ledger_request_id (and migration 006) make: a billed row whose id is taken is skipped.
     " ON CONFLICT (request_id) WHERE finish_reason <> 'withheld' DO NOTHING"
 )
@@ -85,6 +85,8 @@ def ledger_row(usage: UsageRecord, cost: float) -> tuple:
         usage.original_prompt_tokens,
         usage.cache_write_5m_tokens,
         usage.cache_write_1h_tokens,
+        usage.arrived,
+        usage.prompt_block_chain,
     )
 
 

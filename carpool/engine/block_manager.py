@@ -101,6 +101,15 @@ def hash_block(parent: bytes | None, token_ids: list[int], salt: str | None) -> 
     return digest.digest()
 
 
+def prompt_hash_chain(token_ids: list[int], block_size: int, salt: str | None) -> list[bytes]:
+    """The keys of a prompt's full blocks in the prefix cache, in order (what the ledger keeps of a prompt)."""
+    chain, parent = [], None
+    for start in range(0, len(token_ids) - len(token_ids) % block_size, block_size):
+        parent = hash_block(parent, token_ids[start : start + block_size], salt)
+        chain.append(parent)
+    return chain
+
+
 class BlockManager:
     """The full-attention group (every layer of a model without sliding windows), and through `sliding` the
     sliding-window group when there is one. The public methods answer for both groups."""

@@ -124,11 +124,20 @@ def shared_batch_db(args: argparse.Namespace, ledger) -> str | None:
     return db if ledger and is_postgres_url(db) else None
 
 
-def dashboard_ledger_panels(ledger):
-    """The ledger's part of /dashboard (spend and budgets per key), or None on a server without a ledger."""
-    from carpool.economics.dashboard import ledger_panels
+def dashboard_ledger_panels(ledger, args: argparse.Namespace, phases: dict | None):
+    """The ledger's part of /dashboard (spend and budgets per key; with --hourly-price and the engines' phase
+    meters, margin per tier and tenant), or None on a server without a ledger."""
+    import time
 
-    return ledger_panels(ledger) if ledger else None
+    from carpool.economics.dashboard import ledger_panels
+    from carpool.economics.margin import MachineBill
+    from carpool.economics.prices import load_price_sheet
+
+    if not ledger:
+        return None
+    priced = phases and getattr(args, "hourly_price", None)
+    bill = MachineBill(args.hourly_price, time.time(), phases, load_price_sheet(args.prices)) if priced else None
+    return ledger_panels(ledger, bill)
 
 
 def attach_ledger(app, ledger, args: argparse.Namespace) -> None:
@@ -155,9 +164,10 @@ def checked_extensions(args: argparse.Namespace, configs: dict) -> dict | None:
     return cascades
 
 
-def build_app(args: argparse.Namespace, configs: dict, engines: dict, stores: Stores):
+def build_app(args: argparse.Namespace, configs: dict, engines: dict, stores: Stores, phases: dict | None = None):
     """The carpool app over `engines` ({served name: AsyncEngine or ReplicaRouter}), with the gate, the Batch API,
-    the extensions of the flags and the ledger's routes and series. `configs`: model_configs(args)."""
+    the extensions of the flags and the ledger's routes and series. `configs`: model_configs(args); `phases`:
+    in-process engines' phase meters (meter_phases), for the margin panel."""
     from carpool.server.app import create_app
     from carpool.server.open_gate import OpenGate
 
@@ -168,22 +178,27 @@ def build_app(args: argparse.Namespace, configs: dict, engines: dict, stores: St
         max_body_bytes=args.max_body_bytes,
         batch_dir=str(stores.batch_dir),
         batch_db=shared_batch_db(args, stores.ledger),
-        ledger_panels=dashboard_ledger_panels(stores.ledger),
+        ledger_panels=dashboard_ledger_panels(stores.ledger, args, phases),
         cascades=checked_extensions(args, configs),
         compression_model=args.compression_model,
     )
     attach_ledger(app, stores.ledger, args)
+    if phases:
+        from carpool.economics.phase_meter import register_phase_metrics
+
+        register_phase_metrics(app.state.metrics.registry, phases)
     return app
 
 
-def meter_phases(app, engines: dict) -> None:
-    """The prefill/decode split of engine time per model (`carpool:phase_*`), from in-process engines' steps."""
-    from carpool.economics.phase_meter import PhaseMeter, register_phase_metrics
+def meter_phases(engines: dict) -> dict:
+    """The prefill/decode split of engine time per model (`carpool:phase_*` once build_app registers them), from
+    in-process engines' steps."""
+    from carpool.economics.phase_meter import PhaseMeter
 
     phases = {name: PhaseMeter() for name in engines}
     for name, engine in engines.items():
         engine.add_step_listener(phases[name])
-    register_phase_metrics(app.state.metrics.registry, phases)
+    return phases
 
 
 def check_prices_after_warmup(engines: dict, prices_path: str | None, hourly_price: float) -> None:

@@ -72,7 +72,8 @@ def add_serve_parser(subparsers) -> None:
         type=float,
         default=None,
         help="dollars an hour for the machine: once the warm-up has measured each model's decode rate, warn of every "
-        "tier whose list output price is below what a token costs the machine even at full load",
+        "tier whose list output price is below what a token costs the machine even at full load; and /dashboard "
+        "shows the margin (revenue less the machine's cost) per tier and tenant",
     )
     parser.add_argument(
         "--log-level",
@@ -191,8 +192,7 @@ def serve(args: argparse.Namespace, configs: dict) -> int:
         name: AsyncEngine(config, engine_loop=engine_loop, warmup=not args.no_warmup)
         for name, config in configs.items()
     }
-    app = build_app(args, configs, engines, stores)
-    meter_phases(app, engines)
+    app = build_app(args, configs, engines, stores, meter_phases(engines))
     if args.hourly_price is not None:
         check_prices_after_warmup(engines, args.prices, args.hourly_price)
     # The engine loop and HTTP share the GIL; at Python's default 5 ms switch interval a thread that wants it can

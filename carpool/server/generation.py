@@ -13,8 +13,17 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from functools import partial
 
-from carpool.economics.contract import WITHHELD, Gate, GateError, Principal, UsageRecord, ttl_write_tokens
+from carpool.economics.contract import (
+    WITHHELD,
+    Gate,
+    GateError,
+    Principal,
+    UsageRecord,
+    block_chain_text,
+    ttl_write_tokens,
+)
 from carpool.engine.async_engine import AsyncEngine
+from carpool.engine.block_manager import prompt_hash_chain
 from carpool.engine.outputs import RequestOutput, best_of
 from carpool.engine.request import EngineRequest
 from carpool.engine.sequence import SequenceTimes
@@ -66,6 +75,7 @@ class Generation:
     ):
         self.gate, self.metrics, self.queues = backends.gate, backends.metrics, backends.queues
         self.model_name = backends.model_name
+        self.block_size = backends.engine.config.block_size  # for the ledger's block-hash chain
         self.request_id, self.tier, self.principal, self.choices = request_id, tier, principal, choices
         self.ledger_id = ledger_id or request_id  # its ledger row's request_id (contract.UsageRecord)
         self.abandoned = False  # stopped for another run to answer: its row is withheld (`abandon`)
@@ -234,7 +244,11 @@ class Generation:
         queue, prefill, decode = self._phase_seconds()
         reasons = {c.finish_reason for c in self.choices}
         writes_5m, writes_1h = self.ttl_write_tokens
+        created = time.time()
         record = UsageRecord(
+            created=created,
+            arrived=created - (time.monotonic() - self.arrival),
+            prompt_block_chain=self._prompt_block_chain(),
             request_id=self.ledger_id,
             model=self.model_name,
             tier=self.tier,
@@ -256,6 +270,16 @@ class Generation:
             constraint_kind=self.constraint_kind,
         )
         return replace(record, **self.ledger_fields(self)) if self.ledger_fields else record
+
+    def _prompt_block_chain(self) -> str | None:
+        """Each billed prompt's chain of prefix-cache keys (salted as its cache lookups are), for replays."""
+        return block_chain_text(
+            [
+                prompt_hash_chain(c.request.prompt_token_ids, self.block_size, c.request.cache_salt)
+                for c in self.choices
+                if c.bills_prompt
+            ]
+        )
 
     def _phase_seconds(self) -> tuple[float, float, float]:
         """Queue, prefill and decode seconds of the request as a whole: from its first choice's arrival to its

@@ -226,6 +226,8 @@ def test_ledger_row_has_every_issue_field(gate, db_path):
         "original_prompt_tokens": None,
         "cache_write_5m_tokens": 0,
         "cache_write_1h_tokens": 0,
+        "arrived": None,  # a record made outside a server's Generation: no arrival, no prompt to hash
+        "prompt_block_chain": None,
     }
 
 

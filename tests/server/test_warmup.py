@@ -2,6 +2,9 @@
 sent meanwhile wait and then run, and the warm-up leaves no trace in the engine or its metrics; `carpool serve`
 says so too (warm-up on by default, `--no-warmup` to skip it)."""
 
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -100,7 +103,7 @@ class WatchedServer(LiveServer):
 
 def test_carpool_serve_says_warming_before_it_says_ok_and_warns_of_prices_below_cost():
     """At $1,000 an hour no tier of the shipped sheet covers the machine: each is named once the warm-up has
-    measured the decode rate."""
+    measured the decode rate, and the dashboard shows each tier's and tenant's margin below zero."""
     live = WatchedServer("--max-num-seqs", "4", "--hourly-price", "1000", warmup=True)
     try:
         name = httpx.get(f"{live.url}/v1/models").json()["data"][0]["id"]
@@ -108,8 +111,28 @@ def test_carpool_serve_says_warming_before_it_says_ok_and_warns_of_prices_below_
         while live.output().count("below the machine's cost") < 4 and time.monotonic() < deadline:
             time.sleep(0.2)
         warnings = [line for line in live.output().splitlines() if "below the machine's cost" in line]
+        margin = _margin_after_one_request(live, name)
     finally:
         live.stop()
+    assert [row["tenant"] for row in margin["by_tenant"]] == ["acme"] and margin["by_tenant"][0]["revenue"] > 0
+    assert [row["tier"] for row in margin["by_tier"]] == ["default"] and margin["by_tier"][0]["margin"] < 0
+    assert margin["machine_cost"] > 0 and 0 < margin["utilization"] <= 1
+    assert {row["tier"] for row in margin["below_cost"]} == {"priority", "default", "flex", "batch"}
     assert (503, {"status": "warming", "models": [name]}) in live.answers
     assert live.answers[-1] == (200, {"status": "ok"})
     assert [line.split("tier ")[1].split(",")[0] for line in warnings] == ["priority", "default", "flex", "batch"]
+
+
+def _margin_after_one_request(live: LiveServer, model: str) -> dict:
+    """The dashboard's margin panel once an admin key of tenant acme has made one request."""
+    created = subprocess.run(
+        [sys.executable, "-m", "carpool.cli", "keys", "create", "--tenant", "acme", "--admin"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "CARPOOL_DB": os.path.join(live.home, "carpool.db")},
+        check=True,
+    )
+    headers = {"Authorization": f"Bearer {created.stdout.split()[0]}"}
+    body = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+    assert httpx.post(f"{live.url}/v1/chat/completions", json=body, headers=headers, timeout=60).status_code == 200
+    return httpx.get(f"{live.url}/dashboard/data", headers=headers, timeout=60).json()["ledger"]["margin"]

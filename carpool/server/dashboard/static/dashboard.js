@@ -198,6 +198,25 @@ function budgetBar(k) {
     share >= 1 ? "bad" : share >= 0.8 ? "warn" : "");
 }
 
+// Revenue against the machine's bill since the server started (today, UTC, at most): `carpool serve --hourly-price`.
+function renderMargin(margin) {
+  if (!margin) {
+    text("margin-summary", "start the server with --hourly-price (and a ledger) to see the margin");
+    table("margin-tier-table", [], []);
+    table("margin-tenant-table", [], []);
+    $("margin-below-cost").replaceChildren();
+    return;
+  }
+  text("margin-summary", `machine at $${margin.hourly_price}/hour: ${dollars(margin.machine_cost)} since the ` +
+    `server started, ${percent(margin.utilization)} busy`);
+  const rows = (key) => (r) => [r[key], dollars(r.revenue), dollars(r.machine_cost), dollars(r.margin)];
+  table("margin-tier-table", ["tier", "revenue", "machine cost", "margin"], margin.by_tier.map(rows("tier")));
+  table("margin-tenant-table", ["tenant", "revenue", "machine cost", "margin"], margin.by_tenant.map(rows("tenant")));
+  $("margin-below-cost").replaceChildren(...margin.below_cost.map((b) => element("div", { class: "below-cost" }, [
+    `${b.model}, tier ${b.tier}: list output $${b.list_output_per_1m.toFixed(4)} per 1M tokens, below the ` +
+    `machine's $${b.cost_output_per_1m.toFixed(4)} at this utilization`])));
+}
+
 function renderServer(doc) {
   table("tier-cost-table", ["tier", "tokens", "cost", "$ / 1K tokens"],
     TIERS.map((t) => [t, integer(doc.tiers[t].tokens), dollars(doc.tiers[t].cost),
@@ -214,6 +233,7 @@ function renderServer(doc) {
     $("budgets").replaceChildren(...(ledger.budgets.length ? ledger.budgets.map(budgetBar)
       : [element("div", { class: "empty" }, ["no keys"])]));
   }
+  renderMargin(ledger && ledger.margin);
 
   const batches = doc.batches;
   $("batches").replaceChildren(...(!batches ? [element("div", { class: "empty" }, ["the Batch API is off"])]
