@@ -65,7 +65,7 @@ chromium:
 	@test -x /usr/bin/chromium -a -x /usr/bin/chromedriver || (apt-get update -q && apt-get install -y -q chromium chromium-driver)
 
 # The tests of the shared stores (`--db postgresql://...`) start a throwaway server of their own from Debian's
-# postgresql package (tests/postgres_server.py; as root it runs as the package's `postgres` user).
+# postgresql package (carpool/bench/postgres_server.py; as root it runs as the package's `postgres` user).
 postgres:
 	@ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1 || (apt-get update -q && apt-get install -y -q postgresql)
 
@@ -89,7 +89,8 @@ docs: $(VENV)/.dev
 docs-check: $(VENV)/.dev
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir build/docs-check
 
-# llama.cpp's server, built from source (about 15 minutes on 2 cores), for side-by-side benchmarks only.
+# llama.cpp's server, built from source (4 minutes on the AMX Xeon on 2026-12-06, up to 15 on slower 2-core VMs),
+# for side-by-side benchmarks only.
 # Not GGML_NATIVE: -march=native turns AMX on wherever CPUID lists it, and llama.cpp's AMX kernels die on one of our
 # VMs: an invalid opcode on tilezero in ggml_backend_amx_mul_mat at the first prompt (2026-12-02, Intel family 6
 # model 167), where carpool's AMX probe and its amx kernel path run (4 processes x 2 threads on 2 cores for 40 s:

@@ -40,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     """Every area's subcommands, imported here rather than at the top: importing them loads the kernels, whose
     choice of path can fail (CARPOOL_KERNEL_ISA naming a path this CPU cannot run), and `main` turns that into
     one line instead of a traceback."""
+    from carpool.bench import whatif
     from carpool.bench.cli import add_bench_parser
     from carpool.economics.cli import add_cost_parser, add_keys_parser
     from carpool.kernels.probe import add_info_parser
@@ -56,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_batch_parser(subparsers)
     add_bench_parser(subparsers)
     add_keys_parser(subparsers)
-    add_cost_parser(subparsers)
+    whatif.add_parser(add_cost_parser(subparsers))
     add_info_parser(subparsers)
     add_models_parser(subparsers)
     add_cascade_parser(subparsers)

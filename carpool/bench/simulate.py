@@ -8,22 +8,24 @@ Each replica is modelled as the engine schedules: continuous batching under `max
 `StepModel.seconds(prefill tokens, decode sequences, context tokens)`, a plane fitted to real engine steps
 (`measure_step_model`).
 Sessions (a document's questions, a chat's turns) arrive as a Poisson process; a session's next turn is sent
-when its previous one finishes, as the replay bench (carpool.bench.replicas) does.
+when its previous one finishes, as the replay bench (carpool.bench.replicas) does. `replay` runs recorded requests
+instead (`carpool cost whatif`: a ledger's rows, each a prompt length, its block-hash chain, its output tokens and
+tier at its arrival time); waiting requests are admitted in tier order (priority first), as the scheduler does.
 """
 
 import heapq
 import itertools
 import math
 import random
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from carpool.bench.sessions import Session
-from carpool.engine.request import EngineRequest
 from carpool.engine.sampling_params import SamplingParams
-from carpool.server.replicas.routing import ReplicaLoad, make_routing
+from carpool.engine.tiers import BY_NAME, DEFAULT_TIER
+from carpool.server.replicas.routing import PrefixAffinity, ReplicaLoad, make_routing
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,19 @@ class ReplicaSpec:
     max_num_batched_tokens: int = 512
     num_blocks: int = 4096
     block_size: int = 16
+    prefix_caching: bool = True
+
+
+@dataclass(frozen=True)
+class Job:
+    """One request to run: when it arrives, its prompt (length, and its full blocks' chain of prefix-cache keys:
+    any hashable values, equal where prompts share a prefix), its output tokens and its tier."""
+
+    arrival: float
+    prompt_tokens: int
+    chain: tuple
+    output_tokens: int
+    tier: str = DEFAULT_TIER
 
 
 @dataclass
@@ -76,6 +91,11 @@ class SimResult:
     cached_tokens: int = 0
     output_tokens: int = 0
     makespan: float = 0.0
+    # Per tier, and per replayed job (`replay`: its index in the jobs): what a whatif prices and reports.
+    ttft_by_tier: dict[str, list[float]] = field(default_factory=dict)
+    itl_by_tier: dict[str, list[float]] = field(default_factory=dict)
+    cached_by_job: dict[int, int] = field(default_factory=dict)
+    finished_by_job: dict[int, float] = field(default_factory=dict)
 
     def summary(self, hourly_price_per_replica: float) -> dict:
         tokens = self.prompt_tokens + self.output_tokens
@@ -85,26 +105,25 @@ class SimResult:
             "routing": self.routing,
             "requests": len(self.ttft),
             "hit_rate": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
-            "ttft_p50_s": _percentile(self.ttft, 50),
-            "ttft_p99_s": _percentile(self.ttft, 99),
-            "itl_p50_s": _percentile(self.itl, 50),
-            "itl_p99_s": _percentile(self.itl, 99),
+            "ttft_p50_s": percentile(self.ttft, 50),
+            "ttft_p99_s": percentile(self.ttft, 99),
+            "itl_p50_s": percentile(self.itl, 50),
+            "itl_p99_s": percentile(self.itl, 99),
             "output_tokens_per_s": self.output_tokens / self.makespan if self.makespan else 0.0,
             "usd_per_1m_tokens": dollars / tokens * 1e6 if tokens else 0.0,
             "usd_per_1m_output_tokens": dollars / self.output_tokens * 1e6 if self.output_tokens else 0.0,
         }
 
 
-def _percentile(values: list[float], q: float) -> float | None:
+def percentile(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
 
 @dataclass
 class _Seq:
-    request: EngineRequest
-    session: int
-    turn: int
-    arrival: float
+    job: Job
+    session: int  # a session's index (its next turn follows this one), or -1 for a replayed job
+    turn: int  # the turn's index in its session, or the replayed job's index
     replica: int = -1
     to_prefill: int = 0  # prompt tokens still to compute
     produced: int = 0
@@ -113,43 +132,51 @@ class _Seq:
     @property
     def context(self) -> int:
         """Tokens whose KV this sequence's attention reads in its next step (cached and computed ones)."""
-        return len(self.request.prompt_token_ids) - self.to_prefill + self.produced
+        return self.job.prompt_tokens - self.to_prefill + self.produced
 
 
 class _Replica:
     def __init__(self, spec: ReplicaSpec):
         self.spec = spec
-        self.waiting: deque[_Seq] = deque()
+        self.waiting: list[tuple[int, float, int, _Seq]] = []  # a heap: tier priority, then arrival order
         self.running: list[_Seq] = []
         self.cache: OrderedDict[int, None] = OrderedDict()
         self.busy = False
 
-    def cached_tokens(self, request: EngineRequest) -> int:
+    def cached_tokens(self, job: Job) -> int:
         """Leading prompt blocks in the cache (at least the last token is always computed, as in the engine)."""
-        hashes, size = _chain(request, self.spec.block_size), self.spec.block_size
         hit = 0
-        for block in hashes:
+        for block in job.chain if self.spec.prefix_caching else ():
             if block not in self.cache:
                 break
             self.cache.move_to_end(block)
             hit += 1
-        return min(hit * size, len(request.prompt_token_ids) - 1)
+        return min(hit * self.spec.block_size, job.prompt_tokens - 1)
 
-    def insert(self, request: EngineRequest, num_tokens: int) -> None:
+    def insert(self, job: Job, num_tokens: int) -> None:
         """The prompt's blocks computed so far (the engine caches each full block as its chunk is computed)."""
-        for block in _chain(request, self.spec.block_size)[: num_tokens // self.spec.block_size]:
+        if not self.spec.prefix_caching:
+            return
+        for block in job.chain[: num_tokens // self.spec.block_size]:
             self.cache[block] = None
             self.cache.move_to_end(block)
         while len(self.cache) > self.spec.num_blocks:
             self.cache.popitem(last=False)
 
 
-def _chain(request: EngineRequest, block_size: int) -> list[int]:
-    tokens, chain, hashes = request.prompt_token_ids, hash(("salt", request.cache_salt)), []
+def _chain(tokens: list[int], salt: str | None, block_size: int) -> tuple:
+    """The salted block-hash chain of a prompt, as the prefix router hashes it (routing.PrefixAffinity)."""
+    chain, hashes = hash(("salt", salt)), []
     for start in range(0, len(tokens) // block_size * block_size, block_size):
         chain = hash((chain, tuple(tokens[start : start + block_size])))
         hashes.append(chain)
-    return hashes
+    return tuple(hashes)
+
+
+def _route(router, job: Job, loads: list[ReplicaLoad]) -> int:
+    if isinstance(router, PrefixAffinity):
+        return router.choose_hashed(list(job.chain), job.prompt_tokens, job.tier, loads)
+    return router.choose(None, loads)  # least loaded or round-robin: the request itself is not read
 
 
 def simulate(
@@ -160,36 +187,47 @@ def simulate(
         raise ValueError("replicas must be at least 1")
     if len(arrivals) != len(sessions):
         raise ValueError("arrivals: one arrival time per session")
+    starts = [(at, (index, 0)) for index, at in enumerate(arrivals)]
+    return _run(sessions, starts, replicas, routing, step, spec)
+
+
+def replay(jobs: list[Job], replicas: int, routing: str, step: StepModel, spec: ReplicaSpec) -> SimResult:
+    """Run recorded requests, each at its own arrival time, on `replicas` replicas routed by `routing`."""
+    if replicas < 1:
+        raise ValueError("replicas must be at least 1")
+    return _run(jobs, [(job.arrival, (-1, index)) for index, job in enumerate(jobs)], replicas, routing, step, spec)
+
+
+def _run(work: list, starts: list, replicas: int, routing: str, step: StepModel, spec: ReplicaSpec) -> SimResult:
+    """`work`: sessions (a start's payload is (session, turn)) or jobs (payload (-1, job index))."""
     router = make_routing(routing, spec.block_size)
     loads = [ReplicaLoad(slots=spec.max_num_seqs) for _ in range(replicas)]
     nodes = [_Replica(spec) for _ in range(replicas)]
     result = SimResult(replicas, routing)
     events: list = []
     order = itertools.count()
-    for index, at in enumerate(arrivals):
-        heapq.heappush(events, (at, next(order), "arrive", (index, 0)))
+    for at, payload in starts:
+        heapq.heappush(events, (at, next(order), "arrive", payload))
     now = 0.0
     while events:
         now, _, kind, payload = heapq.heappop(events)
         if kind == "arrive":
             session_index, turn_index = payload
-            session = sessions[session_index]
-            turn = session.turns[turn_index]
-            request = EngineRequest(
-                f"s{session_index}-{turn_index}",
-                turn.prompt_token_ids,
-                SamplingParams(max_tokens=turn.output_tokens),
-                cache_salt=session.salt,
-                arrival_time=now,
-            )
-            seq = _Seq(request, session_index, turn_index, now)
-            seq.replica = router.choose(request, loads)
+            if session_index < 0:
+                job = work[turn_index]
+            else:
+                session = work[session_index]
+                turn = session.turns[turn_index]
+                chain = _chain(turn.prompt_token_ids, session.salt, spec.block_size)
+                job = Job(now, len(turn.prompt_token_ids), chain, turn.output_tokens)
+            seq = _Seq(job, session_index, turn_index)
+            seq.replica = _route(router, job, loads)
             loads[seq.replica].in_flight += 1
-            nodes[seq.replica].waiting.append(seq)
+            heapq.heappush(nodes[seq.replica].waiting, (BY_NAME[job.tier].priority, now, next(order), seq))
             _start_step(nodes[seq.replica], seq.replica, now, step, events, order, result)
         else:
-            _finish_step(nodes, loads, payload, now, sessions, step, events, order, result)
-    result.makespan = now - min(arrivals, default=0.0)
+            _finish_step(nodes, loads, payload, now, work, step, events, order, result)
+    result.makespan = now - min((at for at, _ in starts), default=0.0)
     return result
 
 
@@ -206,11 +244,13 @@ def _start_step(node: _Replica, index: int, now: float, step: StepModel, events,
             chunks.append((seq, chunk))
             budget -= chunk
     while node.waiting and len(node.running) < spec.max_num_seqs and budget > 0:
-        seq = node.waiting.popleft()
-        cached = node.cached_tokens(seq.request)  # at admission: what earlier chunks have cached by now
-        result.prompt_tokens += len(seq.request.prompt_token_ids)
+        seq = heapq.heappop(node.waiting)[-1]
+        cached = node.cached_tokens(seq.job)  # at admission: what earlier chunks have cached by now
+        result.prompt_tokens += seq.job.prompt_tokens
         result.cached_tokens += cached
-        seq.to_prefill = len(seq.request.prompt_token_ids) - cached
+        if seq.session < 0:
+            result.cached_by_job[seq.turn] = cached
+        seq.to_prefill = seq.job.prompt_tokens - cached
         node.running.append(seq)
         chunk = min(seq.to_prefill, budget)
         chunks.append((seq, chunk))
@@ -223,29 +263,33 @@ def _start_step(node: _Replica, index: int, now: float, step: StepModel, events,
     heapq.heappush(events, (now + duration, next(order), "step", (index, decoding, chunks)))
 
 
-def _finish_step(nodes, loads, payload, now, sessions, step, events, order, result: SimResult) -> None:
+def _finish_step(nodes, loads, payload, now, work, step, events, order, result: SimResult) -> None:
     index, decoding, chunks = payload
     node = nodes[index]
     node.busy = False
     emitted = list(decoding)
     for seq, chunk in chunks:
         seq.to_prefill -= chunk
-        node.insert(seq.request, len(seq.request.prompt_token_ids) - seq.to_prefill)
+        node.insert(seq.job, seq.job.prompt_tokens - seq.to_prefill)
         if seq.to_prefill == 0:  # the prompt's last chunk samples the first token
-            result.ttft.append(now - seq.arrival)
+            result.ttft.append(now - seq.job.arrival)
+            result.ttft_by_tier.setdefault(seq.job.tier, []).append(now - seq.job.arrival)
             emitted.append(seq)
     for seq in emitted:
         if seq.last_token_at is not None:
             result.itl.append(now - seq.last_token_at)
+            result.itl_by_tier.setdefault(seq.job.tier, []).append(now - seq.last_token_at)
         seq.last_token_at = now
         seq.produced += 1
         result.output_tokens += 1
-        if seq.produced >= seq.request.params.max_tokens:
+        if seq.produced >= max(seq.job.output_tokens, 1):
             node.running.remove(seq)
             loads[index].in_flight -= 1
-            if seq.turn + 1 < len(sessions[seq.session].turns):
+            if seq.session < 0:
+                result.finished_by_job[seq.turn] = now
+            elif seq.turn + 1 < len(work[seq.session].turns):
                 heapq.heappush(events, (now, next(order), "arrive", (seq.session, seq.turn + 1)))
-    used = sum(math.ceil(len(s.request.prompt_token_ids) / node.spec.block_size) for s in node.running)
+    used = sum(math.ceil(s.job.prompt_tokens / node.spec.block_size) for s in node.running)
     loads[index].kv_usage = min(1.0, used / node.spec.num_blocks)
     _start_step(node, index, now, step, events, order, result)
 

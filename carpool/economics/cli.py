@@ -97,7 +97,9 @@ def add_keys_parser(subparsers) -> None:
         _add_db_arg(command)
 
 
-def add_cost_parser(subparsers) -> None:
+def add_cost_parser(subparsers):
+    """`carpool cost ...`; returns its subcommands, for `whatif` (which replays through the bench's simulator, a
+    room economics does not import) to join them."""
     parser = subparsers.add_parser("cost", help="usage reports and the self-hosting cost model")
     commands = parser.add_subparsers(dest="cost_command", required=True)
 
@@ -140,6 +142,7 @@ def add_cost_parser(subparsers) -> None:
     prices.add_argument("--margin", type=float, default=0.0, help="over the machine's cost, e.g. 0.3 (default: 0)")
     prices.add_argument("--out", type=Path, default=None, help="write the sheet here (default: stdout)")
     prices.set_defaults(func=_cost_prices)
+    return commands
 
 
 def _add_measurement_args(model: argparse.ArgumentParser) -> None:

@@ -102,22 +102,25 @@ class PrefixAffinity(Routing):
         return len(hashes)
 
     def choose(self, request: EngineRequest, loads: list[ReplicaLoad]) -> int:
-        hashes = self.block_hashes(request)
-        chosen = self._choose(request, hashes, loads)
-        self._remember(hashes, chosen)
+        return self.choose_hashed(self.block_hashes(request), len(request.prompt_token_ids), request.tier, loads)
+
+    def choose_hashed(self, hashes: list, prompt_tokens: int, tier: str, loads: list[ReplicaLoad]) -> int:
+        """`choose` for a prompt known by its leading block hashes (a replayed ledger row's chain) and length."""
+        chosen = self._choose(hashes[: self.max_blocks], prompt_tokens, tier, loads)
+        self._remember(hashes[: self.max_blocks], chosen)
         return chosen
 
-    def _choose(self, request: EngineRequest, hashes: list[int], loads: list[ReplicaLoad]) -> int:
+    def _choose(self, hashes: list, prompt_tokens: int, tier: str, loads: list[ReplicaLoad]) -> int:
         fallback = least_loaded(loads, [self._held[i] for i in range(len(loads))])
         healthy = [i for i, load in enumerate(loads) if load.healthy]
         if not hashes or not healthy:
             return fallback
         matches = {i: self.matched_blocks(hashes, i) for i in healthy}
         best = max(healthy, key=lambda i: (matches[i], -loads[i].in_flight, -i))
-        if matches[best] * self.block_size < self.MIN_MATCH * len(request.prompt_token_ids):
+        if matches[best] * self.block_size < self.MIN_MATCH * prompt_tokens:
             return fallback
         load = loads[best]
-        if request.tier == PRIORITY_TIER:  # latency first: the cached replica only if it can start at once
+        if tier == PRIORITY_TIER:  # latency first: the cached replica only if it can start at once
             return best if load.has_room else fallback
         # Other tiers may queue behind their cache (a hit saves the prefill), within `imbalance`.
         overloaded = load.kv_usage >= FULL_KV or load.in_flight - loads[fallback].in_flight > self.imbalance

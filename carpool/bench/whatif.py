@@ -1,0 +1,269 @@
+"""`carpool cost whatif`: the operator's own recorded traffic (the ledger's rows: arrival, tier, tenant, prompt
+length and its salted block-hash chain, output tokens) replayed through the replica simulator
+(carpool.bench.simulate, fitted to this machine's measured steps) under each lever alone and all together, priced
+by the price sheet and the machine's hourly price. For each: the machine's cost (replicas x hourly price x the
+time the traffic spans, idle time included: machines are paid by the hour), the revenue the sheet bills,
+the margin and its change against today's configuration, TTFT and ITL p50/p99 per tier.
+
+The levers replayed here: prefix caching off (today's saving made visible), chosen tenants' or tiers' requests
+moved to the Batch API (half price, admitted after every live tier; the report says how long they waited against
+the 24-hour window), and replica counts. Compression, cascade and router thresholds, and the SLO controller are
+not replayed yet (issue 50 lists them).
+
+A row written before the ledger kept `arrived` has no place in a replay: such rows are counted and left out.
+"""
+
+import argparse
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from carpool.bench.simulate import Job, ReplicaSpec, StepModel, measure_step_model, percentile, replay
+from carpool.economics.contract import UsageRecord, read_block_chain
+from carpool.economics.db import default_db_path, open_database
+from carpool.economics.prices import PriceSheet, load_price_sheet
+from carpool.economics.reports import parse_time
+from carpool.engine.tiers import BATCH_TIER, TIER_NAMES
+
+BATCH_WINDOW_SECONDS = 24 * 3600  # the Batch API's completion window
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """One ledger row as a replay needs it."""
+
+    job: Job
+    tenant: str | None
+    model: str
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    replicas: int
+    prefix_caching: bool = True
+    to_batch: frozenset = frozenset()  # indexes of the rows moved to the Batch API
+
+
+def recorded_rows(db, model: str | None, since: float | None, until: float | None) -> tuple[list[Recorded], int]:
+    """(the rows of `model` (default: the one with most rows) in [since, until) that a replay can use, the
+    number left out for lacking an arrival time)."""
+    conn = open_database(db)
+    try:
+        bounds = (since if since is not None else float("-inf"), until if until is not None else float("inf"))
+        if model is None:
+            found = conn.execute(
+                "SELECT model FROM ledger WHERE time >= ? AND time < ? GROUP BY model ORDER BY COUNT(*) DESC",
+                bounds,
+            ).fetchone()
+            if found is None:
+                raise ValueError("--db: the ledger has no rows in that window")
+            model = found[0]
+        rows = conn.execute(
+            "SELECT arrived, tier, tenant, uncached_prompt_tokens + cache_read_tokens, output_tokens,"
+            " prompt_block_chain FROM ledger WHERE model = ? AND time >= ? AND time < ? ORDER BY arrived",
+            (model, *bounds),
+        ).fetchall()
+    finally:
+        conn.close()
+    usable = [row for row in rows if row[0] is not None]
+    recorded = []
+    for arrived, tier, tenant, prompt_tokens, output_tokens, chain_text in usable:
+        chains = read_block_chain(chain_text)
+        job = Job(arrived, max(prompt_tokens, 1), tuple(chains[0]) if chains else (), output_tokens, tier)
+        recorded.append(Recorded(job, tenant, model))
+    return recorded, len(rows) - len(usable)
+
+
+def scenarios(rows: list[Recorded], args: argparse.Namespace) -> list[Scenario]:
+    """Today, each lever alone, and all of them together."""
+    today = Scenario("today", args.replicas_today)
+    moved = frozenset(
+        i for i, row in enumerate(rows) if row.tenant in args.batch_tenants or row.job.tier in args.batch_tiers
+    )
+    found = [today, replace(today, name="no prefix cache", prefix_caching=False)]
+    if moved:
+        found.append(replace(today, name=f"{len(moved)} requests to the Batch API", to_batch=moved))
+    found += [replace(today, name=f"{n} replicas", replicas=n) for n in args.replicas if n != args.replicas_today]
+    if moved and args.replicas:
+        fewest = min(args.replicas)
+        found.append(replace(today, name=f"Batch API + {fewest} replicas", replicas=fewest, to_batch=moved))
+    return found
+
+
+def run_scenario(
+    scenario: Scenario, rows: list[Recorded], step: StepModel, spec: ReplicaSpec, hourly: float, prices: PriceSheet
+) -> dict:
+    start = min(row.job.arrival for row in rows)
+    jobs = [
+        replace(row.job, arrival=row.job.arrival - start, tier=BATCH_TIER if i in scenario.to_batch else row.job.tier)
+        for i, row in enumerate(rows)
+    ]
+    result = replay(jobs, scenario.replicas, "prefix", step, replace(spec, prefix_caching=scenario.prefix_caching))
+    span = max(max(job.arrival for job in jobs), result.makespan)
+    machine = scenario.replicas * hourly * span / 3600
+    revenue = sum(
+        _billed(prices, row.model, job, result.cached_by_job.get(i, 0))
+        for i, (row, job) in enumerate(zip(rows, jobs, strict=True))
+    )
+    tokens = sum(job.prompt_tokens + job.output_tokens for job in jobs)
+    waited = [result.finished_by_job[i] - jobs[i].arrival for i in scenario.to_batch if i in result.finished_by_job]
+    return {
+        "scenario": scenario.name,
+        "replicas": scenario.replicas,
+        "prefix_caching": scenario.prefix_caching,
+        "moved_to_batch": len(scenario.to_batch),
+        "seconds": span,
+        "machine_cost": machine,
+        "machine_cost_per_1m_tokens": machine / tokens * 1e6 if tokens else 0.0,
+        "revenue": revenue,
+        "margin": revenue - machine,
+        "hit_rate": result.cached_tokens / result.prompt_tokens if result.prompt_tokens else 0.0,
+        "batch_longest_wait_s": max(waited, default=None),
+        "batch_within_window": all(wait <= BATCH_WINDOW_SECONDS for wait in waited),
+        "latency": {
+            tier: {
+                "ttft_p50_s": percentile(result.ttft_by_tier.get(tier, []), 50),
+                "ttft_p99_s": percentile(result.ttft_by_tier.get(tier, []), 99),
+                "itl_p50_s": percentile(result.itl_by_tier.get(tier, []), 50),
+                "itl_p99_s": percentile(result.itl_by_tier.get(tier, []), 99),
+            }
+            for tier in TIER_NAMES
+            if tier in result.ttft_by_tier
+        },
+    }
+
+
+def _billed(prices: PriceSheet, model: str, job: Job, cached_tokens: int) -> float:
+    """What the price sheet bills a replayed request: its tier, its prompt with the cache hits it got."""
+    usage = UsageRecord(
+        request_id="whatif",
+        model=model,
+        tier=job.tier,
+        prompt_tokens=job.prompt_tokens,
+        cached_tokens=cached_tokens,
+        cache_write_tokens=0,
+        output_tokens=job.output_tokens,
+        queue_seconds=0.0,
+        prefill_seconds=0.0,
+        decode_seconds=0.0,
+        finish_reason="stop",
+    )
+    return prices.cost(usage)
+
+
+def whatif(rows: list[Recorded], args: argparse.Namespace, step: StepModel) -> list[dict]:
+    spec = ReplicaSpec(args.max_num_seqs, args.max_num_batched_tokens, args.num_kv_blocks)
+    prices = load_price_sheet(args.prices)
+    results = [run_scenario(s, rows, step, spec, args.hourly_price, prices) for s in scenarios(rows, args)]
+    for result in results:
+        result["margin_change"] = result["margin"] - results[0]["margin"]
+    return results
+
+
+def render(results: list[dict]) -> str:
+    header = (
+        f"{'scenario':<32} {'replicas':>8} {'machine $':>10} {'$/1M tok':>9} {'revenue $':>10} {'margin $':>10} "
+        f"{'vs today':>9} {'hit':>5}  TTFT p50/p99 ms per tier"
+    )
+    lines = [header]
+    for r in results:
+        latency = ", ".join(f"{tier} {_ms(v['ttft_p50_s'])}/{_ms(v['ttft_p99_s'])}" for tier, v in r["latency"].items())
+        lines.append(
+            f"{r['scenario']:<32} {r['replicas']:>8} {r['machine_cost']:>10.4f} {r['machine_cost_per_1m_tokens']:>9.3f}"
+            f" {r['revenue']:>10.4f} {r['margin']:>10.4f} {r['margin_change']:>+9.4f} {r['hit_rate']:>5.2f}  {latency}"
+        )
+    return "\n".join(lines)
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.0f}"
+
+
+def _plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["scenario"] for r in results]
+    figure, axis = plt.subplots(figsize=(8, 3.5))
+    axis.barh(
+        names, [r["margin"] for r in results], color=["#58a6ff" if r["margin"] >= 0 else "#f85149" for r in results]
+    )
+    axis.axvline(0, color="black", linewidth=0.8)
+    axis.set_xlabel("margin over the replayed window ($): revenue less the machine's cost")
+    axis.invert_yaxis()
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+
+
+def add_parser(cost_commands) -> None:
+    parser = cost_commands.add_parser(
+        "whatif",
+        help="replay the ledger's traffic through the simulator under each lever (prefix cache, Batch API, "
+        "replicas): machine cost, revenue, margin and latency per tier against today",
+    )
+    parser.add_argument("--db", default=None, help="the ledger (default: $CARPOOL_DB or ~/.cache/carpool/carpool.db)")
+    parser.add_argument("--since", type=parse_time, default=None, help="unix seconds or ISO 8601 (UTC), inclusive")
+    parser.add_argument("--until", type=parse_time, default=None, help="unix seconds or ISO 8601 (UTC), exclusive")
+    parser.add_argument("--model", default=None, help="the served model's rows to replay (default: the busiest)")
+    parser.add_argument("--hourly-price", type=float, required=True, help="dollars an hour a replica costs")
+    parser.add_argument("--prices", default=None, help="the price sheet revenue is billed by (default: shipped)")
+    parser.add_argument("--replicas-today", type=int, default=1, help="replicas the traffic ran on (default: 1)")
+    parser.add_argument("--replicas", type=_counts, default=[], help="replica counts to try, e.g. 1,2,4")
+    parser.add_argument("--batch-tenants", type=_names, default=frozenset(), help="tenants moved to the Batch API")
+    parser.add_argument("--batch-tiers", type=_names, default=frozenset(), help="tiers moved to the Batch API")
+    parser.add_argument(
+        "--step",
+        default=None,
+        metavar="BASE,PER_PREFILL_TOKEN,PER_DECODE_SEQ[,PER_CONTEXT_TOKEN]",
+        help="a step model in seconds instead of fitting one to this machine (carpool bench simulate's)",
+    )
+    parser.add_argument("--threads", type=int, default=None, help="torch threads of the fitted step model")
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="each replica's sequence slots")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="each replica's step token budget")
+    parser.add_argument("--num-kv-blocks", type=int, default=ReplicaSpec.num_blocks, help="each replica's KV pool")
+    parser.add_argument("--out", default="bench-results/whatif.json", help="the JSON report (the plot beside it)")
+    parser.set_defaults(func=main)
+
+
+def _counts(text: str) -> list[int]:
+    counts = [int(value) for value in text.split(",")]
+    if any(count < 1 for count in counts):
+        raise argparse.ArgumentTypeError("replica counts must be at least 1")
+    return counts
+
+
+def _names(text: str) -> frozenset:
+    return frozenset(name for name in text.split(",") if name)
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.hourly_price <= 0:
+        raise ValueError(f"--hourly-price must be positive, got {args.hourly_price}")
+    unknown = sorted(args.batch_tiers - set(TIER_NAMES))
+    if unknown:
+        raise ValueError(f"--batch-tiers: unknown tier {unknown[0]!r} (known: {', '.join(TIER_NAMES)})")
+    rows, left_out = recorded_rows(args.db or default_db_path(), args.model, args.since, args.until)
+    if not rows:
+        raise ValueError(
+            f"--db: no row in that window has an arrival time ({left_out} written before the ledger kept it)"
+        )
+    if args.step:
+        step = StepModel(*(float(value) for value in args.step.split(",")))
+    else:
+        from carpool.engine.config import EngineConfig
+
+        step = measure_step_model(EngineConfig(model=rows[0].model, num_threads=args.threads))
+    results = whatif(rows, args, step)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    document = {"model": rows[0].model, "rows": len(rows), "left_out": left_out, "step_model": vars(step)}
+    out.write_text(json.dumps(document | {"scenarios": results}, indent=2) + "\n")
+    _plot(results, out.with_suffix(".png"))
+    print(f"{rows[0].model}: {len(rows)} requests replayed ({left_out} without an arrival time left out)")
+    print(render(results))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+    return 0

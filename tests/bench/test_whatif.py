@@ -1,0 +1,86 @@
+"""`carpool cost whatif` on a synthetic ledger whose answer is worked by hand: three requests (the second shares
+the first's prompt blocks), a step model in round numbers, a price sheet in round numbers; each lever's machine
+cost, revenue and time to first token as the arithmetic says."""
+
+import json
+
+import pytest
+
+from carpool.bench import whatif
+from carpool.cli import build_parser
+from carpool.economics.contract import block_chain_text
+from carpool.economics.db import open_database
+
+SHEET = """
+[cache]
+read = 0.1
+write = 1.25
+[models.m]
+input = 1.0
+output = 2.0
+"""
+STEP = "0.01,0.001,0.01"  # 10 ms a step, 1 ms a prompt token, 10 ms a decoding sequence
+
+
+def ledger(path, rows) -> None:
+    conn = open_database(path)
+    with conn:
+        for arrived, tenant, prompt_tokens, chain in rows:
+            conn.execute(
+                "INSERT INTO ledger (time, tenant, model, tier, uncached_prompt_tokens, cache_read_tokens,"
+                " cache_write_tokens, output_tokens, queue_seconds, prefill_seconds, decode_seconds, finish_reason,"
+                " cost, arrived, prompt_block_chain) VALUES (?, ?, 'm', 'default', ?, 0, 0, 2, 0, 0, 0, 'stop', 1, ?, ?)",
+                (
+                    1000 + (arrived or 0),
+                    tenant,
+                    prompt_tokens,
+                    None if arrived is None else 1000 + arrived,
+                    block_chain_text([chain]),
+                ),
+            )
+    conn.close()
+
+
+def test_each_lever_costs_and_bills_what_the_arithmetic_says(tmp_path):
+    shared = [f"block-{i}".encode().ljust(8, b".") for i in range(4)]
+    other = [f"other-{i}".encode().ljust(8, b".") for i in range(2)]
+    ledger(
+        tmp_path / "carpool.db",
+        [(0, "a", 64, shared), (100, "a", 64, shared), (200, "b", 32, other), (None, "a", 64, shared)],
+    )
+    (tmp_path / "prices.toml").write_text(SHEET)
+    out = tmp_path / "whatif.json"
+    args = build_parser().parse_args(
+        ["cost", "whatif", "--db", str(tmp_path / "carpool.db"), "--hourly-price", "3.6", "--step", STEP]
+        + ["--prices", str(tmp_path / "prices.toml"), "--replicas", "2", "--batch-tenants", "b", "--out", str(out)]
+    )
+    assert whatif.main(args) == 0
+    report = json.loads(out.read_text())
+    assert (report["rows"], report["left_out"]) == (3, 1)  # the row without an arrival time cannot be replayed
+    by_name = {row["scenario"]: row for row in report["scenarios"]}
+    today = by_name["today"]
+    # The last request arrives at 200 s and runs a 32-token prefill (42 ms) and one decode step (20 ms).
+    assert today["seconds"] == pytest.approx(200.062)
+    assert today["machine_cost"] == pytest.approx(3.6 * 200.062 / 3600)
+    # $ per 1M: 64 in + 2 x 2 out; the second reads 63 cached tokens at 0.1 (its last is computed): 1 + 6.3 + 4;
+    # the third 32 + 4.
+    assert today["revenue"] == pytest.approx((68 + 11.3 + 36) / 1e6)
+    assert today["latency"]["default"]["ttft_p50_s"] == pytest.approx(0.042)  # of 74, 11 and 42 ms
+    assert by_name["no prefix cache"]["revenue"] == pytest.approx((68 + 68 + 36) / 1e6)
+    moved = by_name["1 requests to the Batch API"]
+    assert moved["revenue"] == pytest.approx((68 + 11.3 + 18) / 1e6) and moved["batch_within_window"]
+    assert set(moved["latency"]) == {"default", "batch"}
+    assert by_name["2 replicas"]["machine_cost"] == pytest.approx(2 * today["machine_cost"])
+    assert by_name["Batch API + 2 replicas"]["margin_change"] == pytest.approx(
+        moved["revenue"] - today["revenue"] - today["machine_cost"]
+    )
+    assert out.with_suffix(".png").exists()
+
+
+def test_a_ledger_without_replayable_rows_is_one_line_naming_it(tmp_path):
+    ledger(tmp_path / "carpool.db", [(None, "a", 64, [])])
+    args = build_parser().parse_args(
+        ["cost", "whatif", "--db", str(tmp_path / "carpool.db"), "--hourly-price", "1", "--step", STEP]
+    )
+    with pytest.raises(ValueError, match="no row in that window has an arrival time"):
+        whatif.main(args)
