@@ -2,10 +2,16 @@
 (and API keys), one small one (two sequence slots, short queues) for the tier and admission tests; and an
 in-process AsyncEngine over the session's model for tests that build their own app."""
 
+from collections import namedtuple
+
 import pytest
 from live_server import LiveServer
 
+from carpool.economics.db import open_database
+from carpool.economics.ledger_gate import LedgerGate
+from carpool.economics.prices import load_price_sheet
 from carpool.engine.async_engine import AsyncEngine
+from carpool.server.app import create_app
 
 API_KEY = "sk-carpool-test"
 
@@ -52,3 +58,17 @@ def engine(llm):
     engine.start()
     yield engine
     engine.stop()
+
+
+LedgerApp = namedtuple("LedgerApp", "app gate conn")
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def ledger_app(engine, tmp_path, request):
+    """An in-process app (its model served as "tiny") over a ledger on each store, with a connection to it."""
+    db = request.getfixturevalue("postgres_url") if request.param == "postgresql" else str(tmp_path / "carpool.db")
+    gate = LedgerGate(db, load_price_sheet(None))
+    conn = open_database(db)
+    yield LedgerApp(create_app(engine, gate, model_name="tiny"), gate, conn)
+    conn.close()
+    gate.close()

@@ -7,14 +7,9 @@ import asyncio
 import time
 
 import httpx
-import pytest
 
 from carpool.economics import keys as key_store
 from carpool.economics.contract import read_block_chain
-from carpool.economics.db import open_database
-from carpool.economics.ledger_gate import LedgerGate
-from carpool.economics.prices import load_price_sheet
-from carpool.server.app import create_app
 
 SYSTEM = (
     "You are the help line of a bicycle shop. Answer in one short sentence, politely, and never invent prices. " * 2
@@ -39,33 +34,25 @@ def chat(app, secret: str, question: str, request_id: str) -> httpx.Response:
     return asyncio.run(send())
 
 
-@pytest.mark.parametrize("store", ["sqlite", "postgresql"])
-def test_rows_keep_arrival_and_salted_block_chains_and_no_text(engine, tmp_path, request, store):
-    db = request.getfixturevalue("postgres_url") if store == "postgresql" else str(tmp_path / "carpool.db")
-    gate = LedgerGate(db, load_price_sheet(None))
-    app = create_app(engine, gate, model_name="tiny")
-    conn = open_database(db)
-    try:
-        _, acme = key_store.create_key(conn, "acme")
-        _, globex = key_store.create_key(conn, "globex")
-        started = time.time()
-        for secret, question, request_id in (
-            (acme, "Do you repair tyres?", "acme-1"),
-            (acme, "When do you open on Sundays?", "acme-2"),
-            (globex, "Do you repair tyres?", "globex-1"),
-        ):
-            assert chat(app, secret, question, request_id).status_code == 200
-        gate.flush(timeout=30)
-        rows = {
-            row["request_id"]: row
-            for row in conn.execute(
-                "SELECT request_id, time, arrived, prompt_block_chain, uncached_prompt_tokens, cache_read_tokens"
-                " FROM ledger"
-            ).fetchall()
-        }
-    finally:
-        conn.close()
-        gate.close()
+def test_rows_keep_arrival_and_salted_block_chains_and_no_text(engine, ledger_app):
+    app, gate, conn = ledger_app
+    _, acme = key_store.create_key(conn, "acme")
+    _, globex = key_store.create_key(conn, "globex")
+    started = time.time()
+    for secret, question, request_id in (
+        (acme, "Do you repair tyres?", "acme-1"),
+        (acme, "When do you open on Sundays?", "acme-2"),
+        (globex, "Do you repair tyres?", "globex-1"),
+    ):
+        assert chat(app, secret, question, request_id).status_code == 200
+    gate.flush(timeout=30)
+    rows = {
+        row["request_id"]: row
+        for row in conn.execute(
+            "SELECT request_id, time, arrived, prompt_block_chain, uncached_prompt_tokens, cache_read_tokens"
+            " FROM ledger"
+        ).fetchall()
+    }
     block_size = engine.config.block_size
     chains = {}
     for request_id, row in rows.items():

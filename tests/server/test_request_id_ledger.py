@@ -10,7 +10,6 @@ import httpx
 import pytest
 
 from carpool.economics import keys as key_store
-from carpool.economics.db import open_database
 from carpool.economics.ledger_gate import LedgerGate
 from carpool.economics.prices import load_price_sheet
 from carpool.server.app import create_app
@@ -29,30 +28,22 @@ def post(app, body: dict, headers: dict) -> httpx.Response:
     return asyncio.run(send())
 
 
-@pytest.mark.parametrize("store", ["sqlite", "postgresql"])
-def test_the_ledger_row_is_named_by_the_clients_request_id_and_billed_once(engine, tmp_path, request, store):
-    db = request.getfixturevalue("postgres_url") if store == "postgresql" else str(tmp_path / "carpool.db")
-    gate = LedgerGate(db, load_price_sheet(None))
-    app = create_app(engine, gate, model_name="tiny")
-    conn = open_database(db)
-    try:
-        _, secret = key_store.create_key(conn, "acme", budget=1.0, budget_period="day")
-        headers = {"Authorization": f"Bearer {secret}", "x-request-id": "client-trace-42"}
-        first = post(app, BODY | {"n": 2}, headers)
-        assert first.status_code == 200 and first.headers["x-request-id"] == "client-trace-42"
-        spent = gate.key_spend()[0][1]["day"]
-        again = post(app, BODY, headers)
-        assert again.status_code == 409, again.text
-        assert again.json()["error"]["code"] == "duplicate_request_id" and "client-trace-42" in again.text
-        gate.flush(timeout=30)
-        rows = conn.execute("SELECT request_id, finish_reason, cost, output_tokens FROM ledger ORDER BY id").fetchall()
-        assert [tuple(row[:2]) for row in rows] == [("client-trace-42", "length"), ("client-trace-42", "withheld")]
-        assert rows[0][2] > 0 and rows[1][2] == 0 and rows[0][3] == 6  # n=2 choices: one row, both billed
-        assert gate.key_spend()[0][1]["day"] == pytest.approx(spent)  # the withheld run refunded
-        assert post(app, BODY, headers | {"x-request-id": "client-trace-43"}).status_code == 200
-    finally:
-        conn.close()
-        gate.close()
+def test_the_ledger_row_is_named_by_the_clients_request_id_and_billed_once(ledger_app):
+    app, gate, conn = ledger_app
+    _, secret = key_store.create_key(conn, "acme", budget=1.0, budget_period="day")
+    headers = {"Authorization": f"Bearer {secret}", "x-request-id": "client-trace-42"}
+    first = post(app, BODY | {"n": 2}, headers)
+    assert first.status_code == 200 and first.headers["x-request-id"] == "client-trace-42"
+    spent = gate.key_spend()[0][1]["day"]
+    again = post(app, BODY, headers)
+    assert again.status_code == 409, again.text
+    assert again.json()["error"]["code"] == "duplicate_request_id" and "client-trace-42" in again.text
+    gate.flush(timeout=30)
+    rows = conn.execute("SELECT request_id, finish_reason, cost, output_tokens FROM ledger ORDER BY id").fetchall()
+    assert [tuple(row[:2]) for row in rows] == [("client-trace-42", "length"), ("client-trace-42", "withheld")]
+    assert rows[0][2] > 0 and rows[1][2] == 0 and rows[0][3] == 6  # n=2 choices: one row, both billed
+    assert gate.key_spend()[0][1]["day"] == pytest.approx(spent)  # the withheld run refunded
+    assert post(app, BODY, headers | {"x-request-id": "client-trace-43"}).status_code == 200
 
 
 def test_a_request_without_an_id_is_billed_under_the_one_the_server_gave_it(engine, tmp_path):
