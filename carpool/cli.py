@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     one line instead of a traceback."""
     from carpool.bench import whatif
     from carpool.bench.cli import add_bench_parser
-    from carpool.economics.cli import add_cost_parser, add_keys_parser
+    from carpool.economics.cli import add_capacity_parser, add_cost_parser, add_keys_parser
     from carpool.kernels.probe import add_info_parser
     from carpool.models.cli import add_models_parser
     from carpool.server.batch.cli import add_batch_parser
@@ -58,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(subparsers)
     add_keys_parser(subparsers)
     whatif.add_parser(add_cost_parser(subparsers))
+    add_capacity_parser(subparsers)
     add_info_parser(subparsers)
     add_models_parser(subparsers)
     add_cascade_parser(subparsers)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from carpool.economics import capacity
 from carpool.economics import keys as key_store
 from carpool.economics.contract import SCOPES
 from carpool.economics.cost_model import CostModel, cost_model
@@ -145,20 +146,81 @@ def add_cost_parser(subparsers):
     return commands
 
 
-def _add_measurement_args(model: argparse.ArgumentParser) -> None:
-    """What the cost model reads: the machine's price, the engine's measured phase totals, the model as served."""
-    model.add_argument("--hourly-price", type=float, required=True, help="dollars per hour for the machine")
-    source = model.add_mutually_exclusive_group(required=True)
+def add_capacity_parser(subparsers) -> None:
+    parser = subparsers.add_parser("capacity", help="forecast traffic from the ledger and plan replicas for it")
+    commands = parser.add_subparsers(dest="capacity_command", required=True)
+    planning = commands.add_parser(
+        "plan",
+        help="the next hour's traffic per minute (the ledger's last days at the same time of day) and the replicas "
+        "it needs, each started ahead by a replica's start time",
+    )
+    _add_phase_source(planning)
+    planning.add_argument("--at", type=_time_arg, default=None, help="when the plan starts (default: now)")
+    planning.add_argument("--days", type=int, default=7, help="days of the ledger the profile averages (default: 7)")
+    planning.add_argument("--horizon-minutes", type=int, default=60, help="minutes planned (default: 60)")
+    planning.add_argument("--smooth-minutes", type=int, default=5, help="minutes averaged either side (default: 5)")
+    planning.add_argument(
+        "--target-utilization", type=float, default=0.7, help="busy share a replica is planned for (default: 0.7)"
+    )
+    planning.add_argument("--min-replicas", type=int, default=1, help="never fewer (default: 1)")
+    planning.add_argument("--max-replicas", type=int, default=64, help="never more (default: 64)")
+    planning.add_argument(
+        "--replica-start-seconds",
+        type=float,
+        default=60.0,
+        help="how long a replica takes to load and warm up before it takes traffic (python -m "
+        "carpool.bench.warm_start measures it; default: 60)",
+    )
+    planning.add_argument("--format", choices=("table", "json"), default="table", help="output format")
+    _add_db_arg(planning)
+    planning.set_defaults(func=_capacity_plan)
+
+
+def _capacity_plan(args: argparse.Namespace) -> int:
+    with _open(args) as conn:
+        planned = capacity.plan(
+            conn,
+            _phase_totals(args),
+            model=args.served_model_name,
+            at=args.at,
+            days=args.days,
+            horizon_minutes=args.horizon_minutes,
+            smooth_minutes=args.smooth_minutes,
+            target_utilization=args.target_utilization,
+            min_replicas=args.min_replicas,
+            max_replicas=args.max_replicas,
+        )
+    if args.format == "json":
+        steps = capacity.actions(planned, args.replica_start_seconds)
+        document = {
+            "minutes": [{**vars(m), "live": vars(m.live), "batch": vars(m.batch)} for m in planned],
+            "actions": [{"at": when, "action": what} for when, what in steps],
+        }
+        print(json.dumps(document, indent=2))
+    else:
+        print(capacity.render(planned, args.replica_start_seconds))
+    return 0
+
+
+def _add_phase_source(parser: argparse.ArgumentParser) -> None:
+    """Where the engine's measured phase totals (seconds per prompt and output token) come from."""
+    source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--metrics", help="a running server's /metrics URL, or a saved copy of it")
     source.add_argument(
         "--bench", type=Path, help='a benchmark run\'s JSON file whose "phases" object holds PhaseMeter totals'
     )
-    model.add_argument("--model", default=None, help="the model served (default: SmolLM2-135M-Instruct)")
-    model.add_argument(
+    parser.add_argument(
         "--served-model-name",
         default=None,
         help="with --metrics from a server of several models: the one whose totals to read",
     )
+
+
+def _add_measurement_args(model: argparse.ArgumentParser) -> None:
+    """What the cost model reads: the machine's price, the engine's measured phase totals, the model as served."""
+    model.add_argument("--hourly-price", type=float, required=True, help="dollars per hour for the machine")
+    _add_phase_source(model)
+    model.add_argument("--model", default=None, help="the model served (default: SmolLM2-135M-Instruct)")
     model.add_argument("--prices", default=None, help="price sheet for the list-price columns (default: shipped)")
     model.add_argument("--device", default=None, help="where to measure bandwidth and FLOP/s (default: cuda if any)")
     model.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="as served (default: auto)")
@@ -268,16 +330,20 @@ def _cost_prices(args: argparse.Namespace) -> int:
 def _measured_cost_model(args: argparse.Namespace, prices: PriceSheet) -> CostModel:
     """The cost model of the measurements the arguments name (the sheet loaded first: a bad one fails before the
     measurements run)."""
+    phases = _phase_totals(args)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    footprint = model_footprint(args.model, resolve_dtype(args.dtype, device), args.quantization)
+    return cost_model(phases, args.hourly_price, measure_hardware(args.device), footprint, prices)
+
+
+def _phase_totals(args: argparse.Namespace) -> PhaseTotals:
+    """The engine phase totals of --bench (a run's JSON) or --metrics (a server's, or a saved copy)."""
     if args.bench is not None:
         document = json.loads(args.bench.read_text())
         if "phases" not in document:
             raise ValueError(f'{args.bench}: no "phases" object (the engine phase totals of the run)')
-        phases = PhaseTotals.from_dict(document["phases"])
-    else:
-        phases = totals_from_metrics_text(_read_metrics(args.metrics), args.served_model_name)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    footprint = model_footprint(args.model, resolve_dtype(args.dtype, device), args.quantization)
-    return cost_model(phases, args.hourly_price, measure_hardware(args.device), footprint, prices)
+        return PhaseTotals.from_dict(document["phases"])
+    return totals_from_metrics_text(_read_metrics(args.metrics), args.served_model_name)
 
 
 def _read_metrics(source: str) -> str:
