@@ -83,7 +83,7 @@ def scenarios(rows: list[Recorded], args: argparse.Namespace) -> list[Scenario]:
     )
     found = [today, replace(today, name="no prefix cache", prefix_caching=False)]
     if moved:
-        found.append(replace(today, name=f"{len(moved)} requests to the Batch API", to_batch=moved))
+        found.append(replace(today, name=f"Batch API ({len(moved)} moved)", to_batch=moved))
     found += [replace(today, name=f"{n} replicas", replicas=n) for n in args.replicas if n != args.replicas_today]
     if moved and args.replicas:
         fewest = min(args.replicas)

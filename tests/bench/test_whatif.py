@@ -67,7 +67,7 @@ def test_each_lever_costs_and_bills_what_the_arithmetic_says(tmp_path):
     assert today["revenue"] == pytest.approx((68 + 11.3 + 36) / 1e6)
     assert today["latency"]["default"]["ttft_p50_s"] == pytest.approx(0.042)  # of 74, 11 and 42 ms
     assert by_name["no prefix cache"]["revenue"] == pytest.approx((68 + 68 + 36) / 1e6)
-    moved = by_name["1 requests to the Batch API"]
+    moved = by_name["Batch API (1 moved)"]
     assert moved["revenue"] == pytest.approx((68 + 11.3 + 18) / 1e6) and moved["batch_within_window"]
     assert set(moved["latency"]) == {"default", "batch"}
     assert by_name["2 replicas"]["machine_cost"] == pytest.approx(2 * today["machine_cost"])
