@@ -35,6 +35,7 @@ class Recorded:
     job: Job
     tenant: str | None
     model: str
+    billed: float  # what the ledger billed it
 
 
 @dataclass(frozen=True)
@@ -61,17 +62,17 @@ def recorded_rows(db, model: str | None, since: float | None, until: float | Non
             model = found[0]
         rows = conn.execute(
             "SELECT arrived, tier, tenant, uncached_prompt_tokens + cache_read_tokens, output_tokens,"
-            " prompt_block_chain FROM ledger WHERE model = ? AND time >= ? AND time < ? ORDER BY arrived",
+            " prompt_block_chain, cost FROM ledger WHERE model = ? AND time >= ? AND time < ? ORDER BY arrived",
             (model, *bounds),
         ).fetchall()
     finally:
         conn.close()
     usable = [row for row in rows if row[0] is not None]
     recorded = []
-    for arrived, tier, tenant, prompt_tokens, output_tokens, chain_text in usable:
+    for arrived, tier, tenant, prompt_tokens, output_tokens, chain_text, billed in usable:
         chains = read_block_chain(chain_text)
         job = Job(arrived, max(prompt_tokens, 1), tuple(chains[0]) if chains else (), output_tokens, tier)
-        recorded.append(Recorded(job, tenant, model))
+        recorded.append(Recorded(job, tenant, model, billed))
     return recorded, len(rows) - len(usable)
 
 
@@ -260,10 +261,22 @@ def main(args: argparse.Namespace) -> int:
     results = whatif(rows, args, step)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    document = {"model": rows[0].model, "rows": len(rows), "left_out": left_out, "step_model": vars(step)}
+    # What the ledger billed these rows, beside the replay's "today": the replay bills no cache writes, so the two
+    # differ by those (and by cache hits the simulator's LRU finds or misses where the engine did not).
+    ledger_revenue = sum(row.billed for row in rows)
+    document = {
+        "model": rows[0].model,
+        "rows": len(rows),
+        "left_out": left_out,
+        "ledger_revenue": ledger_revenue,
+        "step_model": vars(step),
+    }
     out.write_text(json.dumps(document | {"scenarios": results}, indent=2) + "\n")
     _plot(results, out.with_suffix(".png"))
-    print(f"{rows[0].model}: {len(rows)} requests replayed ({left_out} without an arrival time left out)")
+    print(
+        f"{rows[0].model}: {len(rows)} requests replayed ({left_out} without an arrival time left out), "
+        f"billed ${ledger_revenue:.4f} in the ledger"
+    )
     print(render(results))
     print(f"wrote {out} and {out.with_suffix('.png')}")
     return 0

@@ -57,6 +57,7 @@ def test_each_lever_costs_and_bills_what_the_arithmetic_says(tmp_path):
     assert whatif.main(args) == 0
     report = json.loads(out.read_text())
     assert (report["rows"], report["left_out"]) == (3, 1)  # the row without an arrival time cannot be replayed
+    assert report["ledger_revenue"] == 3  # the synthetic rows' cost column, $1 each
     by_name = {row["scenario"]: row for row in report["scenarios"]}
     today = by_name["today"]
     # The last request arrives at 200 s and runs a 32-token prefill (42 ms) and one decode step (20 ms).
