@@ -116,6 +116,26 @@ def plan(
     return planned
 
 
+def forecast_against_actual(conn, now: float, minutes: int = 60, days: int = 7, smooth_minutes: int = 5) -> dict:
+    """The dashboard's traffic panel: live requests a minute over the last and the next `minutes` minutes, as
+    forecast from the days before today (so today's own traffic never forecasts itself) and, for those past, as
+    they came."""
+    now_minute = now // 60 * 60
+    today = now // DAY * DAY
+    profile = daily_profile(conn, today, days)
+    times = [now_minute + 60 * step for step in range(-minutes, minutes)]
+    forecast = [_smoothed(profile, int(at % DAY // 60), smooth_minutes, False).requests for at in times]
+    counts: dict[float, int] = {}
+    for (arrived,) in conn.execute(
+        "SELECT COALESCE(arrived, time - queue_seconds - prefill_seconds - decode_seconds) FROM ledger"
+        " WHERE time >= ? AND tier <> ?",
+        (times[0], BATCH_TIER),
+    ).fetchall():
+        counts[arrived // 60 * 60] = counts.get(arrived // 60 * 60, 0) + 1
+    actual = [counts.get(at, 0) if at < now_minute else None for at in times]
+    return {"minutes": times, "forecast": forecast, "actual": actual}
+
+
 def _smoothed(profile: dict, minute: int, width: int, is_batch: bool) -> Traffic:
     total = Traffic()
     for offset in range(-width, width + 1):

@@ -1,5 +1,6 @@
 """The ledger's panels on the server's /dashboard: spend against budget per key, cost per 1K tokens per tenant
-today, and with `--hourly-price` the margin per tier and tenant (carpool.economics.margin). `carpool serve` hands
+today, live requests a minute forecast from the days before against actual (carpool.economics.capacity), and
+with `--hourly-price` the margin per tier and tenant (carpool.economics.margin). `carpool serve` hands
 `ledger_panels(gate, bill)` to the app; the server calls it on every refresh.
 
 Spend comes from admission's in-memory figures (what budgets are enforced against), so it costs no query. The
@@ -11,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from carpool.economics.capacity import forecast_against_actual
 from carpool.economics.db import open_database
 from carpool.economics.ledger_gate import LedgerGate
 from carpool.economics.margin import MachineBill, margins
@@ -23,7 +25,7 @@ def ledger_panels(
     gate: LedgerGate, bill: MachineBill | None = None, clock: Callable[[], float] = time.monotonic
 ) -> Callable[[], dict]:
     lock = threading.Lock()
-    cached: dict = {"at": None, "tenants": [], "margin": None}
+    cached: dict = {"at": None, "tenants": [], "margin": None, "traffic": None}
 
     def tenants_today() -> list[dict]:
         with lock:
@@ -39,14 +41,17 @@ def ledger_panels(
                     }
                     for row in rows
                 ]
-                cached["margin"] = margin_today() if bill else None
+                cached["margin"], cached["traffic"] = from_the_ledger()
                 cached["at"] = clock()
             return cached["tenants"]
 
-    def margin_today() -> dict:
+    def from_the_ledger() -> tuple[dict | None, dict]:
+        """(the margin panel, with an hourly price; the traffic panel: forecast against actual)."""
         conn = open_database(gate.db_path)
         try:
-            return margins(conn, bill, period_start("day", gate.clock()), gate.clock())
+            now = gate.clock()
+            margin = margins(conn, bill, period_start("day", now), now) if bill else None
+            return margin, forecast_against_actual(conn, now)
         finally:
             conn.close()
 
@@ -65,6 +70,6 @@ def ledger_panels(
                 }
             )
         tenants = tenants_today()
-        return {"budgets": budgets, "tenants": tenants, "margin": cached["margin"]}
+        return {"budgets": budgets, "tenants": tenants, "margin": cached["margin"], "traffic": cached["traffic"]}
 
     return panels

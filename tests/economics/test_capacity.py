@@ -86,3 +86,16 @@ def test_the_command_prints_the_plan_as_json(tmp_path, capsys):
     ]
     with pytest.raises(SystemExit):  # a measurement source is required
         build_parser().parse_args(["capacity", "plan", "--db", str(tmp_path / "carpool.db")])
+
+
+def test_the_dashboard_traffic_panel_forecasts_today_from_the_days_before_it(tmp_path):
+    synthetic_ledger(tmp_path / "carpool.db")
+    conn = open_database(tmp_path / "carpool.db")
+    now = NINE + 2 * DAY + 10 * 60 + 30  # 09:10:30 on the third day, whose rows are its actual traffic
+    panel = capacity.forecast_against_actual(conn, now, minutes=60, smooth_minutes=0)
+    conn.close()
+    at = {datetime.fromtimestamp(t, UTC).strftime("%H:%M"): i for i, t in enumerate(panel["minutes"])}
+    assert len(panel["minutes"]) == 120 and at["08:10"] == 0 and at["10:09"] == 119
+    assert [panel["forecast"][at[m]] for m in ("08:20", "08:40", "09:05", "09:40")] == [0, 2, 20, 2]
+    assert [panel["actual"][at[m]] for m in ("08:20", "08:40", "09:05", "09:09")] == [0, 2, 20, 20]
+    assert panel["actual"][at["09:10"]] is None and panel["forecast"][at["09:20"]] == 20  # the future: forecast only

@@ -69,19 +69,20 @@ function axes(ctx, width, height, max, format) {
 }
 
 // series: [{label, color, values: [number|null]}], one value per history point, oldest first.
-function lineChart(id, series, suffix = "") {
+// points: the x axis's length (the page's HISTORY by default); shorter series end at its right edge.
+function lineChart(id, series, suffix = "", points = HISTORY) {
   const { ctx, width, height } = canvasContext(id);
   const all = series.flatMap((s) => s.values).filter((v) => v !== null && v !== undefined);
   const max = niceMax(Math.max(0, ...all));
   const box = axes(ctx, width, height, max, (v) => scaled(v, max) + suffix);
-  const dx = (box.right - box.left) / Math.max(1, HISTORY - 1);
+  const dx = (box.right - box.left) / Math.max(1, points - 1);
   let legendX = box.left + 4;
   for (const s of series) {
     ctx.strokeStyle = s.color;
     ctx.lineWidth = 1.6;
     ctx.beginPath();
     let drawing = false;
-    const offset = HISTORY - s.values.length;
+    const offset = points - s.values.length;
     s.values.forEach((v, i) => {
       if (v === null || v === undefined) { drawing = false; return; }
       const x = box.left + (offset + i) * dx, y = box.bottom - ((box.bottom - box.top) * v) / max;
@@ -198,6 +199,22 @@ function budgetBar(k) {
     share >= 1 ? "bad" : share >= 0.8 ? "warn" : "");
 }
 
+// Live requests a minute, the last hour as they came and the next as the days before forecast it.
+function renderTraffic(traffic) {
+  if (!traffic) {
+    text("traffic-summary", "no ledger on this server: no forecast");
+    return;
+  }
+  const clock = (t) => new Date(t * 1000).toISOString().slice(11, 16);
+  const now = traffic.actual.findIndex((v) => v === null);
+  text("traffic-summary", `${clock(traffic.minutes[0])} to ${clock(traffic.minutes[traffic.minutes.length - 1])} ` +
+    `UTC, now ${clock(traffic.minutes[now])}: requests a minute`);
+  lineChart("chart-traffic", [
+    { label: "forecast", color: COLORS.batch, values: traffic.forecast },
+    { label: "actual", color: COLORS.default, values: traffic.actual },
+  ], "", traffic.minutes.length);
+}
+
 // Revenue against the machine's bill since the server started (today, UTC, at most): `carpool serve --hourly-price`.
 function renderMargin(margin) {
   if (!margin) {
@@ -234,6 +251,7 @@ function renderServer(doc) {
       : [element("div", { class: "empty" }, ["no keys"])]));
   }
   renderMargin(ledger && ledger.margin);
+  renderTraffic(ledger && ledger.traffic);
 
   const batches = doc.batches;
   $("batches").replaceChildren(...(!batches ? [element("div", { class: "empty" }, ["the Batch API is off"])]
