@@ -4,6 +4,7 @@ from carpool.bench import (
     batch,
     cache_ttl,
     compression,
+    ledger_replay,
     offline,
     prefill,
     prefix,
@@ -30,6 +31,7 @@ MODES = (
     simulate.add_parser,
     soak.add_parser,
     cache_ttl.add_parser,
+    ledger_replay.add_parser,
 )
 
 

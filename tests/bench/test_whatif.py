@@ -1,12 +1,14 @@
 """`carpool cost whatif` on a synthetic ledger whose answer is worked by hand: three requests (the second shares
 the first's prompt blocks), a step model in round numbers, a price sheet in round numbers; each lever's machine
-cost, revenue and time to first token as the arithmetic says."""
+cost, revenue and time to first token as the arithmetic says. And `carpool bench ledger-replay`, which sends the
+same rows to a real server to hold the predictions against: the shared prefix is shared again there."""
 
 import json
 
 import pytest
+from live_server import LiveServer
 
-from carpool.bench import whatif
+from carpool.bench import ledger_replay, whatif
 from carpool.cli import build_parser
 from carpool.economics.contract import block_chain_text
 from carpool.economics.db import open_database
@@ -22,17 +24,18 @@ output = 2.0
 STEP = "0.01,0.001,0.01"  # 10 ms a step, 1 ms a prompt token, 10 ms a decoding sequence
 
 
-def ledger(path, rows) -> None:
+def ledger(path, rows, tiers=()) -> None:
     conn = open_database(path)
     with conn:
-        for arrived, tenant, prompt_tokens, chain in rows:
+        for i, (arrived, tenant, prompt_tokens, chain) in enumerate(rows):
             conn.execute(
                 "INSERT INTO ledger (time, tenant, model, tier, uncached_prompt_tokens, cache_read_tokens,"
                 " cache_write_tokens, output_tokens, queue_seconds, prefill_seconds, decode_seconds, finish_reason,"
-                " cost, arrived, prompt_block_chain) VALUES (?, ?, 'm', 'default', ?, 0, 0, 2, 0, 0, 0, 'stop', 1, ?, ?)",
+                " cost, arrived, prompt_block_chain) VALUES (?, ?, 'm', ?, ?, 0, 0, 2, 0, 0, 0, 'stop', 1, ?, ?)",
                 (
                     1000 + (arrived or 0),
                     tenant,
+                    tiers[i] if i < len(tiers) else "default",
                     prompt_tokens,
                     None if arrived is None else 1000 + arrived,
                     block_chain_text([chain]),
@@ -85,3 +88,24 @@ def test_a_ledger_without_replayable_rows_is_one_line_naming_it(tmp_path):
     )
     with pytest.raises(ValueError, match="no row in that window has an arrival time"):
         whatif.main(args)
+
+
+def test_the_replay_sends_the_recorded_traffic_so_a_shared_prefix_is_a_cache_hit_again(tmp_path):
+    shared = [f"block-{i}".encode().ljust(8, b".") for i in range(4)]
+    other = [f"other-{i}".encode().ljust(8, b".") for i in range(2)]
+    rows = [(0, "a", 64, shared), (1, "a", 64, shared), (2, "b", 40, other), (3, "a", 64, shared)]
+    ledger(tmp_path / "carpool.db", rows, tiers=("default", "default", "flex", "batch"))
+    server = LiveServer()
+    try:
+        args = build_parser().parse_args(
+            ["bench", "ledger-replay", "--url", server.url, "--db", str(tmp_path / "carpool.db"), "--speed", "4"]
+            + ["--out", str(tmp_path / "replay.json")]
+        )
+        assert ledger_replay.main(args) == 0
+    finally:
+        server.stop()
+    report = json.loads((tmp_path / "replay.json").read_text())
+    assert (report["requests"], report["errors"], report["batch_rows_left_out"]) == (3, 0, 1)
+    # The second request reads the first's 4 blocks but its last token: 63 of the 64 + 64 + 40 prompt tokens.
+    assert report["hit_rate"] == pytest.approx(63 / 168)
+    assert set(report["latency"]) == {"default", "flex"} and report["latency"]["flex"]["itl_p50_s"] > 0

@@ -1,0 +1,151 @@
+"""`carpool bench ledger-replay`: the ledger's recorded traffic sent for real to a running server, to hold
+`carpool cost whatif`'s predictions against (issue 50: a lever's predicted latency and hit rate against the same
+traffic served under that lever).
+
+The ledger keeps no text, only each prompt's length and the chain of its blocks' hashes, so the prompts are
+rebuilt as token ids: each hash stands for the same 16 ids wherever it appears (ids drawn from a generator seeded
+by the hash), and what follows the last full block is ids of this request's own. Prompts that shared a prefix
+share it again, block for block, and no others do. Each row is sent at its recorded arrival (the gaps divided by
+`--speed`) to /v1/completions, streamed, in its recorded tier, for exactly its recorded output tokens
+(`ignore_eos`). Batch API rows are not live requests and are left out (counted).
+
+The report has the whatif's shape: time to first token and between tokens p50/p99 per tier, the prefix-cache
+hit rate the server reported (usage's cached tokens), the span.
+"""
+
+import argparse
+import asyncio
+import itertools
+import json
+import random
+import time
+from pathlib import Path
+
+import httpx
+
+from carpool.bench.simulate import percentile
+from carpool.bench.whatif import Recorded, recorded_rows
+from carpool.economics.reports import parse_time
+from carpool.engine.tiers import BATCH_TIER, TIER_NAMES
+
+BLOCK_TOKENS = 16  # the ledger's chains are of the engine's 16-token blocks
+TOKEN_RANGE = (1000, 30000)  # ids every catalog model's vocabulary has, clear of its special tokens
+
+
+def prompt_ids(row: Recorded, index: int) -> list[int]:
+    """Token ids with the recorded prompt's length and block structure."""
+    ids = []
+    for block in row.job.chain:
+        ids += _draw(random.Random(block), BLOCK_TOKENS)
+    return ids + _draw(random.Random(f"tail-{index}"), row.job.prompt_tokens - len(ids))
+
+
+def _draw(rng: random.Random, count: int) -> list[int]:
+    return [rng.randrange(*TOKEN_RANGE) for _ in range(count)]
+
+
+async def send(client: httpx.AsyncClient, model: str, row: Recorded, index: int, headers: dict) -> dict:
+    body = {
+        "model": model,
+        "prompt": prompt_ids(row, index),
+        "max_tokens": max(row.job.output_tokens, 1),
+        "ignore_eos": True,
+        "temperature": 0,
+        "service_tier": row.job.tier,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    sent = time.monotonic()
+    arrivals, usage, status = [], None, None
+    async with client.stream("POST", "/v1/completions", json=body, headers=headers) as response:
+        status = response.status_code
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if event.get("usage"):
+                usage = event["usage"]
+            if event.get("choices") and event["choices"][0].get("text") is not None:
+                arrivals.append(time.monotonic())
+    return {
+        "tier": row.job.tier,
+        "status": status,
+        "ttft": arrivals[0] - sent if arrivals else None,
+        "itl": [later - earlier for earlier, later in itertools.pairwise(arrivals)],
+        "prompt_tokens": (usage or {}).get("prompt_tokens", 0),
+        "cached_tokens": ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+    }
+
+
+async def replay_rows(url: str, rows: list[Recorded], speed: float, api_key: str | None) -> tuple[list[dict], float]:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with httpx.AsyncClient(base_url=url, timeout=3600) as client:
+        model = (await client.get("/v1/models", headers=headers)).json()["data"][0]["id"]
+        first, began = rows[0].job.arrival, time.monotonic()
+
+        async def one(index: int, row: Recorded) -> dict:
+            await asyncio.sleep(max(0.0, (row.job.arrival - first) / speed - (time.monotonic() - began)))
+            return await send(client, model, row, index, headers)
+
+        results = await asyncio.gather(*(one(i, row) for i, row in enumerate(rows)))
+    return list(results), time.monotonic() - began
+
+
+def report(results: list[dict], span: float) -> dict:
+    prompt = sum(r["prompt_tokens"] for r in results)
+    return {
+        "requests": len(results),
+        "errors": sum(1 for r in results if r["status"] != 200),
+        "seconds": span,
+        "hit_rate": sum(r["cached_tokens"] for r in results) / prompt if prompt else 0.0,
+        "latency": {
+            tier: {
+                "ttft_p50_s": percentile(ttft, 50),
+                "ttft_p99_s": percentile(ttft, 99),
+                "itl_p50_s": percentile(itl, 50),
+                "itl_p99_s": percentile(itl, 99),
+            }
+            for tier in TIER_NAMES
+            for ttft, itl in [_latencies(results, tier)]
+            if ttft
+        },
+    }
+
+
+def _latencies(results: list[dict], tier: str) -> tuple[list[float], list[float]]:
+    mine = [r for r in results if r["tier"] == tier and r["ttft"] is not None]
+    return [r["ttft"] for r in mine], [gap for r in mine for gap in r["itl"]]
+
+
+def add_parser(modes) -> None:
+    parser = modes.add_parser(
+        "ledger-replay",
+        help="send the ledger's recorded traffic (prompts rebuilt from its block-hash chains) to a running server, "
+        "to check carpool cost whatif's predictions",
+    )
+    parser.add_argument("--url", required=True, help="the server to replay against")
+    parser.add_argument("--db", required=True, help="the ledger whose rows are replayed")
+    parser.add_argument("--since", type=parse_time, default=None, help="unix seconds or ISO 8601 (UTC), inclusive")
+    parser.add_argument("--until", type=parse_time, default=None, help="unix seconds or ISO 8601 (UTC), exclusive")
+    parser.add_argument("--model", default=None, help="the recorded model's rows (default: the busiest)")
+    parser.add_argument("--speed", type=float, default=1.0, help="divide the recorded gaps by this (default: 1)")
+    parser.add_argument("--api-key", default=None, help="sent as the bearer token")
+    parser.add_argument("--out", default="bench-results/ledger-replay.json", help="the JSON report")
+    parser.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.speed <= 0:
+        raise ValueError(f"--speed must be positive, got {args.speed}")
+    rows, left_out = recorded_rows(args.db, args.model, args.since, args.until)
+    live = [row for row in rows if row.job.tier != BATCH_TIER]
+    if not live:
+        raise ValueError("--db: no live request with an arrival time in that window")
+    results, span = asyncio.run(replay_rows(args.url, live, args.speed, args.api_key))
+    document = report(results, span) | {"left_out": left_out, "batch_rows_left_out": len(rows) - len(live)}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(document, indent=2) + "\n")
+    print(json.dumps({key: document[key] for key in ("requests", "errors", "seconds", "hit_rate")}))
+    print(f"wrote {out}")
+    return 0
