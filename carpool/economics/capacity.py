@@ -19,6 +19,7 @@ from carpool.economics.phase_meter import PhaseTotals
 from carpool.engine.tiers import BATCH_TIER
 
 DAY = 86400
+PROFILE_DAYS = 7  # the days a minute's traffic is averaged over, by default
 MINUTES_PER_DAY = DAY // 60
 
 
@@ -86,7 +87,7 @@ def plan(
     *,
     model: str | None = None,
     at: float | None = None,
-    days: int = 7,
+    days: int = PROFILE_DAYS,
     horizon_minutes: int = 60,
     smooth_minutes: int = 5,
     target_utilization: float = 0.7,
@@ -116,13 +117,16 @@ def plan(
     return planned
 
 
-def forecast_against_actual(conn, now: float, minutes: int = 60, days: int = 7, smooth_minutes: int = 5) -> dict:
+def forecast_against_actual(
+    conn, now: float, profile: dict | None = None, minutes: int = 60, days: int = PROFILE_DAYS, smooth_minutes: int = 5
+) -> dict:
     """The dashboard's traffic panel: live requests a minute over the last and the next `minutes` minutes, as
     forecast from the days before today (so today's own traffic never forecasts itself) and, for those past, as
-    they came."""
+    they came. `profile`: daily_profile(conn, today's midnight, days), which changes once a day (the dashboard
+    keeps it rather than read a week of rows at each refresh)."""
     now_minute = now // 60 * 60
-    today = now // DAY * DAY
-    profile = daily_profile(conn, today, days)
+    if profile is None:
+        profile = daily_profile(conn, now // DAY * DAY, days)
     times = [now_minute + 60 * step for step in range(-minutes, minutes)]
     forecast = [_smoothed(profile, int(at % DAY // 60), smooth_minutes, False).requests for at in times]
     counts: dict[float, int] = {}

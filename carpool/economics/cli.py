@@ -156,7 +156,9 @@ def add_capacity_parser(subparsers) -> None:
     )
     _add_phase_source(planning)
     planning.add_argument("--at", type=_time_arg, default=None, help="when the plan starts (default: now)")
-    planning.add_argument("--days", type=int, default=7, help="days of the ledger the profile averages (default: 7)")
+    planning.add_argument(
+        "--days", type=int, default=capacity.PROFILE_DAYS, help="days of the ledger the profile averages (default: 7)"
+    )
     planning.add_argument("--horizon-minutes", type=int, default=60, help="minutes planned (default: 60)")
     planning.add_argument("--smooth-minutes", type=int, default=5, help="minutes averaged either side (default: 5)")
     planning.add_argument(

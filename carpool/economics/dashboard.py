@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from carpool.economics.capacity import forecast_against_actual
+from carpool.economics.capacity import DAY, PROFILE_DAYS, daily_profile, forecast_against_actual
 from carpool.economics.db import open_database
 from carpool.economics.ledger_gate import LedgerGate
 from carpool.economics.margin import MachineBill, margins
@@ -26,6 +26,7 @@ def ledger_panels(
 ) -> Callable[[], dict]:
     lock = threading.Lock()
     cached: dict = {"at": None, "tenants": [], "margin": None, "traffic": None}
+    profile: dict = {"day": None, "minutes": None}  # the traffic forecast's, from the days before today
 
     def tenants_today() -> list[dict]:
         with lock:
@@ -51,7 +52,9 @@ def ledger_panels(
         try:
             now = gate.clock()
             margin = margins(conn, bill, period_start("day", now), now) if bill else None
-            return margin, forecast_against_actual(conn, now)
+            if profile["day"] != now // DAY:
+                profile["day"], profile["minutes"] = now // DAY, daily_profile(conn, now // DAY * DAY, PROFILE_DAYS)
+            return margin, forecast_against_actual(conn, now, profile["minutes"])
         finally:
             conn.close()
 
