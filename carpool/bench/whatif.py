@@ -223,11 +223,24 @@ def add_parser(cost_commands) -> None:
         help="a step model in seconds instead of fitting one to this machine (carpool bench simulate's)",
     )
     parser.add_argument("--threads", type=int, default=None, help="torch threads of the fitted step model")
+    parser.add_argument(
+        "--fit-model",
+        default=None,
+        help="the model (catalog name or path) to fit the step model on (default: the rows' served model)",
+    )
     parser.add_argument("--max-num-seqs", type=int, default=64, help="each replica's sequence slots")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="each replica's step token budget")
     parser.add_argument("--num-kv-blocks", type=int, default=ReplicaSpec.num_blocks, help="each replica's KV pool")
     parser.add_argument("--out", default="bench-results/whatif.json", help="the JSON report (the plot beside it)")
     parser.set_defaults(func=main)
+
+
+def fit_target(served: str) -> str:
+    """The model a step model is fitted on for rows of the served model `served`: that name (a catalog name or a
+    path), or the catalog's default model where `served` is the name `carpool serve` gives the embedded GGUF."""
+    from carpool.models.catalog import DEFAULT_MODEL, default_model_path, model_name
+
+    return DEFAULT_MODEL if served == model_name(default_model_path()) else served
 
 
 def _counts(text: str) -> list[int]:
@@ -257,7 +270,9 @@ def main(args: argparse.Namespace) -> int:
     else:
         from carpool.engine.config import EngineConfig
 
-        step = measure_step_model(EngineConfig(model=rows[0].model, num_threads=args.threads))
+        step = measure_step_model(
+            EngineConfig(model=args.fit_model or fit_target(rows[0].model), num_threads=args.threads)
+        )
     results = whatif(rows, args, step)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -81,6 +81,13 @@ def test_each_lever_costs_and_bills_what_the_arithmetic_says(tmp_path):
     assert out.with_suffix(".png").exists()
 
 
+def test_the_step_model_of_the_default_servers_rows_is_fitted_on_the_default_model():
+    """`carpool serve` without --model serves the embedded GGUF under its file's stem, which is no catalog name: the
+    fit would fail to find a model to load."""
+    assert whatif.fit_target("SmolLM2-135M-Instruct.Q4_1") == "smollm2-135m"
+    assert whatif.fit_target("qwen2.5-coder-0.5b") == "qwen2.5-coder-0.5b"
+
+
 def test_a_ledger_without_replayable_rows_is_one_line_naming_it(tmp_path):
     ledger(tmp_path / "carpool.db", [(None, "a", 64, [])])
     args = build_parser().parse_args(
