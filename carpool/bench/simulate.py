@@ -49,6 +49,11 @@ class StepModel:
         )
 
     @classmethod
+    def parse(cls, text: str) -> "StepModel":
+        """`--step BASE,PER_PREFILL_TOKEN,PER_DECODE_SEQ[,PER_CONTEXT_TOKEN]`, in seconds."""
+        return cls(*(float(value) for value in text.split(",")))
+
+    @classmethod
     def fit(cls, steps: list[tuple]) -> "StepModel":
         """Least squares over (prefill tokens, decode sequences[, context tokens], seconds) of real steps;
         coefficients kept >= 0."""
@@ -390,7 +395,7 @@ def main(args) -> int:
     from carpool.models.loader import resolve_model_dir
 
     if args.step:
-        step = StepModel(*(float(v) for v in args.step.split(",")))
+        step = StepModel.parse(args.step)
     else:
         step = measure_step_model(EngineConfig(model=args.model, num_threads=args.threads))
     tokenizer = Tokenizer.from_dir(resolve_model_dir(args.model))

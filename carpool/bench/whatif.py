@@ -266,7 +266,7 @@ def main(args: argparse.Namespace) -> int:
             f"--db: no row in that window has an arrival time ({left_out} written before the ledger kept it)"
         )
     if args.step:
-        step = StepModel(*(float(value) for value in args.step.split(",")))
+        step = StepModel.parse(args.step)
     else:
         from carpool.engine.config import EngineConfig
 
