@@ -31,38 +31,59 @@ from carpool.server.replicas.routing import PrefixAffinity, ReplicaLoad, make_ro
 @dataclass(frozen=True)
 class StepModel:
     """Seconds one engine step takes: fixed cost, plus per prompt token computed, plus per decoding sequence, plus
-    per token of KV its attention reads (the context of every sequence in the step). Without the context term a
-    model fitted on short prompts predicted 33 ms for a 20-sequence step over ~700-token documents that took 61 ms
-    (1 thread, SmolLM2): each such sequence reads ~16 MB of KV a step, as much as the weights."""
+    per token of KV its attention reads (the context of every sequence in the step), plus, for a step that computes
+    any prompt, a fixed cost of its own and a cost per query-key pair its prompt chunks' attention computes.
+    Without the context term a model fitted on short prompts predicted 33 ms for a 20-sequence step over ~700-token
+    documents that took 61 ms (1 thread, SmolLM2): each such sequence reads ~16 MB of KV a step, as much as the
+    weights. The last two are what a prefix-cache hit costs: a decode-only step runs every layer in one fused call
+    (carpool/kernels/csrc/decode_layer.cpp) while a step with a prompt chunk runs them one by one, and 40 new tokens
+    over an 800-token cached prefix compute 40 x 840 query-key pairs, 40 times a decode's; with one base and no
+    pair term the whatif of a help line behind an 800-token system prompt put its TTFT p50 at half the real one
+    (docs/benchmarks/journal.md, 2026-12-06 09:42)."""
 
     base: float
     per_prefill_token: float
     per_decode_seq: float
     per_context_token: float = 0.0
+    per_prefill_step: float = 0.0
+    per_prefill_pair: float = 0.0
 
-    def seconds(self, prefill_tokens: int, decode_seqs: int, context_tokens: int = 0) -> float:
+    def seconds(self, prefill_tokens: int, decode_seqs: int, context_tokens: int = 0, prefill_pairs: int = 0) -> float:
         return (
             self.base
             + self.per_prefill_token * prefill_tokens
             + self.per_decode_seq * decode_seqs
             + self.per_context_token * context_tokens
+            + (self.per_prefill_step if prefill_tokens else 0.0)
+            + self.per_prefill_pair * prefill_pairs
         )
 
     @classmethod
     def parse(cls, text: str) -> "StepModel":
-        """`--step BASE,PER_PREFILL_TOKEN,PER_DECODE_SEQ[,PER_CONTEXT_TOKEN]`, in seconds."""
-        return cls(*(float(value) for value in text.split(",")))
+        """`--step BASE,PER_PREFILL_TOKEN,PER_DECODE_SEQ[,PER_CONTEXT_TOKEN[,PER_PREFILL_STEP[,PER_PREFILL_PAIR]]]`,
+        in seconds."""
+        values = text.split(",")
+        if not 3 <= len(values) <= 6:
+            raise ValueError(f"--step: expected 3 to 6 comma-separated numbers of seconds, got {text!r}")
+        return cls(*(float(value) for value in values))
 
     @classmethod
     def fit(cls, steps: list[tuple]) -> "StepModel":
-        """Least squares over (prefill tokens, decode sequences[, context tokens], seconds) of real steps;
-        coefficients kept >= 0."""
+        """Least squares over (prefill tokens, decode sequences[, context tokens[, prefill pairs]], seconds) of real
+        steps; a step with prefill tokens also pays per_prefill_step. Coefficients kept >= 0."""
         if len(steps) < 4:
             raise ValueError("steps: need at least 4 measured steps to fit a step model")
-        rows = np.array([[1.0, *step[:-1]] + [0.0] * (4 - len(step)) for step in steps])
+        shapes = [list(step[:-1]) + [0] * (4 - len(step[:-1])) for step in steps]
+        rows = np.array([[1.0, p, d, c, 1.0 if p else 0.0, pairs] for p, d, c, pairs in shapes])
         times = np.array([step[-1] for step in steps])
         coefficients, *_ = np.linalg.lstsq(rows, times, rcond=None)
         return cls(*(max(float(c), 0.0) for c in coefficients))
+
+
+def attention_pairs(chunk: int, computed: int) -> int:
+    """Query-key pairs a prompt chunk of `chunk` tokens computes after `computed` tokens of its sequence: each of
+    its queries sees the earlier tokens and the chunk's own up to itself."""
+    return chunk * computed + chunk * (chunk + 1) // 2
 
 
 @dataclass
@@ -77,13 +98,19 @@ class ReplicaSpec:
 @dataclass(frozen=True)
 class Job:
     """One request to run: when it arrives, its prompt (length, and its full blocks' chain of prefix-cache keys:
-    any hashable values, equal where prompts share a prefix), its output tokens and its tier."""
+    any hashable values, equal where prompts share a prefix), its output tokens and its tier.
+
+    A job may wait for another (`after`, an index into the replayed jobs): it is sent when that one finishes, as a
+    compressed prompt follows its scorer's pass, and its latency still counts from `arrival`, the client's. An
+    `internal` job (the scorer's pass) takes its steps and is billed, but its latencies are no client's."""
 
     arrival: float
     prompt_tokens: int
     chain: tuple
     output_tokens: int
     tier: str = DEFAULT_TIER
+    after: int | None = None
+    internal: bool = False
 
 
 @dataclass
@@ -200,7 +227,8 @@ def replay(jobs: list[Job], replicas: int, routing: str, step: StepModel, spec: 
     """Run recorded requests, each at its own arrival time, on `replicas` replicas routed by `routing`."""
     if replicas < 1:
         raise ValueError("replicas must be at least 1")
-    return _run(jobs, [(job.arrival, (-1, index)) for index, job in enumerate(jobs)], replicas, routing, step, spec)
+    starts = [(job.arrival, (-1, index)) for index, job in enumerate(jobs) if job.after is None]
+    return _run(jobs, starts, replicas, routing, step, spec)
 
 
 def _run(work: list, starts: list, replicas: int, routing: str, step: StepModel, spec: ReplicaSpec) -> SimResult:
@@ -209,6 +237,10 @@ def _run(work: list, starts: list, replicas: int, routing: str, step: StepModel,
     loads = [ReplicaLoad(slots=spec.max_num_seqs) for _ in range(replicas)]
     nodes = [_Replica(spec) for _ in range(replicas)]
     result = SimResult(replicas, routing)
+    followers: dict[int, list[int]] = {}  # a replayed job's index -> the jobs sent when it finishes
+    for index, job in enumerate(work):
+        if isinstance(job, Job) and job.after is not None:
+            followers.setdefault(job.after, []).append(index)
     events: list = []
     order = itertools.count()
     for at, payload in starts:
@@ -231,7 +263,7 @@ def _run(work: list, starts: list, replicas: int, routing: str, step: StepModel,
             heapq.heappush(nodes[seq.replica].waiting, (BY_NAME[job.tier].priority, now, next(order), seq))
             _start_step(nodes[seq.replica], seq.replica, now, step, events, order, result)
         else:
-            _finish_step(nodes, loads, payload, now, work, step, events, order, result)
+            _finish_step(nodes, loads, payload, now, work, followers, step, events, order, result)
     result.makespan = now - min((at for at, _ in starts), default=0.0)
     return result
 
@@ -263,12 +295,13 @@ def _start_step(node: _Replica, index: int, now: float, step: StepModel, events,
     if not chunks and not decoding:
         return
     node.busy = True
-    context = sum(seq.context for seq in decoding) + sum(seq.context for seq, _ in chunks)
-    duration = step.seconds(sum(c for _, c in chunks), len(decoding), context)
+    context = sum(seq.context for seq in decoding)
+    pairs = sum(attention_pairs(chunk, seq.context) for seq, chunk in chunks)
+    duration = step.seconds(sum(c for _, c in chunks), len(decoding), context, pairs)
     heapq.heappush(events, (now + duration, next(order), "step", (index, decoding, chunks)))
 
 
-def _finish_step(nodes, loads, payload, now, work, step, events, order, result: SimResult) -> None:
+def _finish_step(nodes, loads, payload, now, work, followers, step, events, order, result: SimResult) -> None:
     index, decoding, chunks = payload
     node = nodes[index]
     node.busy = False
@@ -277,11 +310,12 @@ def _finish_step(nodes, loads, payload, now, work, step, events, order, result: 
         seq.to_prefill -= chunk
         node.insert(seq.job, seq.job.prompt_tokens - seq.to_prefill)
         if seq.to_prefill == 0:  # the prompt's last chunk samples the first token
-            result.ttft.append(now - seq.job.arrival)
-            result.ttft_by_tier.setdefault(seq.job.tier, []).append(now - seq.job.arrival)
+            if not seq.job.internal:
+                result.ttft.append(now - seq.job.arrival)
+                result.ttft_by_tier.setdefault(seq.job.tier, []).append(now - seq.job.arrival)
             emitted.append(seq)
     for seq in emitted:
-        if seq.last_token_at is not None:
+        if seq.last_token_at is not None and not seq.job.internal:
             result.itl.append(now - seq.last_token_at)
             result.itl_by_tier.setdefault(seq.job.tier, []).append(now - seq.last_token_at)
         seq.last_token_at = now
@@ -292,6 +326,8 @@ def _finish_step(nodes, loads, payload, now, work, step, events, order, result: 
             loads[index].in_flight -= 1
             if seq.session < 0:
                 result.finished_by_job[seq.turn] = now
+                for follower in followers.get(seq.turn, ()):
+                    heapq.heappush(events, (now, next(order), "arrive", (-1, follower)))
             elif seq.turn + 1 < len(work[seq.session].turns):
                 heapq.heappush(events, (now, next(order), "arrive", (seq.session, seq.turn + 1)))
     used = sum(math.ceil(s.job.prompt_tokens / node.spec.block_size) for s in node.running)
@@ -311,39 +347,59 @@ def poisson_arrivals(count: int, rate: float, seed: int = 0) -> list[float]:
 
 
 def measure_step_model(
-    config, prompt_lengths=(64, 256, 512), batch_sizes=(1, 8, 16), contexts=(16, 512), decode_steps=8
+    config,
+    prompt_lengths=(64, 256, 512),
+    batch_sizes=(1, 4, 16, 32),
+    contexts=(16, 768),
+    hit_suffixes=(32, 128),
+    decode_steps=8,
 ) -> StepModel:
     """Fit a StepModel to real steps of carpool's engine under `config` (an EngineConfig): prefill-only steps of
-    several sizes, then decode steps at several batch sizes over short and long contexts (random token prompts;
-    no prefix cache hits)."""
+    several sizes, prompts behind a cached prefix of the longest context (what a help line's turns are), then
+    decode steps at several batch sizes over short and long contexts (random token prompts)."""
     from carpool.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(config)
     rng = random.Random(0)
     vocab = engine.model_config.vocab_size
-    steps: list[tuple[int, int, int, float]] = []
+    steps: list[tuple[int, int, int, int, float]] = []
     ids = itertools.count()
 
-    def run(prompts: list[int], max_tokens: int) -> None:
-        for length in prompts:
-            prompt = [rng.randrange(100, vocab) for _ in range(length)]
+    def tokens(count: int) -> list[int]:
+        return [rng.randrange(100, vocab) for _ in range(count)]
+
+    def run(prompts: list[list[int]], max_tokens: int) -> None:
+        for prompt in prompts:
             engine.add_request(
                 f"fit-{next(ids)}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
             )
         while engine.has_unfinished_requests():
-            context = sum(seq.num_computed_tokens for seq in engine.scheduler.running)  # KV the step will read
+            seqs = [*engine.scheduler.running, *engine.scheduler.waiting]
+            before = {seq.seq_id: seq.num_computed_tokens for seq in seqs}
+            context = sum(n for seq in seqs if (n := before[seq.seq_id]) >= seq.num_prompt_tokens)
             engine.step()
             stats = engine.last_step
-            if stats is not None and stats.num_tokens:
-                steps.append((stats.num_prefill_tokens, stats.num_decode_tokens, context, stats.duration))
+            if stats is None or not stats.num_tokens:
+                continue
+            pairs = 0
+            for seq in seqs:
+                # A prompt admitted by this step starts from its cache hit, one already running from where it was.
+                start = max(before[seq.seq_id], seq.num_cached_prompt_tokens)
+                if start < seq.num_prompt_tokens:
+                    pairs += attention_pairs(min(seq.num_computed_tokens, seq.num_prompt_tokens) - start, start)
+            steps.append((stats.num_prefill_tokens, stats.num_decode_tokens, context, pairs, stats.duration))
 
-    run([16], 4)  # warm-up: first-call costs are not a step's
+    run([tokens(16)], 4)  # warm-up: first-call costs are not a step's
     steps.clear()
     for length in prompt_lengths:
-        run([length], 1)
+        run([tokens(length)], 1)
+    prefix = tokens(max(contexts))
+    run([prefix + tokens(1)], 1)  # caches the prefix
+    for suffix in hit_suffixes:
+        run([prefix + tokens(suffix)], 1)
     for context in contexts:
         for size in batch_sizes:
-            run([context] * size, decode_steps)
+            run([tokens(context) for _ in range(size)], decode_steps)
     return StepModel.fit(steps)
 
 
@@ -375,7 +431,7 @@ def add_parser(modes) -> None:
     parser.add_argument(
         "--step",
         default=None,
-        metavar="BASE,PER_PREFILL_TOKEN,PER_DECODE_SEQ[,PER_CONTEXT_TOKEN]",
+        metavar="BASE,PER_PREFILL_TOKEN,PER_DECODE_SEQ[,PER_CONTEXT_TOKEN[,PER_PREFILL_STEP[,PER_PREFILL_PAIR]]]",
         help="a step model in seconds instead of fitting one to this machine",
     )
     parser.add_argument("--hourly-price", type=float, default=0.10, help="dollars an hour a replica costs")

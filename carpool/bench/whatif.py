@@ -7,14 +7,21 @@ the margin and its change against today's configuration, TTFT and ITL p50/p99 pe
 
 The levers replayed here: prefix caching off (today's saving made visible), chosen tenants' or tiers' requests
 moved to the Batch API (half price, admitted after every live tier; the report says how long they waited against
-the 24-hour window), and replica counts. Compression, cascade and router thresholds, and the SLO controller are
-not replayed yet (issue 50 lists them).
+the 24-hour window), prompt compression at a rate, and replica counts. Cascade and router thresholds and the SLO
+controller are not replayed yet (issue 50 lists them).
+
+Compression is replayed as the server runs it (carpool.server.compression): the scorer's pass over the whole prompt
+(a prompt computed with its cache hits, one token out, billed as its own row), then the request with its prompt
+cut to the rate. What every compressed prompt keeps verbatim is its shared prefix (the leading blocks it shares with
+another recorded prompt: a system prompt, protected), so that prefix stays a cache hit; the rest is new text.
 
 A row written before the ledger kept `arrived` has no place in a replay: such rows are counted and left out.
 """
 
 import argparse
+import itertools
 import json
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -44,6 +51,8 @@ class Scenario:
     replicas: int
     prefix_caching: bool = True
     to_batch: frozenset = frozenset()  # indexes of the rows moved to the Batch API
+    compressed: frozenset = frozenset()  # indexes of the rows whose prompts are compressed to compress_rate
+    compress_rate: float = 1.0
 
 
 def recorded_rows(db, model: str | None, since: float | None, until: float | None) -> tuple[list[Recorded], int]:
@@ -82,38 +91,90 @@ def scenarios(rows: list[Recorded], args: argparse.Namespace) -> list[Scenario]:
     moved = frozenset(
         i for i, row in enumerate(rows) if row.tenant in args.batch_tenants or row.job.tier in args.batch_tiers
     )
+    compressed = frozenset(
+        i
+        for i, row in enumerate(rows)
+        if args.compress_rate is not None and row.job.prompt_tokens >= args.compress_min_tokens
+    )
     found = [today, replace(today, name="no prefix cache", prefix_caching=False)]
     if moved:
         found.append(replace(today, name=f"Batch API ({len(moved)} moved)", to_batch=moved))
+    if compressed:
+        rate = args.compress_rate
+        found.append(
+            replace(today, name=f"compress to {rate:g} ({len(compressed)})", compressed=compressed, compress_rate=rate)
+        )
     found += [replace(today, name=f"{n} replicas", replicas=n) for n in args.replicas if n != args.replicas_today]
-    if moved and args.replicas:
+    if (moved or compressed) and args.replicas:
         fewest = min(args.replicas)
-        found.append(replace(today, name=f"Batch API + {fewest} replicas", replicas=fewest, to_batch=moved))
+        levers = " + ".join(name for name, used in (("Batch API", moved), ("compression", compressed)) if used)
+        found.append(
+            replace(
+                today,
+                name=f"{levers} + {fewest} replicas",
+                replicas=fewest,
+                to_batch=moved,
+                compressed=compressed,
+                compress_rate=args.compress_rate or 1.0,
+            )
+        )
     return found
+
+
+def scenario_jobs(scenario: Scenario, rows: list[Recorded], block_size: int) -> tuple[list[Job], list[str]]:
+    """The jobs a scenario replays (arrivals from 0) and each one's model: a row each, in their order, then the
+    compressed rows' requests, each sent after its row's scorer pass (which the row's own job becomes)."""
+    start = min(row.job.arrival for row in rows)
+    shared = _shared_blocks(rows) if scenario.compressed else frozenset()
+    jobs, followers = [], []
+    for i, row in enumerate(rows):
+        tier = BATCH_TIER if i in scenario.to_batch else row.job.tier
+        job = replace(row.job, arrival=row.job.arrival - start, tier=tier)
+        if i not in scenario.compressed:
+            jobs.append(job)
+            continue
+        jobs.append(replace(job, output_tokens=1, internal=True))  # the scorer's pass: prompt logprobs, one step
+        kept = list(itertools.takewhile(lambda block: block in shared, job.chain))
+        rest = job.prompt_tokens - len(kept) * block_size
+        cut = max(1, math.floor(scenario.compress_rate * rest))
+        fresh = tuple(("compressed", i, k) for k in range(cut // block_size))
+        followers.append(replace(job, prompt_tokens=len(kept) * block_size + cut, chain=(*kept, *fresh), after=i))
+    return jobs + followers, [row.model for row in rows] + [rows[job.after].model for job in followers]
+
+
+def _shared_blocks(rows: list[Recorded]) -> frozenset:
+    """Blocks in more than one recorded prompt's chain."""
+    seen: set = set()
+    shared: set = set()
+    for row in rows:
+        for block in set(row.job.chain):
+            (shared if block in seen else seen).add(block)
+    return frozenset(shared)
 
 
 def run_scenario(
     scenario: Scenario, rows: list[Recorded], step: StepModel, spec: ReplicaSpec, hourly: float, prices: PriceSheet
 ) -> dict:
-    start = min(row.job.arrival for row in rows)
-    jobs = [
-        replace(row.job, arrival=row.job.arrival - start, tier=BATCH_TIER if i in scenario.to_batch else row.job.tier)
-        for i, row in enumerate(rows)
-    ]
+    jobs, models = scenario_jobs(scenario, rows, spec.block_size)
     result = replay(jobs, scenario.replicas, "prefix", step, replace(spec, prefix_caching=scenario.prefix_caching))
     span = max(max(job.arrival for job in jobs), result.makespan)
     machine = scenario.replicas * hourly * span / 3600
     revenue = sum(
-        _billed(prices, row.model, job, result.cached_by_job.get(i, 0))
-        for i, (row, job) in enumerate(zip(rows, jobs, strict=True))
+        _billed(prices, model, job, result.cached_by_job.get(i, 0))
+        for i, (model, job) in enumerate(zip(models, jobs, strict=True))
     )
-    tokens = sum(job.prompt_tokens + job.output_tokens for job in jobs)
-    waited = [result.finished_by_job[i] - jobs[i].arrival for i in scenario.to_batch if i in result.finished_by_job]
+    # Per 1M tokens the client sent and received: a compressed request's are its original prompt and its output.
+    tokens = sum(row.job.prompt_tokens + row.job.output_tokens for row in rows)
+    last_job = {job.after: i for i, job in enumerate(jobs) if job.after is not None}  # a compressed row's request
+    finished = {i: result.finished_by_job.get(last_job.get(i, i)) for i in scenario.to_batch}
+    waited = [at - jobs[i].arrival for i, at in finished.items() if at is not None]
     return {
         "scenario": scenario.name,
         "replicas": scenario.replicas,
         "prefix_caching": scenario.prefix_caching,
         "moved_to_batch": len(scenario.to_batch),
+        "compressed": len(scenario.compressed),
+        "prompt_tokens_computed": result.prompt_tokens - result.cached_tokens,
         "seconds": span,
         "machine_cost": machine,
         "machine_cost_per_1m_tokens": machine / tokens * 1e6 if tokens else 0.0,
@@ -165,11 +226,14 @@ def whatif(rows: list[Recorded], args: argparse.Namespace, step: StepModel) -> l
 def render(results: list[dict]) -> str:
     header = (
         f"{'scenario':<32} {'replicas':>8} {'machine $':>10} {'$/1M tok':>9} {'revenue $':>10} {'margin $':>10} "
-        f"{'vs today':>9} {'hit':>5}  TTFT p50/p99 ms per tier"
+        f"{'vs today':>9} {'hit':>5}  per tier: TTFT p50/p99, ITL p50/p99 (ms)"
     )
     lines = [header]
     for r in results:
-        latency = ", ".join(f"{tier} {_ms(v['ttft_p50_s'])}/{_ms(v['ttft_p99_s'])}" for tier, v in r["latency"].items())
+        latency = ", ".join(
+            f"{tier} {_ms(v['ttft_p50_s'])}/{_ms(v['ttft_p99_s'])}, {_ms(v['itl_p50_s'])}/{_ms(v['itl_p99_s'])}"
+            for tier, v in r["latency"].items()
+        )
         lines.append(
             f"{r['scenario']:<32} {r['replicas']:>8} {r['machine_cost']:>10.4f} {r['machine_cost_per_1m_tokens']:>9.3f}"
             f" {r['revenue']:>10.4f} {r['margin']:>10.4f} {r['margin_change']:>+9.4f} {r['hit_rate']:>5.2f}  {latency}"
@@ -204,7 +268,7 @@ def add_parser(cost_commands) -> None:
     parser = cost_commands.add_parser(
         "whatif",
         help="replay the ledger's traffic through the simulator under each lever (prefix cache, Batch API, "
-        "replicas): machine cost, revenue, margin and latency per tier against today",
+        "compression, replicas): machine cost, revenue, margin and latency per tier against today",
     )
     parser.add_argument("--db", default=None, help="the ledger (default: $CARPOOL_DB or ~/.cache/carpool/carpool.db)")
     parser.add_argument("--since", type=parse_time, default=None, help="unix seconds or ISO 8601 (UTC), inclusive")
@@ -217,9 +281,15 @@ def add_parser(cost_commands) -> None:
     parser.add_argument("--batch-tenants", type=_names, default=frozenset(), help="tenants moved to the Batch API")
     parser.add_argument("--batch-tiers", type=_names, default=frozenset(), help="tiers moved to the Batch API")
     parser.add_argument(
+        "--compress-rate", type=_rate, default=None, help="compress prompts to this share of their tokens, in (0, 1)"
+    )
+    parser.add_argument(
+        "--compress-min-tokens", type=int, default=1024, help="only prompts at least this long (default: 1024)"
+    )
+    parser.add_argument(
         "--step",
         default=None,
-        metavar="BASE,PER_PREFILL_TOKEN,PER_DECODE_SEQ[,PER_CONTEXT_TOKEN]",
+        metavar="BASE,PER_PREFILL_TOKEN,PER_DECODE_SEQ[,PER_CONTEXT_TOKEN[,PER_PREFILL_STEP[,PER_PREFILL_PAIR]]]",
         help="a step model in seconds instead of fitting one to this machine (carpool bench simulate's)",
     )
     parser.add_argument("--threads", type=int, default=None, help="torch threads of the fitted step model")
@@ -248,6 +318,13 @@ def _counts(text: str) -> list[int]:
     if any(count < 1 for count in counts):
         raise argparse.ArgumentTypeError("replica counts must be at least 1")
     return counts
+
+
+def _rate(text: str) -> float:
+    rate = float(text)
+    if not 0 < rate < 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1): the share of a prompt's tokens kept, got {text}")
+    return rate
 
 
 def _names(text: str) -> frozenset:

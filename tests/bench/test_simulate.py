@@ -6,10 +6,11 @@ import random
 import pytest
 
 from carpool.bench.sessions import Session, Turn
-from carpool.bench.simulate import ReplicaSpec, StepModel, poisson_arrivals, simulate
+from carpool.bench.simulate import ReplicaSpec, StepModel, attention_pairs, poisson_arrivals, simulate
 
 STEP = StepModel(base=0.010, per_prefill_token=0.0001, per_decode_seq=0.002)
 WITH_CONTEXT = StepModel(base=0.010, per_prefill_token=0.0001, per_decode_seq=0.002, per_context_token=0.00001)
+WHOLE = StepModel(0.006, 0.0001, 0.001, 0.00001, per_prefill_step=0.008, per_prefill_pair=2e-8)
 
 
 def test_fit_recovers_a_known_step_plane():
@@ -35,6 +36,39 @@ def test_fit_recovers_a_known_step_plane():
     assert StepModel.fit([(p, d, s) for p, d, _, s in steps]).per_context_token == 0.0
     with pytest.raises(ValueError, match="steps"):
         StepModel.fit(steps[:3])
+
+
+def test_fit_separates_a_prompt_steps_own_cost_and_its_attention_pairs():
+    # Prompts alone (pairs grow with the square of their length), prompts behind a cached prefix (few tokens, many
+    # pairs), decode batches and mixed steps, as measure_step_model runs them.
+    shapes = [
+        (64, 0, 0, attention_pairs(64, 0)),
+        (256, 0, 0, attention_pairs(256, 0)),
+        (512, 0, 0, attention_pairs(512, 0)),
+        (32, 0, 0, attention_pairs(32, 768)),
+        (128, 0, 0, attention_pairs(128, 768)),
+        (0, 1, 17, 0),
+        (0, 4, 3072, 0),
+        (0, 16, 272, 0),
+        (0, 32, 24_576, 0),
+        (480, 32, 512, attention_pairs(480, 256)),
+    ]
+    fitted = StepModel.fit([(*shape, WHOLE.seconds(*shape)) for shape in shapes])
+    for name in ("base", "per_prefill_token", "per_decode_seq", "per_context_token", "per_prefill_step"):
+        assert getattr(fitted, name) == pytest.approx(getattr(WHOLE, name), rel=1e-6), name
+    assert fitted.per_prefill_pair == pytest.approx(WHOLE.per_prefill_pair, rel=1e-6)
+    assert StepModel.parse("0.006,0.0001,0.001,0.00001,0.008,2e-8") == WHOLE
+    with pytest.raises(ValueError, match="--step"):
+        StepModel.parse("0.006,0.0001")
+
+
+def test_a_prompt_behind_a_cached_prefix_pays_a_prompt_steps_cost_and_its_pairs():
+    prefix = list(range(1, 801))  # 50 whole blocks
+    first, second = Turn(prefix + [7] * 10, 1), Turn(prefix + list(range(900, 940)), 2)
+    result = simulate([Session([first, second])], [0.0], 1, "prefix", WHOLE, ReplicaSpec())
+    # The second turn computes its 40 new tokens over the 800 cached, then decodes over 841 keys.
+    assert result.ttft[1] == pytest.approx(WHOLE.seconds(40, 0, 0, 40 * 800 + 40 * 41 // 2))
+    assert result.itl == [pytest.approx(WHOLE.seconds(0, 1, 841))]
 
 
 def test_a_decode_step_pays_for_the_context_its_sequences_read():

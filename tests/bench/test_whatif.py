@@ -4,6 +4,7 @@ cost, revenue and time to first token as the arithmetic says. And `carpool bench
 same rows to a real server to hold the predictions against: the shared prefix is shared again there."""
 
 import json
+import os
 
 import pytest
 from live_server import LiveServer
@@ -81,6 +82,36 @@ def test_each_lever_costs_and_bills_what_the_arithmetic_says(tmp_path):
     assert out.with_suffix(".png").exists()
 
 
+def test_compression_replays_the_scorers_pass_then_the_cut_prompt_behind_its_kept_shared_prefix(tmp_path):
+    shared = [f"block-{i}".encode().ljust(8, b".") for i in range(4)]
+    own = [[f"{name}-{i}".encode().ljust(8, b".") for i in range(4)] for name in ("a", "b")]
+    other = [f"other-{i}".encode().ljust(8, b".") for i in range(2)]
+    ledger(
+        tmp_path / "carpool.db",
+        [(0, "a", 128, shared + own[0]), (100, "a", 128, shared + own[1]), (200, "b", 32, other)],
+    )
+    (tmp_path / "prices.toml").write_text(SHEET)
+    out = tmp_path / "whatif.json"
+    args = build_parser().parse_args(
+        ["cost", "whatif", "--db", str(tmp_path / "carpool.db"), "--hourly-price", "3.6", "--step", STEP]
+        + ["--prices", str(tmp_path / "prices.toml"), "--compress-rate", "0.5", "--compress-min-tokens", "100"]
+        + ["--out", str(out)]
+    )
+    assert whatif.main(args) == 0
+    compressed = {row["scenario"]: row for row in json.loads(out.read_text())["scenarios"]}["compress to 0.5 (2)"]
+    # The first: its scorer computes all 128 tokens (138 ms), then its request keeps the 64 shared tokens (a hit
+    # now) and half of the other 64: 32 computed (42 ms), first token at 180 ms. The second's scorer reads the
+    # shared 64 and computes 64 (74 ms); its request is again 32 computed over 64 cached: 116 ms. The third, 32
+    # tokens under the minimum, is not compressed: 42 ms.
+    assert compressed["latency"]["default"]["ttft_p50_s"] == pytest.approx(0.116)
+    assert compressed["prompt_tokens_computed"] == 128 + 32 + 64 + 32 + 32
+    # Billed per 1M: the scorers 128 + 1 x 2 out and 64 + 6.4 cached + 2; each request 32 + 6.4 + 2 x 2; the third 36.
+    assert compressed["revenue"] == pytest.approx((130 + 72.4 + 2 * 42.4 + 36) / 1e6)
+    assert compressed["seconds"] == pytest.approx(200.062)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["cost", "whatif", "--hourly-price", "1", "--compress-rate", "1.5"])
+
+
 def test_the_step_model_of_the_default_servers_rows_is_fitted_on_the_default_model():
     """`carpool serve` without --model serves the embedded GGUF under its file's stem, which is no catalog name: the
     fit would fail to find a model to load."""
@@ -106,7 +137,7 @@ def test_the_replay_sends_the_recorded_traffic_so_a_shared_prefix_is_a_cache_hit
     try:
         args = build_parser().parse_args(
             ["bench", "ledger-replay", "--url", server.url, "--db", str(tmp_path / "carpool.db"), "--speed", "4"]
-            + ["--out", str(tmp_path / "replay.json")]
+            + ["--out", str(tmp_path / "replay.json"), "--server-db", os.path.join(server.home, "carpool.db")]
         )
         assert ledger_replay.main(args) == 0
     finally:
@@ -116,3 +147,8 @@ def test_the_replay_sends_the_recorded_traffic_so_a_shared_prefix_is_a_cache_hit
     # The second request reads the first's 4 blocks but its last token: 63 of the 64 + 64 + 40 prompt tokens.
     assert report["hit_rate"] == pytest.approx(63 / 168)
     assert set(report["latency"]) == {"default", "flex"} and report["latency"]["flex"]["itl_p50_s"] > 0
+    # The server's own time to first token, from its ledger's rows of this replay: within the client's.
+    server_side = report["server_latency"]
+    assert set(server_side) == {"default", "flex"}
+    for tier, client in report["latency"].items():
+        assert 0 < server_side[tier]["ttft_p50_s"] <= client["ttft_p50_s"]
