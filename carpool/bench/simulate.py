@@ -19,11 +19,13 @@ import math
 import random
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import numpy as np
 
 from carpool.bench.sessions import Session
 from carpool.engine.sampling_params import SamplingParams
+from carpool.engine.slo import SloController, StepLimits
 from carpool.engine.tiers import BY_NAME, DEFAULT_TIER
 from carpool.server.replicas.routing import PrefixAffinity, ReplicaLoad, make_routing
 
@@ -93,6 +95,9 @@ class ReplicaSpec:
     num_blocks: int = 4096
     block_size: int = 16
     prefix_caching: bool = True
+    # The SLO controller's targets ({tier: ms}, `carpool serve --slo-itl/--slo-ttft`); empty: fixed steps.
+    slo_itl_ms: dict = field(default_factory=dict)
+    slo_ttft_ms: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -153,18 +158,42 @@ def percentile(values: list[float], q: float) -> float | None:
 
 @dataclass
 class _Seq:
+    """A request in a replica; to the SLO controller (which plans from these as from the engine's Sequences) its
+    priority, tokens, computed tokens and times."""
+
     job: Job
     session: int  # a session's index (its next turn follows this one), or -1 for a replayed job
     turn: int  # the turn's index in its session, or the replayed job's index
     replica: int = -1
+    admitted: bool = False
     to_prefill: int = 0  # prompt tokens still to compute
     produced: int = 0
     last_token_at: float | None = None
+    first_token_at: float | None = None
 
     @property
     def context(self) -> int:
         """Tokens whose KV this sequence's attention reads in its next step (cached and computed ones)."""
         return self.job.prompt_tokens - self.to_prefill + self.produced
+
+    @property
+    def priority(self) -> int:
+        return BY_NAME[self.job.tier].priority
+
+    @property
+    def num_tokens(self) -> int:
+        return self.job.prompt_tokens + self.produced
+
+    @property
+    def num_computed_tokens(self) -> int:
+        """As the engine counts them: a decoding sequence's newest token is computed by its next step."""
+        if not self.admitted:
+            return 0
+        return self.context - 1 if self.produced else self.context
+
+    @property
+    def times(self) -> SimpleNamespace:
+        return SimpleNamespace(arrival=self.job.arrival, first_token=self.first_token_at)
 
 
 class _Replica:
@@ -174,6 +203,12 @@ class _Replica:
         self.running: list[_Seq] = []
         self.cache: OrderedDict[int, None] = OrderedDict()
         self.busy = False
+        # The engine's own controller, fed the simulated steps as the engine feeds it real ones.
+        self.slo = (
+            SloController(spec.slo_itl_ms, spec.slo_ttft_ms, spec.block_size)
+            if spec.slo_itl_ms or spec.slo_ttft_ms
+            else None
+        )
 
     def cached_tokens(self, job: Job) -> int:
         """Leading prompt blocks in the cache (at least the last token is always computed, as in the engine)."""
@@ -273,7 +308,11 @@ def _start_step(node: _Replica, index: int, now: float, step: StepModel, events,
         return
     spec = node.spec
     decoding = [seq for seq in node.running if seq.to_prefill == 0]
-    budget = spec.max_num_batched_tokens - len(decoding)
+    limits = None
+    if node.slo is not None:
+        waiting = [entry[-1] for entry in node.waiting]
+        limits = node.slo.plan(node.running, waiting, now, spec.max_num_batched_tokens, spec.max_num_seqs)
+    budget = (limits.max_tokens if limits else spec.max_num_batched_tokens) - len(decoding)
     chunks = []
     for seq in node.running:  # prompts already started go on first, then new ones while the budget lasts
         if seq.to_prefill and budget > 0:
@@ -281,7 +320,10 @@ def _start_step(node: _Replica, index: int, now: float, step: StepModel, events,
             chunks.append((seq, chunk))
             budget -= chunk
     while node.waiting and len(node.running) < spec.max_num_seqs and budget > 0:
+        if limits and _capped(node.waiting[0][-1], limits, node.running):
+            break  # the rest wait in tier order behind it
         seq = heapq.heappop(node.waiting)[-1]
+        seq.admitted = True
         cached = node.cached_tokens(seq.job)  # at admission: what earlier chunks have cached by now
         result.prompt_tokens += seq.job.prompt_tokens
         result.cached_tokens += cached
@@ -298,11 +340,23 @@ def _start_step(node: _Replica, index: int, now: float, step: StepModel, events,
     context = sum(seq.context for seq in decoding)
     pairs = sum(attention_pairs(chunk, seq.context) for seq, chunk in chunks)
     duration = step.seconds(sum(c for _, c in chunks), len(decoding), context, pairs)
-    heapq.heappush(events, (now + duration, next(order), "step", (index, decoding, chunks)))
+    # The step's shape as the engine tells its SLO controller: tokens, sequences, KV read (computed before it + new).
+    tokens = len(decoding) + sum(c for _, c in chunks)
+    read = sum(s.num_computed_tokens for s in decoding) + sum(s.num_computed_tokens for s, _ in chunks) + tokens
+    shape = (tokens, len(decoding) + len(chunks), read, now)
+    heapq.heappush(events, (now + duration, next(order), "step", (index, decoding, chunks, shape)))
+
+
+def _capped(seq: _Seq, limits: StepLimits, running: list[_Seq]) -> bool:
+    """The scheduler's cap (Scheduler._capped, without aging): a lower tier than the governing one is not admitted
+    while the batch is at the cap, unless a running sequence is of a lower tier still."""
+    if len(running) < limits.max_seqs or seq.priority <= limits.exempt_priority:
+        return False
+    return not any(r.priority > seq.priority for r in running)
 
 
 def _finish_step(nodes, loads, payload, now, work, followers, step, events, order, result: SimResult) -> None:
-    index, decoding, chunks = payload
+    index, decoding, chunks, (tokens, seqs, read, started) = payload
     node = nodes[index]
     node.busy = False
     emitted = list(decoding)
@@ -315,10 +369,13 @@ def _finish_step(nodes, loads, payload, now, work, followers, step, events, orde
                 result.ttft_by_tier.setdefault(seq.job.tier, []).append(now - seq.job.arrival)
             emitted.append(seq)
     for seq in emitted:
+        if seq.last_token_at is not None and node.slo is not None:
+            node.slo.observe_gap(seq.priority, now - seq.last_token_at)
         if seq.last_token_at is not None and not seq.job.internal:
             result.itl.append(now - seq.last_token_at)
             result.itl_by_tier.setdefault(seq.job.tier, []).append(now - seq.last_token_at)
         seq.last_token_at = now
+        seq.first_token_at = seq.first_token_at or now
         seq.produced += 1
         result.output_tokens += 1
         if seq.produced >= max(seq.job.output_tokens, 1):
@@ -330,6 +387,8 @@ def _finish_step(nodes, loads, payload, now, work, followers, step, events, orde
                     heapq.heappush(events, (now, next(order), "arrive", (-1, follower)))
             elif seq.turn + 1 < len(work[seq.session].turns):
                 heapq.heappush(events, (now, next(order), "arrive", (seq.session, seq.turn + 1)))
+    if node.slo is not None:
+        node.slo.observe(tokens, seqs, read, started, now, bool(node.running or node.waiting))
     used = sum(math.ceil(s.job.prompt_tokens / node.spec.block_size) for s in node.running)
     loads[index].kv_usage = min(1.0, used / node.spec.num_blocks)
     _start_step(node, index, now, step, events, order, result)

@@ -7,8 +7,9 @@ the margin and its change against today's configuration, TTFT and ITL p50/p99 pe
 
 The levers replayed here: prefix caching off (today's saving made visible), chosen tenants' or tiers' requests
 moved to the Batch API (half price, admitted after every live tier; the report says how long they waited against
-the 24-hour window), prompt compression at a rate, and replica counts. Cascade and router thresholds and the SLO
-controller are not replayed yet (issue 50 lists them).
+the 24-hour window), prompt compression at a rate, the SLO controller (the engine's own, carpool.engine.slo, fed
+the simulated steps) against today's fixed steps, and replica counts. Cascade and router thresholds are not
+replayed yet (issue 50 lists them).
 
 Compression is replayed as the server runs it (carpool.server.compression): the scorer's pass over the whole prompt
 (a prompt computed with its cache hits, one token out, billed as its own row), then the request with its prompt
@@ -31,6 +32,7 @@ from carpool.economics.db import default_db_path, open_database
 from carpool.economics.prices import PriceSheet, load_price_sheet
 from carpool.economics.reports import parse_time
 from carpool.engine.tiers import BATCH_TIER, TIER_NAMES
+from carpool.server.assembly import slo_flag
 
 BATCH_WINDOW_SECONDS = 24 * 3600  # the Batch API's completion window
 
@@ -53,6 +55,8 @@ class Scenario:
     to_batch: frozenset = frozenset()  # indexes of the rows moved to the Batch API
     compressed: frozenset = frozenset()  # indexes of the rows whose prompts are compressed to compress_rate
     compress_rate: float = 1.0
+    slo_itl_ms: tuple = ()  # (tier, ms) pairs: the SLO controller sizes each step; none: fixed steps
+    slo_ttft_ms: tuple = ()
 
 
 def recorded_rows(db, model: str | None, since: float | None, until: float | None) -> tuple[list[Recorded], int]:
@@ -104,6 +108,12 @@ def scenarios(rows: list[Recorded], args: argparse.Namespace) -> list[Scenario]:
         found.append(
             replace(today, name=f"compress to {rate:g} ({len(compressed)})", compressed=compressed, compress_rate=rate)
         )
+    itl, ttft = tuple(slo_flag(args, "slo_itl_ms").items()), tuple(slo_flag(args, "slo_ttft_ms").items())
+    if itl or ttft:
+        targets = ", ".join(
+            f"{tier} {kind} {ms:g} ms" for kind, pairs in (("ITL", itl), ("TTFT", ttft)) for tier, ms in pairs
+        )
+        found.append(replace(today, name=f"SLO steps ({targets})", slo_itl_ms=itl, slo_ttft_ms=ttft))
     found += [replace(today, name=f"{n} replicas", replicas=n) for n in args.replicas if n != args.replicas_today]
     if (moved or compressed) and args.replicas:
         fewest = min(args.replicas)
@@ -156,7 +166,13 @@ def run_scenario(
     scenario: Scenario, rows: list[Recorded], step: StepModel, spec: ReplicaSpec, hourly: float, prices: PriceSheet
 ) -> dict:
     jobs, models = scenario_jobs(scenario, rows, spec.block_size)
-    result = replay(jobs, scenario.replicas, "prefix", step, replace(spec, prefix_caching=scenario.prefix_caching))
+    spec = replace(
+        spec,
+        prefix_caching=scenario.prefix_caching,
+        slo_itl_ms=dict(scenario.slo_itl_ms),
+        slo_ttft_ms=dict(scenario.slo_ttft_ms),
+    )
+    result = replay(jobs, scenario.replicas, "prefix", step, spec)
     span = max(max(job.arrival for job in jobs), result.makespan)
     machine = scenario.replicas * hourly * span / 3600
     revenue = sum(
@@ -268,7 +284,7 @@ def add_parser(cost_commands) -> None:
     parser = cost_commands.add_parser(
         "whatif",
         help="replay the ledger's traffic through the simulator under each lever (prefix cache, Batch API, "
-        "compression, replicas): machine cost, revenue, margin and latency per tier against today",
+        "compression, SLO steps, replicas): machine cost, revenue, margin and latency per tier against today",
     )
     parser.add_argument("--db", default=None, help="the ledger (default: $CARPOOL_DB or ~/.cache/carpool/carpool.db)")
     parser.add_argument("--since", type=parse_time, default=None, help="unix seconds or ISO 8601 (UTC), inclusive")
@@ -286,6 +302,15 @@ def add_parser(cost_commands) -> None:
     parser.add_argument(
         "--compress-min-tokens", type=int, default=1024, help="only prompts at least this long (default: 1024)"
     )
+    for kind in ("itl", "ttft"):
+        parser.add_argument(
+            f"--slo-{kind}-ms",
+            action="append",
+            default=None,
+            metavar="TIER=MS",
+            help=f"replay with the SLO controller sizing steps for this {kind.upper()} target (repeatable), as "
+            f"`carpool serve --slo-{kind}-ms` runs it, against today's fixed steps",
+        )
     parser.add_argument(
         "--step",
         default=None,

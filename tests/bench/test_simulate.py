@@ -6,7 +6,7 @@ import random
 import pytest
 
 from carpool.bench.sessions import Session, Turn
-from carpool.bench.simulate import ReplicaSpec, StepModel, attention_pairs, poisson_arrivals, simulate
+from carpool.bench.simulate import Job, ReplicaSpec, StepModel, attention_pairs, poisson_arrivals, replay, simulate
 
 STEP = StepModel(base=0.010, per_prefill_token=0.0001, per_decode_seq=0.002)
 WITH_CONTEXT = StepModel(base=0.010, per_prefill_token=0.0001, per_decode_seq=0.002, per_context_token=0.00001)
@@ -120,3 +120,17 @@ def test_more_replicas_cut_ttft_under_the_same_load():
         n: simulate(sessions, arrivals, n, "prefix", STEP, ReplicaSpec()).summary(1.0)["ttft_p50_s"] for n in (1, 4)
     }
     assert ttft[4] < ttft[1] / 2, ttft
+
+
+def test_the_slo_controller_keeps_a_priority_stream_within_its_itl_under_long_flex_prompts():
+    """The engine's own controller, fed the simulated steps: fixed 512-token steps stretch the priority stream's
+    gaps past half a second while the flex prompts compute; with a 100 ms ITL target it cuts the chunks so the
+    stream's gaps stay near the target, and the flex prompts still finish."""
+    slow = StepModel(base=0.010, per_prefill_token=0.001, per_decode_seq=0.002)
+    jobs = [Job(0.0, 32, (), 80, "priority")] + [Job(0.05 * i, 1500, (), 2, "flex") for i in range(1, 4)]
+    fixed = replay(jobs, 1, "prefix", slow, ReplicaSpec())
+    governed = replay(jobs, 1, "prefix", slow, ReplicaSpec(slo_itl_ms={"priority": 100.0}))
+    assert max(fixed.itl_by_tier["priority"]) > 0.5
+    gaps = governed.itl_by_tier["priority"]
+    assert max(gaps[10:]) < 0.12, gaps  # past the controller's first steps of learning the step times
+    assert len(governed.ttft_by_tier["flex"]) == 3 and len(governed.finished_by_job) == 4
