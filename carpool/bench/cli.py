@@ -4,6 +4,7 @@ from carpool.bench import (
     batch,
     cache_ttl,
     compression,
+    day,
     ledger_replay,
     offline,
     prefill,
@@ -32,6 +33,7 @@ MODES = (
     soak.add_parser,
     cache_ttl.add_parser,
     ledger_replay.add_parser,
+    day.add_parser,
 )
 
 

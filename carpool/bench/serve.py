@@ -328,7 +328,7 @@ async def _one_request(
     for attempt in range(1 + STALE_CONNECTION_RETRIES):
         result = RequestResult(ok=False, retries=attempt)
         try:
-            await _stream_into(result, client, ENDPOINTS[api], body, start)
+            await stream_into(result, client, ENDPOINTS[api], body, start)
         except httpx.RemoteProtocolError as error:
             result.error = repr(error)
             if result.answered:
@@ -340,7 +340,7 @@ async def _one_request(
     return result
 
 
-async def _stream_into(result: RequestResult, client: httpx.AsyncClient, path: str, body: dict, start: float) -> None:
+async def stream_into(result: RequestResult, client: httpx.AsyncClient, path: str, body: dict, start: float) -> None:
     """One attempt at one request: TTFT and ITL count from `start`, the first attempt's send."""
     text_chunks, last = 0, None
     async with client.stream("POST", path, json=body) as response:
