@@ -294,6 +294,12 @@ def add_parser(cost_commands) -> None:
     parser.add_argument("--prices", default=None, help="the price sheet revenue is billed by (default: shipped)")
     parser.add_argument("--replicas-today", type=int, default=1, help="replicas the traffic ran on (default: 1)")
     parser.add_argument("--replicas", type=_counts, default=[], help="replica counts to try, e.g. 1,2,4")
+    parser.add_argument(
+        "--tiers",
+        type=_names,
+        default=frozenset(),
+        help="replay only these tiers' rows (default: all), e.g. the live ones, as `carpool bench ledger-replay` sends",
+    )
     parser.add_argument("--batch-tenants", type=_names, default=frozenset(), help="tenants moved to the Batch API")
     parser.add_argument("--batch-tiers", type=_names, default=frozenset(), help="tiers moved to the Batch API")
     parser.add_argument(
@@ -359,10 +365,13 @@ def _names(text: str) -> frozenset:
 def main(args: argparse.Namespace) -> int:
     if args.hourly_price <= 0:
         raise ValueError(f"--hourly-price must be positive, got {args.hourly_price}")
-    unknown = sorted(args.batch_tiers - set(TIER_NAMES))
-    if unknown:
-        raise ValueError(f"--batch-tiers: unknown tier {unknown[0]!r} (known: {', '.join(TIER_NAMES)})")
+    for flag, tiers in (("--batch-tiers", args.batch_tiers), ("--tiers", args.tiers)):
+        unknown = sorted(tiers - set(TIER_NAMES))
+        if unknown:
+            raise ValueError(f"{flag}: unknown tier {unknown[0]!r} (known: {', '.join(TIER_NAMES)})")
     rows, left_out = recorded_rows(args.db or default_db_path(), args.model, args.since, args.until)
+    if args.tiers:
+        rows = [row for row in rows if row.job.tier in args.tiers]
     if not rows:
         raise ValueError(
             f"--db: no row in that window has an arrival time ({left_out} written before the ledger kept it)"

@@ -6,7 +6,9 @@ import json
 import os
 import random
 import sqlite3
+import time
 
+import httpx
 import pytest
 from live_server import LiveServer
 
@@ -35,6 +37,7 @@ def test_a_short_day_leaves_a_ledger_the_whatif_replays(tmp_path):
         assert day.main(args) == 0
         report = json.loads((tmp_path / "day.json").read_text())
         assert report["errors"] == [] and report["batch"]["total"] == 2
+        wait_for_batch(server.url, report["batch"]["id"])  # its lines' rows, for the whatif below
         db = os.path.join(server.home, "carpool.db")
         with sqlite3.connect(db) as conn:
             rows = conn.execute(
@@ -49,9 +52,20 @@ def test_a_short_day_leaves_a_ledger_the_whatif_replays(tmp_path):
     assert sorted(cached for _, cached, _ in priority)[1] >= 700
     assert sum(row[0] == "default" for row in rows) == report["requests"]["doc"]
     out = tmp_path / "whatif.json"
-    whatif_args = build_parser().parse_args(
-        ["cost", "whatif", "--db", db, "--hourly-price", "1.2", "--step", "0.01,0.0004,0.001", "--out", str(out)]
-    )
-    assert whatif.main(whatif_args) == 0
+    assert whatif.main(build_parser().parse_args(whatif_args_list(db, out))) == 0
     today = json.loads(out.read_text())["scenarios"][0]
-    assert {"priority", "default"} <= set(today["latency"]) and today["hit_rate"] > 0.3
+    assert set(today["latency"]) == {"priority", "default", "batch"} and today["hit_rate"] > 0.3
+    # The live traffic alone, as `carpool bench ledger-replay` sends it for a validation.
+    assert whatif.main(build_parser().parse_args([*whatif_args_list(db, out), "--tiers", "priority,default"])) == 0
+    assert set(json.loads(out.read_text())["scenarios"][0]["latency"]) == {"priority", "default"}
+
+
+def whatif_args_list(db: str, out) -> list[str]:
+    return ["cost", "whatif", "--db", db, "--hourly-price", "1.2", "--step", "0.01,0.0004,0.001", "--out", str(out)]
+
+
+def wait_for_batch(url: str, batch_id: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while httpx.get(f"{url}/v1/batches/{batch_id}").json()["status"] != "completed":
+        assert time.monotonic() < deadline, "the day's batch did not complete"
+        time.sleep(0.5)
