@@ -132,6 +132,7 @@ class SimResult:
     ttft_by_tier: dict[str, list[float]] = field(default_factory=dict)
     itl_by_tier: dict[str, list[float]] = field(default_factory=dict)
     cached_by_job: dict[int, int] = field(default_factory=dict)
+    cache_writes_by_job: dict[int, int] = field(default_factory=dict)  # prompt tokens it added to the cache
     finished_by_job: dict[int, float] = field(default_factory=dict)
 
     def summary(self, hourly_price_per_replica: float) -> dict:
@@ -220,15 +221,19 @@ class _Replica:
             hit += 1
         return min(hit * self.spec.block_size, job.prompt_tokens - 1)
 
-    def insert(self, job: Job, num_tokens: int) -> None:
-        """The prompt's blocks computed so far (the engine caches each full block as its chunk is computed)."""
+    def insert(self, job: Job, num_tokens: int) -> int:
+        """The prompt's blocks computed so far (the engine caches each full block as its chunk is computed); the
+        number of them new to the cache (its writes, as the ledger bills them)."""
         if not self.spec.prefix_caching:
-            return
+            return 0
+        written = 0
         for block in job.chain[: num_tokens // self.spec.block_size]:
+            written += block not in self.cache
             self.cache[block] = None
             self.cache.move_to_end(block)
         while len(self.cache) > self.spec.num_blocks:
             self.cache.popitem(last=False)
+        return written
 
 
 def _chain(tokens: list[int], salt: str | None, block_size: int) -> tuple:
@@ -362,7 +367,9 @@ def _finish_step(nodes, loads, payload, now, work, followers, step, events, orde
     emitted = list(decoding)
     for seq, chunk in chunks:
         seq.to_prefill -= chunk
-        node.insert(seq.job, seq.job.prompt_tokens - seq.to_prefill)
+        written = node.insert(seq.job, seq.job.prompt_tokens - seq.to_prefill) * node.spec.block_size
+        if seq.session < 0 and written:
+            result.cache_writes_by_job[seq.turn] = result.cache_writes_by_job.get(seq.turn, 0) + written
         if seq.to_prefill == 0:  # the prompt's last chunk samples the first token
             if not seq.job.internal:
                 result.ttft.append(now - seq.job.arrival)

@@ -176,7 +176,7 @@ def run_scenario(
     span = max(max(job.arrival for job in jobs), result.makespan)
     machine = scenario.replicas * hourly * span / 3600
     revenue = sum(
-        _billed(prices, model, job, result.cached_by_job.get(i, 0))
+        _billed(prices, model, job, result.cached_by_job.get(i, 0), result.cache_writes_by_job.get(i, 0))
         for i, (model, job) in enumerate(zip(models, jobs, strict=True))
     )
     # Per 1M tokens the client sent and received: a compressed request's are its original prompt and its output.
@@ -212,15 +212,16 @@ def run_scenario(
     }
 
 
-def _billed(prices: PriceSheet, model: str, job: Job, cached_tokens: int) -> float:
-    """What the price sheet bills a replayed request: its tier, its prompt with the cache hits it got."""
+def _billed(prices: PriceSheet, model: str, job: Job, cached_tokens: int, cache_write_tokens: int) -> float:
+    """What the price sheet bills a replayed request: its tier, its prompt with the cache hits it got and the
+    blocks it added to the cache."""
     usage = UsageRecord(
         request_id="whatif",
         model=model,
         tier=job.tier,
         prompt_tokens=job.prompt_tokens,
         cached_tokens=cached_tokens,
-        cache_write_tokens=0,
+        cache_write_tokens=cache_write_tokens,
         output_tokens=job.output_tokens,
         queue_seconds=0.0,
         prefill_seconds=0.0,
@@ -387,8 +388,8 @@ def main(args: argparse.Namespace) -> int:
     results = whatif(rows, args, step)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    # What the ledger billed these rows, beside the replay's "today": the replay bills no cache writes, so the two
-    # differ by those (and by cache hits the simulator's LRU finds or misses where the engine did not).
+    # What the ledger billed these rows, beside the replay's "today": the two differ by cache hits and writes the
+    # simulator's LRU finds or makes where the engine did not.
     ledger_revenue = sum(row.billed for row in rows)
     document = {
         "model": rows[0].model,

@@ -67,13 +67,13 @@ def test_each_lever_costs_and_bills_what_the_arithmetic_says(tmp_path):
     # The last request arrives at 200 s and runs a 32-token prefill (42 ms) and one decode step (20 ms).
     assert today["seconds"] == pytest.approx(200.062)
     assert today["machine_cost"] == pytest.approx(3.6 * 200.062 / 3600)
-    # $ per 1M: 64 in + 2 x 2 out; the second reads 63 cached tokens at 0.1 (its last is computed): 1 + 6.3 + 4;
-    # the third 32 + 4.
-    assert today["revenue"] == pytest.approx((68 + 11.3 + 36) / 1e6)
+    # $ per 1M: the first writes its 64 tokens' blocks to the cache at 1.25, + 2 x 2 out; the second reads 63
+    # cached tokens at 0.1 (its last is computed): 1 + 6.3 + 4; the third writes 32 at 1.25, + 4.
+    assert today["revenue"] == pytest.approx((84 + 11.3 + 44) / 1e6)
     assert today["latency"]["default"]["ttft_p50_s"] == pytest.approx(0.042)  # of 74, 11 and 42 ms
     assert by_name["no prefix cache"]["revenue"] == pytest.approx((68 + 68 + 36) / 1e6)
     moved = by_name["Batch API (1 moved)"]
-    assert moved["revenue"] == pytest.approx((68 + 11.3 + 18) / 1e6) and moved["batch_within_window"]
+    assert moved["revenue"] == pytest.approx((84 + 11.3 + 22) / 1e6) and moved["batch_within_window"]
     assert set(moved["latency"]) == {"default", "batch"}
     assert by_name["2 replicas"]["machine_cost"] == pytest.approx(2 * today["machine_cost"])
     assert by_name["Batch API + 2 replicas"]["margin_change"] == pytest.approx(
@@ -105,8 +105,9 @@ def test_compression_replays_the_scorers_pass_then_the_cut_prompt_behind_its_kep
     # tokens under the minimum, is not compressed: 42 ms.
     assert compressed["latency"]["default"]["ttft_p50_s"] == pytest.approx(0.116)
     assert compressed["prompt_tokens_computed"] == 128 + 32 + 64 + 32 + 32
-    # Billed per 1M: the scorers 128 + 1 x 2 out and 64 + 6.4 cached + 2; each request 32 + 6.4 + 2 x 2; the third 36.
-    assert compressed["revenue"] == pytest.approx((130 + 72.4 + 2 * 42.4 + 36) / 1e6)
+    # Billed per 1M, every block a prompt adds to the cache written at 1.25: the scorers 128 x 1.25 + 1 x 2 out and
+    # 64 x 1.25 + 6.4 cached + 2; each request 32 x 1.25 + 6.4 + 2 x 2; the third 32 x 1.25 + 4.
+    assert compressed["revenue"] == pytest.approx((162 + 88.4 + 2 * 50.4 + 44) / 1e6)
     assert compressed["seconds"] == pytest.approx(200.062)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["cost", "whatif", "--hourly-price", "1", "--compress-rate", "1.5"])
