@@ -4,7 +4,7 @@ model it does not serve (or one never calibrated) before any model loads; a good
 import pytest
 
 from carpool.cli import main
-from carpool.server.cascade.config import dump_cascades
+from carpool.server.cascade.config import dump_cascades, load_cascades
 from carpool.server.cascade.router import FEATURE_COUNT, Router
 from tests.server.test_cascade_config import load
 
@@ -64,3 +64,14 @@ def test_serve_refuses_a_router_of_an_unserved_model_in_one_line(tmp_path, capsy
     assert main(["serve", "--cascades", str(path), "--port", "1"]) == 2
     err = capsys.readouterr().err.strip()
     assert "router[0] ('r').models: 'small' is not served" in err and len(err.splitlines()) == 1
+
+
+def test_the_shipped_support_mix_file_serves():
+    """docs/cascades/support-mix.toml, as `carpool cascade calibrate` wrote it for the journal's fold 1."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "docs" / "cascades" / "support-mix.toml"
+    served = load_cascades(path, ["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"])
+    assert served["support-router-cascade"].cascade == "support"
+    question = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May."
+    assert served["support-router"].route(question) == 1

@@ -175,16 +175,16 @@ def _summary(cascade, data, found, metric: str) -> str:
     model alone, share answered by each model."""
     singles = _singles(cascade, data)
     last_cost = singles[cascade.models[-1]][0]
-    lines = [f"{'':36}{metric[:12]:>12}  {'$/1k req':>9}  {'vs last':>7}  answered by"]
+    lines = [f"{'':42}{metric[:12]:>12}  {'$/1k req':>9}  {'vs last':>7}  answered by"]
     for model, (cost, accuracy) in singles.items():
-        lines.append(f"{model + ' alone':36}{accuracy:12.1%}  {cost * 1000:9.4f}  {cost / last_cost:7.1%}")
+        lines.append(f"{model + ' alone':42}{accuracy:12.1%}  {cost * 1000:9.4f}  {cost / last_cost:7.1%}")
     for curve in found:
         outcome = curve.point
         if outcome is None:
             continue
         shares = ", ".join(f"{m} {share:.0%}" for m, share in zip(cascade.models, outcome.shares))
         lines.append(
-            f"{curve.label:36}{outcome.accuracy:12.1%}  {outcome.cost * 1000:9.4f}  "
+            f"{curve.label:42}{outcome.accuracy:12.1%}  {outcome.cost * 1000:9.4f}  "
             f"{outcome.cost / last_cost:7.1%}  {shares}"
         )
     thresholds = ", ".join(f"{t:.4g}" for t in found[0].point.thresholds)

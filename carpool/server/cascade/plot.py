@@ -44,9 +44,15 @@ def draw_curve(
         color="0.75",
         label="cascade, each threshold",
     )
-    for curve, color in zip(curves, _COLORS):
-        edge = frontier(curve.outcomes)
-        ax.plot([o.cost * per_k for o in edge], [o.accuracy for o in edge], color=color, label=f"{curve.label}")
+    drawn: list[tuple[list[Outcome], str]] = []
+    for curve in curves:
+        # Two routers over the same models fit the same classifier: one line, each router's star on it.
+        color = next((c for outcomes, c in drawn if outcomes == curve.outcomes), None)
+        if color is None:
+            color = _COLORS[len(drawn) % len(_COLORS)]
+            drawn.append((curve.outcomes, color))
+            edge = frontier(curve.outcomes)
+            ax.plot([o.cost * per_k for o in edge], [o.accuracy for o in edge], color=color, label=curve.label)
         if curve.point is not None:
             ax.scatter([curve.point.cost * per_k], [curve.point.accuracy], s=120, marker="*", color=color, zorder=4)
     for model, (cost, accuracy) in singles.items():
