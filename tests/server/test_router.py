@@ -112,3 +112,12 @@ def test_models_lists_the_router(engine, strong_engine):
     card = asyncio.run(get("/v1/models/route"))
     assert card["router"] == {"models": ["cheap", "strong"], "thresholds": [0.3], "cascade": "casc"}
     assert card["max_model_len"] == min(engine.max_model_len, strong_engine.max_model_len)
+
+
+def test_a_routed_stream_is_the_routed_to_model_streaming_live(engine, strong_engine):
+    app, gate = router_app(engine, strong_engine)
+    response = chat(app, NUMERIC, stream=True)
+    assert response.status_code == 200 and response.headers[ROUTED_TO_HEADER] == "strong"
+    events = [line for line in response.text.splitlines() if line.startswith("data: {")]
+    assert len(events) > 2 and all('"model": "strong"' in event or '"model":"strong"' in event for event in events)
+    assert [(r.model, r.cascade_step) for r in gate.records] == [("strong", 1)]
