@@ -86,8 +86,9 @@ def add_serve_parser(subparsers) -> None:
         default=None,
         metavar="PATH",
         help="model cascades TOML: names clients may pass as `model` that ask the served models in "
-        "order, escalating when a step's answer scores below its threshold "
-        "(carpool.server.cascade.config; `carpool cascade calibrate` fits the thresholds)",
+        "order, escalating when a step's answer scores below its threshold, and routers ([[router]]) that pick "
+        "one model from the prompt alone (carpool.server.cascade.config and .router; `carpool cascade calibrate` "
+        "fits the thresholds and the routers)",
     )
     parser.add_argument(
         "--compression-model",

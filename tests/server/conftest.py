@@ -60,6 +60,17 @@ def engine(llm):
     engine.stop()
 
 
+@pytest.fixture(scope="module")
+def strong_engine():
+    """A second engine of the session's model (exact fp32): the "strong" model of the cascade and router tests."""
+    from carpool import LLM
+
+    engine = AsyncEngine(engine=LLM(max_num_seqs=4, num_kv_blocks=64, dtype="float32", matmul="exact").engine)
+    engine.start()
+    yield engine
+    engine.stop()
+
+
 LedgerApp = namedtuple("LedgerApp", "app gate conn")
 
 

@@ -9,9 +9,7 @@ import math
 import httpx
 import pytest
 
-from carpool import LLM
 from carpool.economics.contract import GateError
-from carpool.engine.async_engine import AsyncEngine
 from carpool.server.app import create_app
 from carpool.server.cascade.config import Cascade, Step
 from carpool.server.cascade.runner import ANSWERED_BY_HEADER, ESCALATION_REFUSED_HEADER, STEP_HEADER
@@ -20,14 +18,6 @@ from carpool.server.open_gate import RecordingGate
 
 MESSAGES = [{"role": "user", "content": "Name a colour."}]
 BODY = {"messages": MESSAGES, "max_tokens": 6, "temperature": 0}
-
-
-@pytest.fixture(scope="module")
-def strong_engine():
-    engine = AsyncEngine(engine=LLM(max_num_seqs=4, num_kv_blocks=64, dtype="float32", matmul="exact").engine)
-    engine.start()
-    yield engine
-    engine.stop()
 
 
 def cascade_app(engine, strong_engine, threshold: float, kind: str = "mean"):

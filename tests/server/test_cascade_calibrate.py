@@ -139,3 +139,22 @@ def test_calibrate_command_writes_thresholds_and_draws_the_curve(tmp_path, capsy
     report = json.loads(capsys.readouterr().out)
     assert report["cascade"]["accuracy"] == 1.0 and report["cascade"]["shares"] == [0.5, 0.5]
     assert report["cascade"]["cost"] < report["singles"]["big"][0]
+
+
+def test_cached_runs_run_only_the_prompts_not_yet_answered(tmp_path, monkeypatch):
+    from carpool.server.cascade import runs
+
+    asked = []
+
+    def fake_run(model, examples, max_tokens, cost, num_threads=None):
+        asked.append([(e.prompt, e.max_tokens or max_tokens) for e in examples])
+        return [Attempt(f"answer to {e.prompt}", [-0.1], 3, 1, "stop", 0.001) for e in examples]
+
+    monkeypatch.setattr(runs, "run_model", fake_run)
+    first = [runs.Example("a"), runs.Example("b", max_tokens=8)]
+    runs.cached_runs(tmp_path, "m", first, 64, None)
+    again = runs.cached_runs(tmp_path, "m", [runs.Example("b", max_tokens=8), runs.Example("c")], 64, None)
+    assert asked == [[("a", 64), ("b", 8)], [("c", 64)]]
+    assert [a.text for a in again] == ["answer to b", "answer to c"]
+    runs.cached_runs(tmp_path, "m", [runs.Example("b", max_tokens=16)], 64, None)  # another limit: another answer
+    assert asked[-1] == [("b", 16)]

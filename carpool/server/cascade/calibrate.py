@@ -10,10 +10,14 @@ import math
 from dataclasses import dataclass, replace
 
 from carpool.server.cascade.config import Cascade
+from carpool.server.cascade.router import Router, first_reaching, prompt_features
 from carpool.server.cascade.runs import Attempt, Example, same_answer
 from carpool.server.cascade.scorers import Scorer, features, fit_logistic
 
 MAX_CANDIDATES_PER_STEP = 64  # thresholds tried per step: a full grid for two steps, 64^2 for three
+# The router's L2 penalty (on standardized features): its 259 features outnumber the ~100 labelled prompts of a
+# calibration split, which the scorers' 1e-3 would let it memorise.
+ROUTER_L2 = 0.05
 
 
 @dataclass
@@ -35,6 +39,7 @@ class Outcome:
     accuracy: float
     cost: float  # mean dollars per example
     shares: tuple[float, ...]  # share of examples answered by each step
+    route_thresholds: tuple[float, ...] = ()  # a router's, when the outcome is of a router
 
 
 def labels(examples: list[Example], attempts: list[list[Attempt]], agreement: bool) -> list[list[bool]]:
@@ -67,12 +72,13 @@ def table(cascade: Cascade, attempts: list[list[Attempt]], right: list[list[bool
     return Table(scores, [[a.cost for a in step] for step in attempts], right)
 
 
-def replay(data: Table, thresholds: tuple[float, ...]) -> Outcome:
-    """The cascade over every example: step s answers when its score >= thresholds[s] (the last step always)."""
+def replay(data: Table, thresholds: tuple[float, ...], starts: list[int] | None = None) -> Outcome:
+    """The cascade over every example: step s answers when its score >= thresholds[s] (the last step always).
+    `starts`: the step each example begins at (a router's choice); the steps before it are neither run nor paid."""
     steps = len(data.costs)
     answered, cost, right = [0] * steps, 0.0, 0
     for i in range(data.size):
-        for s in range(steps):
+        for s in range(starts[i] if starts else 0, steps):
             cost += data.costs[s][i]
             if s == steps - 1 or data.scores[s][i] >= thresholds[s]:
                 answered[s] += 1
@@ -97,6 +103,44 @@ def sweep(data: Table) -> list[Outcome]:
     return [replay(data, thresholds) for thresholds in itertools.product(*grids)]
 
 
+def fit_router(router: Router, examples: list[Example], right: list[list[bool]]) -> Router:
+    """The router with each classifier fitted to predict that its model's answer to a prompt is right."""
+    rows = [prompt_features(example.prompt) for example in examples]
+    fitted = [fit_logistic(rows, right[k], l2=ROUTER_L2) for k in range(len(router.models) - 1)]
+    return replace(router, weights=tuple(w for w, _ in fitted), bias=tuple(b for _, b in fitted))
+
+
+def route_scores(router: Router, examples: list[Example]) -> list[list[float]]:
+    """scores[k][i]: the router's P(models[k] answers example i right)."""
+    per_example = [router.scores(example.prompt) for example in examples]
+    return [list(column) for column in zip(*per_example)]
+
+
+def sweep_router(data: Table, scores: list[list[float]], cascade_grid: list[tuple[float, ...]]) -> list[Outcome]:
+    """Every candidate router threshold combination's outcome, each with every cascade thresholds of
+    `cascade_grid` after the routed-to step ((-inf, ...) alone: the routed-to model answers)."""
+    outcomes = []
+    for route in itertools.product(*(candidates(column) for column in scores)):
+        starts = [first_reaching([column[i] for column in scores], route) for i in range(data.size)]
+        outcomes += [replace(replay(data, cascade, starts), route_thresholds=route) for cascade in cascade_grid]
+    return outcomes
+
+
+def accept_all(data: Table) -> list[tuple[float, ...]]:
+    """The one cascade thresholds that accept every step's answer: a router without a cascade."""
+    return [(-math.inf,) * (len(data.costs) - 1)]
+
+
+def cascade_grid(data: Table) -> list[tuple[float, ...]]:
+    return list(itertools.product(*(candidates(scores) for scores in data.scores[:-1])))
+
+
+def most_accurate_within(outcomes: list[Outcome], budget: float) -> Outcome | None:
+    """The most accurate outcome costing at most `budget` (ties: the cheaper); None when none does."""
+    within = [o for o in outcomes if o.cost <= budget + 1e-15]
+    return max(within, key=lambda o: (o.accuracy, -o.cost)) if within else None
+
+
 def cheapest_meeting(outcomes: list[Outcome], target: float) -> Outcome:
     """The lowest-cost outcome with accuracy >= target (ties: the more accurate). ValueError when none does."""
     meeting = [o for o in outcomes if o.accuracy >= target - 1e-12]
@@ -110,6 +154,13 @@ def with_thresholds(cascade: Cascade, thresholds: tuple[float, ...]) -> Cascade:
     """Infinite thresholds (always accept / always escalate) are stored as the nearest finite score edge."""
     steps = list(cascade.steps)
     for s, threshold in enumerate(thresholds):
-        finite = max(min(threshold, 1e9), -1e9)
-        steps[s] = replace(steps[s], threshold=finite)
+        steps[s] = replace(steps[s], threshold=_finite(threshold))
     return replace(cascade, steps=tuple(steps))
+
+
+def with_route_thresholds(router: Router, thresholds: tuple[float, ...]) -> Router:
+    return replace(router, thresholds=tuple(_finite(t) for t in thresholds))
+
+
+def _finite(threshold: float) -> float:
+    return max(min(threshold, 1e9), -1e9)

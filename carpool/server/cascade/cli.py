@@ -1,5 +1,6 @@
 """`carpool cascade calibrate` and `carpool cascade evaluate`: run a cascade's models on a (labeled) set once,
-then fit thresholds (written back to the TOML) or report accuracy and cost of each model and of the cascade.
+then fit thresholds and the routers over the same models (written back to the TOML) or report accuracy and cost
+of each model, of the cascade and of the routers.
 Offline tools over the cascades the server runs (`carpool serve --cascades`), pricing answers with the price sheet:
 like `carpool serve`'s own command line, a command line may read concrete economics."""
 
@@ -22,7 +23,9 @@ def add_cascade_parser(subparsers) -> None:
     parser = subparsers.add_parser("cascade", help="fit and evaluate model cascades (carpool serve --cascades)")
     commands = parser.add_subparsers(dest="cascade_command", required=True)
     calibrate = commands.add_parser(
-        "calibrate", help="fit the cheapest thresholds that meet a target; write them to the TOML"
+        "calibrate",
+        help="fit the cheapest thresholds that meet a target, and the routers over the cascade's models; write them "
+        "to the TOML",
     )
     _common_args(calibrate)
     target = calibrate.add_mutually_exclusive_group(required=True)
@@ -39,7 +42,9 @@ def add_cascade_parser(subparsers) -> None:
         help="use this scorer on every step but the last (default: each step's own in the TOML)",
     )
     calibrate.set_defaults(func=_calibrate)
-    evaluate = commands.add_parser("evaluate", help="accuracy and cost of each model alone and of the cascade")
+    evaluate = commands.add_parser(
+        "evaluate", help="accuracy and cost of each model alone, of the cascade and of the routers over its models"
+    )
     _common_args(evaluate)
     evaluate.add_argument("--agreement", action="store_true", help="score against the last model's answers")
     evaluate.add_argument("--json", action="store_true", help="print the figures as JSON")
@@ -68,11 +73,14 @@ def _common_args(parser: argparse.ArgumentParser) -> None:
 def _scored(args: argparse.Namespace):
     from carpool.economics.prices import load_price_sheet
     from carpool.server.cascade.config import load_cascades
+    from carpool.server.cascade.router import Router
     from carpool.server.cascade.runs import cached_runs, load_examples
 
     cascades = load_cascades(args.cascades)
     if args.cascade not in cascades:
         raise ValueError(f"--cascade: {args.cascade!r} is not in {args.cascades} ({', '.join(cascades)})")
+    if isinstance(cascades[args.cascade], Router):
+        raise ValueError(f"--cascade: {args.cascade!r} is a router; name a cascade of its models (routers follow it)")
     examples = load_examples(args.data, args.offset, args.limit, args.suffix + (GSM8K_SUFFIX if args.gsm8k else ""))
     cost = load_price_sheet(args.prices).cost
     attempts = [
@@ -90,7 +98,7 @@ def _singles(cascade, data) -> dict[str, tuple[float, float]]:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from carpool.server.cascade import calibrate
+    from carpool.server.cascade import calibrate, compare
     from carpool.server.cascade.config import dump_cascades
     from carpool.server.cascade.plot import draw_curve
 
@@ -112,73 +120,73 @@ def _calibrate(args: argparse.Namespace) -> int:
     data = calibrate.table(cascade, attempts, right)
     outcomes = calibrate.sweep(data)
     chosen = calibrate.cheapest_meeting(outcomes, target)
-    cascades[cascade.name] = calibrate.with_thresholds(cascade, chosen.thresholds)
+    cascade = cascades[cascade.name] = calibrate.with_thresholds(cascade, chosen.thresholds)
+    routers = compare.fit_routers(cascades, cascade, examples, data, target)
+    cascades.update(routers)
     Path(args.cascades).write_text(dump_cascades(cascades), encoding="utf-8")
     metric = "agreement with the last model" if agreement else "accuracy"
+    found = compare.curves(cascades, cascade, examples, data)
     if args.plot:
         draw_curve(
-            args.plot,
-            f"{cascade.name}: {data.size} examples (calibration)",
-            outcomes,
-            _singles(cascade, data),
-            chosen,
-            metric,
+            args.plot, f"{cascade.name}: {data.size} examples (calibration)", found, _singles(cascade, data), metric
         )
-    print(_summary(cascade, data, chosen, metric))
-    print(f"thresholds written to {args.cascades}")
+    print(_summary(cascade, data, found, metric))
+    print(f"thresholds{' and routers ' + ', '.join(routers) if routers else ''} written to {args.cascades}")
     return 0
 
 
 def _evaluate(args: argparse.Namespace) -> int:
-    from carpool.server.cascade import calibrate
+    from carpool.server.cascade import calibrate, compare
     from carpool.server.cascade.plot import draw_curve
 
     cascades, examples, attempts = _scored(args)
     cascade = cascades[args.cascade]
     right = calibrate.labels(examples, attempts, args.agreement)
     data = calibrate.table(cascade, attempts, right)
-    outcome = calibrate.replay(data, tuple(step.threshold for step in cascade.steps[:-1]))
+    found = compare.curves(cascades, cascade, examples, data)
     metric = "agreement with the last model" if args.agreement else "accuracy"
     if args.plot:
         draw_curve(
-            args.plot,
-            f"{cascade.name}: {data.size} examples (held out)",
-            calibrate.sweep(data),
-            _singles(cascade, data),
-            outcome,
-            metric,
+            args.plot, f"{cascade.name}: {data.size} examples (held out)", found, _singles(cascade, data), metric
         )
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "examples": data.size,
-                    "singles": _singles(cascade, data),
-                    "cascade": {"accuracy": outcome.accuracy, "cost": outcome.cost, "shares": outcome.shares},
-                },
-                indent=2,
-            )
-        )
+        singles = _singles(cascade, data)
+        last_cost, last_accuracy = singles[cascade.models[-1]]
+        outcome = found[0].point
+        report = {
+            "examples": data.size,
+            "singles": singles,
+            "cascade": {"accuracy": outcome.accuracy, "cost": outcome.cost, "shares": outcome.shares},
+            "routers": {
+                curve.label: {"accuracy": curve.point.accuracy, "cost": curve.point.cost, "shares": curve.point.shares}
+                for curve in found[1:]
+                if curve.point is not None
+            },
+            "goal": {curve.label: compare.goal_points(curve, last_accuracy, last_cost) for curve in found},
+        }
+        print(json.dumps(report, indent=2))
     else:
-        print(_summary(cascade, data, outcome, metric))
+        print(_summary(cascade, data, found, metric))
     return 0
 
 
-def _summary(cascade, data, outcome, metric: str) -> str:
-    """Each model alone and the cascade: metric, mean cost, cost relative to the last model alone."""
+def _summary(cascade, data, found, metric: str) -> str:
+    """Each model alone, the cascade and the routers as configured: metric, mean cost, cost relative to the last
+    model alone, share answered by each model."""
     singles = _singles(cascade, data)
     last_cost = singles[cascade.models[-1]][0]
-    lines = [f"{'':28}{metric[:12]:>12}  {'$/1k req':>9}  {'vs last':>7}"]
+    lines = [f"{'':42}{metric[:12]:>12}  {'$/1k req':>9}  {'vs last':>7}  answered by"]
     for model, (cost, accuracy) in singles.items():
-        lines.append(f"{model + ' alone':28}{accuracy:12.1%}  {cost * 1000:9.4f}  {cost / last_cost:7.1%}")
-    shares = ", ".join(
-        f"step {s} ({m}) {share:.0%}" for s, (m, share) in enumerate(zip(cascade.models, outcome.shares))
-    )
-    lines.append(
-        f"{'cascade ' + cascade.name:28}{outcome.accuracy:12.1%}  {outcome.cost * 1000:9.4f}  "
-        f"{outcome.cost / last_cost:7.1%}"
-    )
-    lines.append(
-        f"answered by: {shares}; thresholds {', '.join(f'{t:.4g}' for t in outcome.thresholds)} ({data.size} examples)"
-    )
+        lines.append(f"{model + ' alone':42}{accuracy:12.1%}  {cost * 1000:9.4f}  {cost / last_cost:7.1%}")
+    for curve in found:
+        outcome = curve.point
+        if outcome is None:
+            continue
+        shares = ", ".join(f"{m} {share:.0%}" for m, share in zip(cascade.models, outcome.shares))
+        lines.append(
+            f"{curve.label:42}{outcome.accuracy:12.1%}  {outcome.cost * 1000:9.4f}  "
+            f"{outcome.cost / last_cost:7.1%}  {shares}"
+        )
+    thresholds = ", ".join(f"{t:.4g}" for t in found[0].point.thresholds)
+    lines.append(f"cascade thresholds {thresholds} ({data.size} examples)")
     return "\n".join(lines)

@@ -10,7 +10,8 @@
     model = "qwen2.5-coder-1.5b"      # the last step answers whatever reaches it: no scorer
 
 Optional per step: `tail_tokens` (the tail scorer's k), `weights` and `bias` (the logistic scorer's, written by
-`carpool cascade calibrate`). Every mistake is a ValueError naming the cascade and the field.
+`carpool cascade calibrate`). Every mistake is a ValueError naming the cascade and the field. The same file
+declares routers as [[router]] tables (carpool.server.cascade.router).
 """
 
 import math
@@ -18,6 +19,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+from carpool.server.cascade.router import Router, dump_router, parse_router
 from carpool.server.cascade.scorers import DEFAULT_TAIL_TOKENS, Scorer
 
 _STEP_FIELDS = {"model", "scorer", "threshold", "tail_tokens", "weights", "bias"}
@@ -40,9 +42,9 @@ class Cascade:
         return [step.model for step in self.steps]
 
 
-def load_cascades(path: str | Path, served: list[str] | None = None) -> dict[str, Cascade]:
-    """{name: Cascade} from the TOML at `path`. With `served`, every step's model must be one of them and no
-    cascade may take a served model's name."""
+def load_cascades(path: str | Path, served: list[str] | None = None) -> dict[str, Cascade | Router]:
+    """{name: Cascade or Router} from the TOML at `path` (carpool.server.cascade.router for [[router]] tables).
+    With `served`, every model named must be one of them and no name may be a served model's."""
     where = f"cascades {path}"
     try:
         raw = tomllib.loads(Path(path).read_text(encoding="utf-8"))
@@ -50,18 +52,23 @@ def load_cascades(path: str | Path, served: list[str] | None = None) -> dict[str
         raise ValueError(f"--cascades: cannot read {path}: {error.strerror}") from error
     except tomllib.TOMLDecodeError as error:
         raise ValueError(f"{where}: not valid TOML: {error}") from error
-    unknown = set(raw) - {"cascade"}
+    unknown = set(raw) - {"cascade", "router"}
     if unknown:
-        raise ValueError(f"{where}: unknown table {min(unknown)!r} (only [[cascade]] tables)")
-    tables = raw.get("cascade")
-    if not isinstance(tables, list) or not tables:
-        raise ValueError(f"{where}: cascade: declare at least one [[cascade]] table")
-    cascades = {}
+        raise ValueError(f"{where}: unknown table {min(unknown)!r} (only [[cascade]] and [[router]] tables)")
+    tables, router_tables = raw.get("cascade", []), raw.get("router", [])
+    if not isinstance(tables, list) or not isinstance(router_tables, list) or not tables + router_tables:
+        raise ValueError(f"{where}: cascade: declare at least one [[cascade]] or [[router]] table")
+    cascades: dict[str, Cascade | Router] = {}
     for index, table in enumerate(tables):
         cascade = _cascade(table, f"{where}: cascade[{index}]", served)
         if cascade.name in cascades:
             raise ValueError(f"{where}: cascade[{index}].name: {cascade.name!r} is declared twice")
         cascades[cascade.name] = cascade
+    for index, table in enumerate(router_tables):
+        router = parse_router(table, f"{where}: router[{index}]", served, cascades)
+        if router.name in cascades:
+            raise ValueError(f"{where}: router[{index}].name: {router.name!r} is declared twice")
+        cascades[router.name] = router
     return cascades
 
 
@@ -120,10 +127,11 @@ def _step(table: dict, where: str, last: bool, served: list[str] | None) -> Step
     return Step(model, scorer, float(threshold))
 
 
-def dump_cascades(cascades: dict[str, Cascade]) -> str:
-    """The TOML load_cascades reads back as the same cascades (comments of a hand-written file are not kept)."""
+def dump_cascades(cascades: dict[str, Cascade | Router]) -> str:
+    """The TOML load_cascades reads back as the same cascades and routers (comments of a hand-written file are not
+    kept)."""
     lines = []
-    for cascade in cascades.values():
+    for cascade in (c for c in cascades.values() if isinstance(c, Cascade)):
         lines += ["[[cascade]]", f"name = {_string(cascade.name)}"]
         for step in cascade.steps:
             lines += ["[[cascade.step]]", f"model = {_string(step.model)}"]
@@ -137,6 +145,8 @@ def dump_cascades(cascades: dict[str, Cascade]) -> str:
                         f"bias = {step.scorer.bias!r}",
                     ]
         lines.append("")
+    for router in (r for r in cascades.values() if isinstance(r, Router)):
+        lines += [*dump_router(router, _string), ""]
     return "\n".join(lines)
 
 

@@ -1,8 +1,12 @@
-"""The cost-vs-accuracy curve of a cascade's thresholds, with each single model as a point."""
+"""The cost-vs-accuracy curves of a cascade's thresholds (and of the routers over its models), with each single
+model as a point."""
 
 from pathlib import Path
 
 from carpool.server.cascade.calibrate import Outcome
+from carpool.server.cascade.compare import Curve
+
+_COLORS = ("tab:blue", "tab:green", "tab:purple", "tab:orange", "tab:brown", "tab:pink")
 
 
 def frontier(outcomes: list[Outcome]) -> list[Outcome]:
@@ -18,12 +22,13 @@ def frontier(outcomes: list[Outcome]) -> list[Outcome]:
 def draw_curve(
     path: str | Path,
     title: str,
-    outcomes: list[Outcome],
+    curves: list[Curve],
     singles: dict[str, tuple[float, float]],
-    chosen: Outcome | None,
     metric: str = "accuracy",
 ) -> None:
-    """`singles`: {model: (mean cost, accuracy)}. Costs are drawn in dollars per 1,000 requests."""
+    """`curves`: the cascade's first (its every threshold drawn as grey dots), then the routers'; each curve's
+    frontier as a line and its configured point as a star. `singles`: {model: (mean cost, accuracy)}. Costs are
+    drawn in dollars per 1,000 requests."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -31,6 +36,7 @@ def draw_curve(
 
     per_k = 1000.0
     fig, ax = plt.subplots(figsize=(6.4, 4.4), dpi=120)
+    outcomes = curves[0].outcomes
     ax.scatter(
         [o.cost * per_k for o in outcomes],
         [o.accuracy for o in outcomes],
@@ -38,21 +44,20 @@ def draw_curve(
         color="0.75",
         label="cascade, each threshold",
     )
-    edge = frontier(outcomes)
-    ax.plot([o.cost * per_k for o in edge], [o.accuracy for o in edge], color="tab:blue", label="cascade frontier")
+    drawn: list[tuple[list[Outcome], str]] = []
+    for curve in curves:
+        # Two routers over the same models fit the same classifier: one line, each router's star on it.
+        color = next((c for outcomes, c in drawn if outcomes == curve.outcomes), None)
+        if color is None:
+            color = _COLORS[len(drawn) % len(_COLORS)]
+            drawn.append((curve.outcomes, color))
+            edge = frontier(curve.outcomes)
+            ax.plot([o.cost * per_k for o in edge], [o.accuracy for o in edge], color=color, label=curve.label)
+        if curve.point is not None:
+            ax.scatter([curve.point.cost * per_k], [curve.point.accuracy], s=120, marker="*", color=color, zorder=4)
     for model, (cost, accuracy) in singles.items():
         ax.scatter([cost * per_k], [accuracy], s=40, marker="s", zorder=3)
         ax.annotate(model, (cost * per_k, accuracy), textcoords="offset points", xytext=(5, -12), fontsize=8)
-    if chosen is not None:
-        ax.scatter(
-            [chosen.cost * per_k],
-            [chosen.accuracy],
-            s=120,
-            marker="*",
-            color="tab:red",
-            zorder=4,
-            label="calibrated thresholds",
-        )
     ax.set_xlabel("cost, $ per 1,000 requests (price sheet)")
     ax.set_ylabel(metric)
     ax.set_title(title, fontsize=10)

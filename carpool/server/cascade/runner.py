@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from carpool.economics.contract import GateError, Principal, part_request_id
 from carpool.server.cascade.config import Cascade, Step
+from carpool.server.cascade.router import Router
 from carpool.server.errors import APIError
 from carpool.server.generation import Generation, GenerationFailed
 from carpool.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -20,6 +21,7 @@ STEP_HEADER = "x-carpool-cascade-step"  # 0-based step that answered
 ANSWERED_BY_HEADER = "x-carpool-answered-by"  # the model that answered (also the response's `model`)
 # "<status> <code>" of the refusal when an escalation was refused and a rejected step's answer stands instead
 ESCALATION_REFUSED_HEADER = "x-carpool-cascade-escalation-refused"
+ROUTED_TO_HEADER = "x-carpool-routed-to"  # the model a router chose from the prompt (a cascade may escalate it)
 
 
 @dataclass
@@ -31,30 +33,38 @@ class Verdict:
 
 
 class CascadeServing:
-    def __init__(self, serving: Serving, cascades: dict[str, Cascade]):
+    """The cascades and routers of --cascades, served as model names."""
+
+    def __init__(self, serving: Serving, cascades: dict[str, Cascade | Router]):
         self.serving, self.cascades = serving, cascades
 
     def __contains__(self, model: str | None) -> bool:
         return model in self.cascades
 
     def card(self, name: str, created: int) -> dict:
-        """The cascade as /v1/models lists it: an OpenAI model object, with its steps under `cascade` (what a
-        client needs to tell it from a served model) and the context every step can take."""
-        cascade = self.cascades[name]
-        steps = [
-            {"model": step.model}
-            | ({} if step.scorer is None else {"scorer": step.scorer.kind, "threshold": step.threshold})
-            for step in cascade.steps
-        ]
-        max_model_len = min(self.serving.models[step.model].engine.max_model_len for step in cascade.steps)
+        """The cascade (or router) as /v1/models lists it: an OpenAI model object, with its steps under `cascade`
+        (a router's models under `router`: what a client needs to tell it from a served model) and the context
+        every model of it can take."""
+        named = self.cascades[name]
+        if isinstance(named, Router):
+            described = {"router": {"models": list(named.models), "thresholds": list(named.thresholds)}}
+            if named.cascade is not None:
+                described["router"]["cascade"] = named.cascade
+        else:
+            steps = [
+                {"model": step.model}
+                | ({} if step.scorer is None else {"scorer": step.scorer.kind, "threshold": step.threshold})
+                for step in named.steps
+            ]
+            described = {"cascade": {"steps": steps}}
+        max_model_len = min(self.serving.models[model].engine.max_model_len for model in named.models)
         return {
             "id": name,
             "object": "model",
             "created": created,
             "owned_by": "carpool",
             "max_model_len": max_model_len,
-            "cascade": {"steps": steps},
-        }
+        } | described
 
     def cards(self, created: int) -> list[dict]:
         return [self.card(name, created) for name in self.cascades]
@@ -62,9 +72,17 @@ class CascadeServing:
     async def answer(
         self, body: ChatCompletionRequest | CompletionRequest, principal: Principal, client_request_id: str
     ):
-        """(generation, format, headers) of the accepted step; the generation of the last step may still run."""
-        cascade = self.cascades[body.model]
+        """(generation, format, headers) of the accepted step; the generation of the last step may still run.
+        A router's request runs as the cascade from the routed-to model on: that model alone, or with the
+        router's `cascade` that cascade's steps from there; its rows are numbered by the router's models."""
+        named = self.cascades[body.model]
         _check_single_choice(body)
+        if isinstance(named, Router):
+            first = named.route(_routed_text(body))
+            steps = self.cascades[named.cascade].steps[first:] if named.cascade else (Step(named.models[first]),)
+            cascade, routed = Cascade(named.name, steps), {ROUTED_TO_HEADER: named.models[first]}
+        else:
+            first, cascade, routed = 0, named, {}
         final = len(cascade.steps) - 1
         attempts = [
             body.model_copy(update={"model": step.model} | ({} if i == final else _with_logprobs(body)))
@@ -73,8 +91,8 @@ class CascadeServing:
         for attempt in attempts:  # a body a later step refuses must not run (and bill) the earlier ones
             self.serving.check(attempt, principal)
         best = None  # (generation, format, index, step) of the last rejected step with a whole answer
-        for index, (step, attempt) in enumerate(zip(cascade.steps, attempts)):
-            last = index == final
+        for index, (step, attempt) in enumerate(zip(cascade.steps, attempts), first):
+            last = index == first + final
             try:
                 gen, fmt = self._start(attempt, principal, part_request_id(client_request_id, f"cascade-{index}"))
             except (APIError, GateError) as refusal:
@@ -83,7 +101,7 @@ class CascadeServing:
                 # for a request billed anyway (the soak's "billed without delivery", issue 55).
                 if best is None:
                     raise
-                return _escalation_refused(best, body, refusal)
+                return _escalation_refused(best, body, refusal, routed)
             verdict = Verdict()
             gen.ledger_fields = _ledger_fields(cascade, index, step, verdict, client_request_id, last)
             if last and best is not None and not body.stream:
@@ -92,7 +110,7 @@ class CascadeServing:
                 try:
                     await gen.wait()
                 except GateError as unrecorded:
-                    return _escalation_refused(best, body, unrecorded)
+                    return _escalation_refused(best, body, unrecorded, routed)
                 except GenerationFailed:
                     pass  # answered by the response as without a cascade (a 500)
             if not last:
@@ -107,7 +125,7 @@ class CascadeServing:
                         best = (gen, fmt, index, step)
                     continue
             fmt.logprobs = _client_wants_logprobs(body)  # the scorer's logprobs go to the client only if asked
-            return gen, fmt, {STEP_HEADER: str(index), ANSWERED_BY_HEADER: step.model}
+            return gen, fmt, {STEP_HEADER: str(index), ANSWERED_BY_HEADER: step.model} | routed
         raise AssertionError("the last step always answers")
 
     def _start(self, body, principal: Principal, request_id: str):
@@ -116,13 +134,14 @@ class CascadeServing:
         return self.serving.start_completion(body, principal, request_id=request_id)
 
 
-def _escalation_refused(best: tuple, body, refusal: APIError | GateError) -> tuple:
+def _escalation_refused(best: tuple, body, refusal: APIError | GateError, routed: dict) -> tuple:
     """(generation, format, headers) of the last rejected step's billed answer, marked with why the escalation
     did not answer."""
     gen, fmt, index, step = best
     fmt.logprobs = _client_wants_logprobs(body)
     refused = f"{refusal.status} {refusal.code or 'refused'}"
-    return gen, fmt, {STEP_HEADER: str(index), ANSWERED_BY_HEADER: step.model, ESCALATION_REFUSED_HEADER: refused}
+    headers = {STEP_HEADER: str(index), ANSWERED_BY_HEADER: step.model, ESCALATION_REFUSED_HEADER: refused}
+    return gen, fmt, headers | routed
 
 
 def _check_single_choice(body) -> None:
@@ -135,6 +154,18 @@ def _check_single_choice(body) -> None:
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) and len(prompt) > 1:
             raise APIError(400, "prompt: a cascade answers one prompt per request", param="prompt")
+
+
+def _routed_text(body) -> str:
+    """What a router reads: a chat's last user turn (what its classifier was trained on: one user message; the
+    turn being answered says how hard it is), or a completion's text prompt."""
+    if isinstance(body, ChatCompletionRequest):
+        users = [message.text for message in body.messages if message.role == "user"]
+        return users[-1] if users else "\n".join(message.text for message in body.messages)
+    prompt = body.prompt[0] if isinstance(body.prompt, list) and body.prompt else body.prompt
+    if not isinstance(prompt, str):
+        raise APIError(400, "prompt: a router reads the prompt's text; token ids cannot be routed", param="prompt")
+    return prompt
 
 
 def _with_logprobs(body) -> dict:

@@ -40,11 +40,11 @@ class Scorer:
     def score(self, logprobs: list[float], hit_length: bool = False) -> float:
         if self.kind == "logistic":
             x = features(logprobs, hit_length, self.tail_tokens)
-            return _sigmoid(sum(w * f for w, f in zip(self.weights, x)) + self.bias)
+            return sigmoid(sum(w * f for w, f in zip(self.weights, x)) + self.bias)
         return features(logprobs, hit_length, self.tail_tokens)[FEATURES.index(self.kind)]
 
 
-def _sigmoid(z: float) -> float:
+def sigmoid(z: float) -> float:
     """1 / (1 + e^-z) without overflow: a calibrated weight times a -20-nat empty answer can put |z| past 709."""
     if z >= 0:
         return 1.0 / (1.0 + math.exp(-z))
