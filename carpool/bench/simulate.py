@@ -72,14 +72,24 @@ class StepModel:
     @classmethod
     def fit(cls, steps: list[tuple]) -> "StepModel":
         """Least squares over (prefill tokens, decode sequences[, context tokens[, prefill pairs]], seconds) of real
-        steps; a step with prefill tokens also pays per_prefill_step. Coefficients kept >= 0."""
+        steps; a step with prefill tokens also pays per_prefill_step. No step gets cheaper with more work: a
+        coefficient that comes out negative is fixed at 0 and the others refitted without it, until none is (zeroing
+        it after one fit left the rest fitted to its negative share)."""
         if len(steps) < 4:
             raise ValueError("steps: need at least 4 measured steps to fit a step model")
         shapes = [list(step[:-1]) + [0] * (4 - len(step[:-1])) for step in steps]
         rows = np.array([[1.0, p, d, c, 1.0 if p else 0.0, pairs] for p, d, c, pairs in shapes])
         times = np.array([step[-1] for step in steps])
-        coefficients, *_ = np.linalg.lstsq(rows, times, rcond=None)
-        return cls(*(max(float(c), 0.0) for c in coefficients))
+        free = np.ones(rows.shape[1], dtype=bool)
+        coefficients = np.zeros(rows.shape[1])
+        while free.any():
+            fitted, *_ = np.linalg.lstsq(rows[:, free], times, rcond=None)
+            coefficients[:] = 0.0
+            coefficients[free] = fitted
+            if (fitted >= 0).all():
+                break
+            free[np.flatnonzero(free)[fitted < 0]] = False
+        return cls(*(float(c) for c in coefficients))
 
 
 def attention_pairs(chunk: int, computed: int) -> int:

@@ -134,3 +134,18 @@ def test_the_slo_controller_keeps_a_priority_stream_within_its_itl_under_long_fl
     gaps = governed.itl_by_tier["priority"]
     assert max(gaps[10:]) < 0.12, gaps  # past the controller's first steps of learning the step times
     assert len(governed.ttft_by_tier["flex"]) == 3 and len(governed.finished_by_job) == 4
+
+
+def test_a_coefficient_the_steps_would_make_negative_is_zero_and_the_rest_refitted():
+    # Decode steps whose time falls with their context (noise, a cache warming up) must not buy a negative
+    # per-context cost, nor leave the other terms fitted to it.
+    steps = [(0, d, c, 0.010 + 0.002 * d - 1e-7 * c) for d in (1, 4, 16, 32) for c in (16, 768, 24_576)]
+    steps += [(p, 0, 0, attention_pairs(p, 0), 0.010 + 0.001 * p) for p in (64, 256, 512)]
+    fitted = StepModel.fit(steps)
+    assert fitted.per_context_token == 0.0
+    assert min(vars(fitted).values()) >= 0.0
+    # The rest is the least-squares fit without that term: its errors are orthogonal to every other term's column.
+    residuals = [seconds - fitted.seconds(*shape) for *shape, seconds in steps]
+    columns = {"base": [1.0] * len(steps), "per_decode_seq": [step[1] for step in steps]}
+    for name, column in columns.items():
+        assert abs(sum(r * x for r, x in zip(residuals, column))) < 1e-9, name
