@@ -140,6 +140,45 @@ def server_ttft(db: str, since: float) -> dict:
     }
 
 
+# How close a prediction must come to count as held (issue 50): cost and p50 latencies within 15%, p99s within 30%.
+BOUNDS = {
+    "seconds": 0.15,
+    "hit_rate": 0.15,
+    "ttft_p50_s": 0.15,
+    "itl_p50_s": 0.15,
+    "ttft_p99_s": 0.30,
+    "itl_p99_s": 0.30,
+}
+
+
+def compare(predicted: dict, real: dict) -> dict:
+    """A whatif scenario against this replay of it: per figure, (predicted, real, predicted / real - 1, held). The
+    span stands for the machine's cost (replicas x hourly price x span); TTFT is the server's where the replay read
+    its ledger (what the whatif predicts), ITL the client's."""
+    latency = real.get("server_latency") or {}
+    rows = {
+        "seconds": (predicted["seconds"], real["seconds"]),
+        "hit_rate": (predicted["hit_rate"], real["hit_rate"]),
+    }
+    for tier, figures in predicted["latency"].items():
+        for key, value in figures.items():
+            measured = (latency.get(tier) or {}).get(key) if key.startswith("ttft") and latency else None
+            measured = measured if measured is not None else (real["latency"].get(tier) or {}).get(key)
+            if value is not None and measured:
+                rows[f"{tier} {key}"] = (value, measured)
+    result = {}
+    for name, (value, measured) in rows.items():
+        error = value / measured - 1 if measured else None
+        bound = BOUNDS[name.split()[-1]]
+        result[name] = {
+            "predicted": value,
+            "real": measured,
+            "error": error,
+            "held": error is not None and abs(error) <= bound,
+        }
+    return result
+
+
 def add_parser(modes) -> None:
     parser = modes.add_parser(
         "ledger-replay",
@@ -156,13 +195,28 @@ def add_parser(modes) -> None:
     parser.add_argument(
         "--server-db", default=None, help="the server's own ledger: report its time to first token per tier too"
     )
+    parser.add_argument(
+        "--compare",
+        default=None,
+        metavar="WHATIF_JSON:SCENARIO",
+        help="a `carpool cost whatif` report and the scenario this server runs: each figure predicted against real",
+    )
     parser.add_argument("--out", default="bench-results/ledger-replay.json", help="the JSON report")
     parser.set_defaults(func=main)
+
+
+def _scenario(text: str) -> dict:
+    path, _, name = text.rpartition(":")
+    scenarios = {row["scenario"]: row for row in json.loads(Path(path).read_text())["scenarios"]}
+    if name not in scenarios:
+        raise ValueError(f"--compare: {path} has no scenario {name!r} (it has: {', '.join(scenarios)})")
+    return scenarios[name]
 
 
 def main(args: argparse.Namespace) -> int:
     if args.speed <= 0:
         raise ValueError(f"--speed must be positive, got {args.speed}")
+    expected = _scenario(args.compare) if args.compare else None  # a wrong name fails before the replay
     rows, left_out = recorded_rows(args.db, args.model, args.since, args.until)
     live = [row for row in rows if row.job.tier != BATCH_TIER]
     if not live:
@@ -172,6 +226,13 @@ def main(args: argparse.Namespace) -> int:
     document = report(results, span) | {"left_out": left_out, "batch_rows_left_out": len(rows) - len(live)}
     if args.server_db:
         document["server_latency"] = server_ttft(args.server_db, began)
+    if expected is not None:
+        document["comparison"] = compare(expected, document)
+        for name, row in document["comparison"].items():
+            error = "-" if row["error"] is None else f"{row['error']:+.0%}"
+            print(
+                f"{name:<24} predicted {row['predicted']:.4g}  real {row['real']:.4g}  {error:>6}  {'held' * row['held']}"
+            )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(document, indent=2) + "\n")

@@ -153,3 +153,24 @@ def test_the_replay_sends_the_recorded_traffic_so_a_shared_prefix_is_a_cache_hit
     assert set(server_side) == {"default", "flex"}
     for tier, client in report["latency"].items():
         assert 0 < server_side[tier]["ttft_p50_s"] <= client["ttft_p50_s"]
+
+
+def test_a_comparison_reads_the_servers_ttft_and_holds_p50s_to_15_and_p99s_to_30_percent():
+    predicted = {
+        "seconds": 100.0,
+        "hit_rate": 0.5,
+        "latency": {"priority": {"ttft_p50_s": 0.060, "ttft_p99_s": 0.5, "itl_p50_s": 0.012, "itl_p99_s": None}},
+    }
+    real = {
+        "seconds": 110.0,
+        "hit_rate": 0.5,
+        "latency": {"priority": {"ttft_p50_s": 0.080, "ttft_p99_s": 0.9, "itl_p50_s": 0.010, "itl_p99_s": 0.2}},
+        "server_latency": {"priority": {"ttft_p50_s": 0.066, "ttft_p99_s": 0.4}},
+    }
+    rows = ledger_replay.compare(predicted, real)
+    assert rows["seconds"]["error"] == pytest.approx(100 / 110 - 1) and rows["seconds"]["held"]
+    # TTFT against the server's own (what the whatif predicts), not the client's 80 ms.
+    assert rows["priority ttft_p50_s"]["real"] == 0.066 and rows["priority ttft_p50_s"]["held"]
+    assert rows["priority ttft_p99_s"]["error"] == pytest.approx(0.25) and rows["priority ttft_p99_s"]["held"]
+    assert rows["priority itl_p50_s"]["error"] == pytest.approx(0.2) and not rows["priority itl_p50_s"]["held"]
+    assert "priority itl_p99_s" not in rows  # nothing predicted
