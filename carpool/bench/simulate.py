@@ -126,6 +126,10 @@ class Job:
     tier: str = DEFAULT_TIER
     after: int | None = None
     internal: bool = False
+    # A cache breakpoint (Anthropic's cache_control): its first `pinned_blocks` blocks stay cached `pin_ttl` seconds
+    # from their last use, whatever the LRU would evict.
+    pinned_blocks: int = 0
+    pin_ttl: float = 0.0
 
 
 @dataclass
@@ -143,6 +147,7 @@ class SimResult:
     itl_by_tier: dict[str, list[float]] = field(default_factory=dict)
     cached_by_job: dict[int, int] = field(default_factory=dict)
     cache_writes_by_job: dict[int, int] = field(default_factory=dict)  # prompt tokens it added to the cache
+    pin_writes_by_job: dict[int, int] = field(default_factory=dict)  # of those, the ones under its breakpoint
     finished_by_job: dict[int, float] = field(default_factory=dict)
 
     def summary(self, hourly_price_per_replica: float) -> dict:
@@ -213,6 +218,7 @@ class _Replica:
         self.waiting: list[tuple[int, float, int, _Seq]] = []  # a heap: tier priority, then arrival order
         self.running: list[_Seq] = []
         self.cache: OrderedDict[int, None] = OrderedDict()
+        self.pins: dict = {}  # block -> when its breakpoint's pin lapses
         self.busy = False
         # The engine's own controller, fed the simulated steps as the engine feeds it real ones.
         self.slo = (
@@ -221,29 +227,40 @@ class _Replica:
             else None
         )
 
-    def cached_tokens(self, job: Job) -> int:
-        """Leading prompt blocks in the cache (at least the last token is always computed, as in the engine)."""
+    def cached_tokens(self, job: Job, now: float) -> int:
+        """Leading prompt blocks in the cache (at least the last token is always computed, as in the engine); a
+        hit on a breakpoint's blocks renews their pins."""
         hit = 0
         for block in job.chain if self.spec.prefix_caching else ():
             if block not in self.cache:
                 break
             self.cache.move_to_end(block)
+            if hit < job.pinned_blocks:
+                self.pins[block] = now + job.pin_ttl
             hit += 1
         return min(hit * self.spec.block_size, job.prompt_tokens - 1)
 
-    def insert(self, job: Job, num_tokens: int) -> int:
-        """The prompt's blocks computed so far (the engine caches each full block as its chunk is computed); the
-        number of them new to the cache (its writes, as the ledger bills them)."""
+    def insert(self, job: Job, num_tokens: int, now: float) -> tuple[int, int]:
+        """The prompt's blocks computed so far (the engine caches each full block as its chunk is computed): how
+        many of them are new to the cache, outside and under its breakpoint (its writes, as the ledger bills them).
+        The LRU evicts the least recently used block whose pin, if any, has lapsed."""
         if not self.spec.prefix_caching:
-            return 0
-        written = 0
-        for block in job.chain[: num_tokens // self.spec.block_size]:
-            written += block not in self.cache
+            return 0, 0
+        written = [0, 0]
+        for index, block in enumerate(job.chain[: num_tokens // self.spec.block_size]):
+            pinned = index < job.pinned_blocks
+            written[pinned] += block not in self.cache
             self.cache[block] = None
             self.cache.move_to_end(block)
+            if pinned:
+                self.pins[block] = now + job.pin_ttl
         while len(self.cache) > self.spec.num_blocks:
-            self.cache.popitem(last=False)
-        return written
+            victim = next((block for block in self.cache if self.pins.get(block, now) <= now), None)
+            if victim is None:
+                break  # every block pinned: the engine bounds pins to a share of the pool, so it never gets here
+            del self.cache[victim]
+            self.pins.pop(victim, None)
+        return written[0], written[1]
 
 
 def _chain(tokens: list[int], salt: str | None, block_size: int) -> tuple:
@@ -339,7 +356,7 @@ def _start_step(node: _Replica, index: int, now: float, step: StepModel, events,
             break  # the rest wait in tier order behind it
         seq = heapq.heappop(node.waiting)[-1]
         seq.admitted = True
-        cached = node.cached_tokens(seq.job)  # at admission: what earlier chunks have cached by now
+        cached = node.cached_tokens(seq.job, now)  # at admission: what earlier chunks have cached by now
         result.prompt_tokens += seq.job.prompt_tokens
         result.cached_tokens += cached
         if seq.session < 0:
@@ -377,9 +394,11 @@ def _finish_step(nodes, loads, payload, now, work, followers, step, events, orde
     emitted = list(decoding)
     for seq, chunk in chunks:
         seq.to_prefill -= chunk
-        written = node.insert(seq.job, seq.job.prompt_tokens - seq.to_prefill) * node.spec.block_size
-        if seq.session < 0 and written:
-            result.cache_writes_by_job[seq.turn] = result.cache_writes_by_job.get(seq.turn, 0) + written
+        written, pinned = node.insert(seq.job, seq.job.prompt_tokens - seq.to_prefill, now)
+        if seq.session < 0:
+            for counts, blocks in ((result.cache_writes_by_job, written), (result.pin_writes_by_job, pinned)):
+                if blocks:
+                    counts[seq.turn] = counts.get(seq.turn, 0) + blocks * node.spec.block_size
         if seq.to_prefill == 0:  # the prompt's last chunk samples the first token
             if not seq.job.internal:
                 result.ttft.append(now - seq.job.arrival)

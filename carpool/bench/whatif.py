@@ -5,9 +5,10 @@ by the price sheet and the machine's hourly price. For each: the machine's cost 
 time the traffic spans, idle time included: machines are paid by the hour), the revenue the sheet bills,
 the margin and its change against today's configuration, TTFT and ITL p50/p99 per tier.
 
-The levers replayed here: prefix caching off (today's saving made visible), chosen tenants' or tiers' requests
-moved to the Batch API (half price, admitted after every live tier; the report says how long they waited against
-the 24-hour window), prompt compression at a rate, the SLO controller (the engine's own, carpool.engine.slo, fed
+The levers replayed here: prefix caching off (today's saving made visible), cache breakpoints on the shared
+prefixes (pinned for a TTL, their writes at its rate), chosen tenants' or tiers' requests moved to the Batch API
+(half price, admitted after every live tier; the report says how long they waited against the 24-hour window),
+prompt compression at a rate, the SLO controller (the engine's own, carpool.engine.slo, fed
 the simulated steps) against today's fixed steps, and replica counts. Cascade and router thresholds are not
 replayed yet (issue 50 lists them).
 
@@ -35,6 +36,8 @@ from carpool.engine.tiers import BATCH_TIER, TIER_NAMES
 from carpool.server.assembly import slo_flag
 
 BATCH_WINDOW_SECONDS = 24 * 3600  # the Batch API's completion window
+FIVE_MINUTES = 300
+BREAKPOINT_TTLS = {"5m": FIVE_MINUTES, "1h": 3600}  # Anthropic's cache_control TTLs
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,7 @@ class Scenario:
     to_batch: frozenset = frozenset()  # indexes of the rows moved to the Batch API
     compressed: frozenset = frozenset()  # indexes of the rows whose prompts are compressed to compress_rate
     compress_rate: float = 1.0
+    breakpoint_ttl: float = 0.0  # seconds a cache breakpoint pins each prompt's shared prefix; 0: no breakpoints
     slo_itl_ms: tuple = ()  # (tier, ms) pairs: the SLO controller sizes each step; none: fixed steps
     slo_ttft_ms: tuple = ()
 
@@ -103,6 +107,8 @@ def scenarios(rows: list[Recorded], args: argparse.Namespace) -> list[Scenario]:
     found = [today, replace(today, name="no prefix cache", prefix_caching=False)]
     if moved:
         found.append(replace(today, name=f"Batch API ({len(moved)} moved)", to_batch=moved))
+    for ttl in args.breakpoint_ttl:
+        found.append(replace(today, name=f"breakpoints {ttl}", breakpoint_ttl=BREAKPOINT_TTLS[ttl]))
     if compressed:
         rate = args.compress_rate
         found.append(
@@ -131,20 +137,26 @@ def scenarios(rows: list[Recorded], args: argparse.Namespace) -> list[Scenario]:
     return found
 
 
-def scenario_jobs(scenario: Scenario, rows: list[Recorded], block_size: int) -> tuple[list[Job], list[str]]:
+def scenario_jobs(
+    scenario: Scenario, rows: list[Recorded], block_size: int, min_pin_tokens: int
+) -> tuple[list[Job], list[str]]:
     """The jobs a scenario replays (arrivals from 0) and each one's model: a row each, in their order, then the
-    compressed rows' requests, each sent after its row's scorer pass (which the row's own job becomes)."""
+    compressed rows' requests, each sent after its row's scorer pass (which the row's own job becomes). Under
+    breakpoints, each prompt's shared prefix of at least `min_pin_tokens` tokens is pinned, as the engine pins a
+    breakpoint's (shorter ones are cached as any prefix)."""
     start = min(row.job.arrival for row in rows)
-    shared = _shared_blocks(rows) if scenario.compressed else frozenset()
+    shared = _shared_blocks(rows) if scenario.compressed or scenario.breakpoint_ttl else frozenset()
     jobs, followers = [], []
     for i, row in enumerate(rows):
         tier = BATCH_TIER if i in scenario.to_batch else row.job.tier
         job = replace(row.job, arrival=row.job.arrival - start, tier=tier)
+        kept = list(itertools.takewhile(lambda block: block in shared, job.chain))
+        if scenario.breakpoint_ttl and len(kept) * block_size >= min_pin_tokens:
+            job = replace(job, pinned_blocks=len(kept), pin_ttl=scenario.breakpoint_ttl)
         if i not in scenario.compressed:
             jobs.append(job)
             continue
         jobs.append(replace(job, output_tokens=1, internal=True))  # the scorer's pass: prompt logprobs, one step
-        kept = list(itertools.takewhile(lambda block: block in shared, job.chain))
         rest = job.prompt_tokens - len(kept) * block_size
         cut = max(1, math.floor(scenario.compress_rate * rest))
         fresh = tuple(("compressed", i, k) for k in range(cut // block_size))
@@ -165,7 +177,7 @@ def _shared_blocks(rows: list[Recorded]) -> frozenset:
 def run_scenario(
     scenario: Scenario, rows: list[Recorded], step: StepModel, spec: ReplicaSpec, hourly: float, prices: PriceSheet
 ) -> dict:
-    jobs, models = scenario_jobs(scenario, rows, spec.block_size)
+    jobs, models = scenario_jobs(scenario, rows, spec.block_size, prices.cache_min_tokens)
     spec = replace(
         spec,
         prefix_caching=scenario.prefix_caching,
@@ -176,7 +188,14 @@ def run_scenario(
     span = max(max(job.arrival for job in jobs), result.makespan)
     machine = scenario.replicas * hourly * span / 3600
     revenue = sum(
-        _billed(prices, model, job, result.cached_by_job.get(i, 0), result.cache_writes_by_job.get(i, 0))
+        _billed(
+            prices,
+            model,
+            job,
+            result.cached_by_job.get(i, 0),
+            result.cache_writes_by_job.get(i, 0),
+            result.pin_writes_by_job.get(i, 0),
+        )
         for i, (model, job) in enumerate(zip(models, jobs, strict=True))
     )
     # Per 1M tokens the client sent and received: a compressed request's are its original prompt and its output.
@@ -212,9 +231,12 @@ def run_scenario(
     }
 
 
-def _billed(prices: PriceSheet, model: str, job: Job, cached_tokens: int, cache_write_tokens: int) -> float:
+def _billed(
+    prices: PriceSheet, model: str, job: Job, cached_tokens: int, cache_write_tokens: int, pin_write_tokens: int
+) -> float:
     """What the price sheet bills a replayed request: its tier, its prompt with the cache hits it got and the
-    blocks it added to the cache."""
+    blocks it added to the cache, those under its breakpoint at the TTL's write rate (5 minutes or less: `write`,
+    longer: `write_1h`)."""
     usage = UsageRecord(
         request_id="whatif",
         model=model,
@@ -222,6 +244,8 @@ def _billed(prices: PriceSheet, model: str, job: Job, cached_tokens: int, cache_
         prompt_tokens=job.prompt_tokens,
         cached_tokens=cached_tokens,
         cache_write_tokens=cache_write_tokens,
+        cache_write_5m_tokens=pin_write_tokens if job.pin_ttl <= FIVE_MINUTES else 0,
+        cache_write_1h_tokens=pin_write_tokens if job.pin_ttl > FIVE_MINUTES else 0,
         output_tokens=job.output_tokens,
         queue_seconds=0.0,
         prefill_seconds=0.0,
@@ -303,6 +327,14 @@ def add_parser(cost_commands) -> None:
     )
     parser.add_argument("--batch-tenants", type=_names, default=frozenset(), help="tenants moved to the Batch API")
     parser.add_argument("--batch-tiers", type=_names, default=frozenset(), help="tiers moved to the Batch API")
+    parser.add_argument(
+        "--breakpoint-ttl",
+        action="append",
+        choices=sorted(BREAKPOINT_TTLS),
+        default=[],
+        help="a cache breakpoint on every prompt's shared prefix with this TTL (repeatable): pinned against eviction, "
+        "written at the sheet's rate for it",
+    )
     parser.add_argument(
         "--compress-rate", type=_rate, default=None, help="compress prompts to this share of their tokens, in (0, 1)"
     )

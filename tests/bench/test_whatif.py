@@ -113,6 +113,34 @@ def test_compression_replays_the_scorers_pass_then_the_cut_prompt_behind_its_kep
         build_parser().parse_args(["cost", "whatif", "--hourly-price", "1", "--compress-rate", "1.5"])
 
 
+def test_a_breakpoint_keeps_its_shared_prefix_through_an_eviction_and_bills_its_writes_at_the_ttls_rate(tmp_path):
+    shared = [f"block-{i}".encode().ljust(8, b".") for i in range(4)]
+    own = {name: [f"{name}-{i}".encode().ljust(8, b".") for i in range(8)] for name in "abc"}
+    rows = [(0, "t", 96, shared + own["a"][:2]), (10, "t", 128, own["b"]), (20, "t", 96, shared + own["c"][:2])]
+    ledger(tmp_path / "carpool.db", rows)
+    (tmp_path / "prices.toml").write_text(
+        SHEET.replace("write = 1.25", "write = 1.25\nwrite_1h = 2.0\nmin_tokens = 64")
+    )
+    out = tmp_path / "whatif.json"
+    args = build_parser().parse_args(
+        ["cost", "whatif", "--db", str(tmp_path / "carpool.db"), "--hourly-price", "3.6", "--step", STEP]
+        + ["--prices", str(tmp_path / "prices.toml"), "--num-kv-blocks", "8", "--out", str(out)]
+        + ["--breakpoint-ttl", "5m", "--breakpoint-ttl", "1h"]
+    )
+    assert whatif.main(args) == 0
+    by_name = {row["scenario"]: row for row in json.loads(out.read_text())["scenarios"]}
+    today, five, hour = by_name["today"], by_name["breakpoints 5m"], by_name["breakpoints 1h"]
+    # An 8-block pool: the second prompt's 8 blocks evict the first's 6, so the third misses today (96 tokens,
+    # 106 ms); pinned, the shared 4 blocks stay and the third computes 32 tokens (42 ms).
+    assert [today["hit_rate"], five["hit_rate"]] == [0.0, pytest.approx(64 / 320)]
+    assert [today["prompt_tokens_computed"], five["prompt_tokens_computed"]] == [320, 256]
+    # Per 1M, writes at 1.25 (automatic and 5-minute) or 2.0 (1-hour): today 96 + 128 + 96 written, + 2 x 3 x 2 out;
+    # pinned, the third reads 64 at 0.1 and writes 32; under 1 hour the first's 64 pinned tokens are written at 2.0.
+    assert today["revenue"] == pytest.approx((320 * 1.25 + 12) / 1e6)
+    assert five["revenue"] == pytest.approx(((96 + 128 + 32) * 1.25 + 6.4 + 12) / 1e6)
+    assert hour["revenue"] == pytest.approx(((32 + 128 + 32) * 1.25 + 64 * 2.0 + 6.4 + 12) / 1e6)
+
+
 def test_the_step_model_of_the_default_servers_rows_is_fitted_on_the_default_model():
     """`carpool serve` without --model serves the embedded GGUF under its file's stem, which is no catalog name: the
     fit would fail to find a model to load."""
