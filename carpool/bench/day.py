@@ -29,7 +29,7 @@ from pathlib import Path
 import httpx
 
 from carpool.bench.datasets import first_human_turns, gsm8k, long_docs
-from carpool.bench.serve import RequestResult, percentile, stream_into
+from carpool.bench.serve import RequestResult, latency_summary, stream_into
 from carpool.bench.trace import submit_batch
 
 SIMPLE_SHARE = 0.7
@@ -143,12 +143,7 @@ def report(results: list[tuple[str, str, RequestResult]], span: float, batch: di
         "requests": {kind: sum(1 for k, _, _ in results if k == kind) for kind in kinds},
         "errors": sorted({r.error for _, _, r in results if not r.ok and r.error}),
         "latency": {
-            tier: {
-                "ttft_p50_s": percentile(ttft, 50),
-                "ttft_p99_s": percentile(ttft, 99),
-                "itl_p50_s": percentile(itl, 50),
-                "itl_p99_s": percentile(itl, 99),
-            }
+            tier: latency_summary(ttft, itl)
             for tier in tiers
             for mine in [[r for _, t, r in results if t == tier and r.ok]]
             for ttft, itl in [([r.ttft for r in mine if r.ttft is not None], [g for r in mine for g in r.itls])]

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-from carpool.bench.simulate import percentile
+from carpool.bench.serve import latency_summary, percentile
 from carpool.bench.whatif import Recorded, recorded_rows
 from carpool.economics.db import open_database
 from carpool.economics.reports import parse_time
@@ -103,15 +103,7 @@ def report(results: list[dict], span: float) -> dict:
         "seconds": span,
         "hit_rate": sum(r["cached_tokens"] for r in results) / prompt if prompt else 0.0,
         "latency": {
-            tier: {
-                "ttft_p50_s": percentile(ttft, 50),
-                "ttft_p99_s": percentile(ttft, 99),
-                "itl_p50_s": percentile(itl, 50),
-                "itl_p99_s": percentile(itl, 99),
-            }
-            for tier in TIER_NAMES
-            for ttft, itl in [_latencies(results, tier)]
-            if ttft
+            tier: latency_summary(ttft, itl) for tier in TIER_NAMES for ttft, itl in [_latencies(results, tier)] if ttft
         },
     }
 

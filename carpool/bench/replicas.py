@@ -26,7 +26,7 @@ from typing import Self
 import httpx
 
 from carpool.bench.local_server import free_port, wait_healthy
-from carpool.bench.serve import percentile
+from carpool.bench.serve import latency_summary
 from carpool.bench.sessions import Session, Turn, workload
 from carpool.bench.simulate import ReplicaSpec, measure_step_model, poisson_arrivals, simulate
 from carpool.engine.config import EngineConfig
@@ -87,10 +87,7 @@ class Measured:
             "requests": len(self.ttft),
             "errors": len(self.errors),
             "hit_rate": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
-            "ttft_p50_s": percentile(self.ttft, 50),
-            "ttft_p99_s": percentile(self.ttft, 99),
-            "itl_p50_s": percentile(self.itl, 50),
-            "itl_p99_s": percentile(self.itl, 99),
+            **latency_summary(self.ttft, self.itl),
             "output_tokens_per_s": self.output_tokens / self.seconds if self.seconds else 0.0,
         }
 

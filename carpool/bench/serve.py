@@ -391,6 +391,17 @@ def percentile(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
 
+def latency_summary(ttft: list[float], itl: list[float]) -> dict:
+    """Time to first token and between tokens, p50 and p99 (None where there is nothing to take them of): the
+    shape every report and prediction of latency shares, so they compare key for key."""
+    return {
+        "ttft_p50_s": percentile(ttft, 50),
+        "ttft_p99_s": percentile(ttft, 99),
+        "itl_p50_s": percentile(itl, 50),
+        "itl_p99_s": percentile(itl, 99),
+    }
+
+
 def table(report: dict) -> str:
     def ms(value):
         return "-" if value is None else f"{value * 1000:.0f}"

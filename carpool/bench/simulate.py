@@ -23,6 +23,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from carpool.bench.serve import latency_summary
 from carpool.bench.sessions import Session
 from carpool.engine.sampling_params import SamplingParams
 from carpool.engine.slo import SloController, StepLimits
@@ -158,18 +159,11 @@ class SimResult:
             "routing": self.routing,
             "requests": len(self.ttft),
             "hit_rate": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
-            "ttft_p50_s": percentile(self.ttft, 50),
-            "ttft_p99_s": percentile(self.ttft, 99),
-            "itl_p50_s": percentile(self.itl, 50),
-            "itl_p99_s": percentile(self.itl, 99),
+            **latency_summary(self.ttft, self.itl),
             "output_tokens_per_s": self.output_tokens / self.makespan if self.makespan else 0.0,
             "usd_per_1m_tokens": dollars / tokens * 1e6 if tokens else 0.0,
             "usd_per_1m_output_tokens": dollars / self.output_tokens * 1e6 if self.output_tokens else 0.0,
         }
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    return float(np.percentile(values, q)) if values else None
 
 
 @dataclass

@@ -27,7 +27,8 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from carpool.bench.simulate import Job, ReplicaSpec, StepModel, measure_step_model, percentile, replay
+from carpool.bench.serve import latency_summary
+from carpool.bench.simulate import Job, ReplicaSpec, StepModel, measure_step_model, replay
 from carpool.economics.contract import UsageRecord, read_block_chain
 from carpool.economics.db import default_db_path, open_database
 from carpool.economics.prices import PriceSheet, load_price_sheet
@@ -219,12 +220,7 @@ def run_scenario(
         "batch_longest_wait_s": max(waited, default=None),
         "batch_within_window": all(wait <= BATCH_WINDOW_SECONDS for wait in waited),
         "latency": {
-            tier: {
-                "ttft_p50_s": percentile(result.ttft_by_tier.get(tier, []), 50),
-                "ttft_p99_s": percentile(result.ttft_by_tier.get(tier, []), 99),
-                "itl_p50_s": percentile(result.itl_by_tier.get(tier, []), 50),
-                "itl_p99_s": percentile(result.itl_by_tier.get(tier, []), 99),
-            }
+            tier: latency_summary(result.ttft_by_tier.get(tier, []), result.itl_by_tier.get(tier, []))
             for tier in TIER_NAMES
             if tier in result.ttft_by_tier
         },
