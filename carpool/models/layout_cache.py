@@ -43,6 +43,14 @@ def layout_file(directory: Path, quantization: str) -> Path:
     return Path(directory) / f"layouts-{quantization}-{kernel_path()}-v{LAYOUT_VERSION}.bin"
 
 
+def _forget_older_versions(path: Path) -> None:
+    """Delete the files `path` (a layout file just written) succeeds: the same model, quantization and kernel path
+    at another LAYOUT_VERSION, so a version bump does not leave a stale copy of every model's weights on disk."""
+    for stale in path.parent.glob(path.name.rsplit("-v", 1)[0] + "-v*.bin"):
+        if stale != path:
+            stale.unlink(missing_ok=True)
+
+
 def layout_header(gguf_path: str, quantization: str) -> dict:
     """What a layout file must have been written for to be read."""
     stat = os.stat(gguf_path)
@@ -138,6 +146,7 @@ class LayoutWriter:
         os.fsync(self.file.fileno())
         self.file.close()
         os.replace(self.partial, self.path)
+        _forget_older_versions(self.path)
 
     def abort(self) -> None:
         self.file.close()

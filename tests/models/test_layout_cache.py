@@ -142,3 +142,25 @@ def test_mapped_weights_compute_what_weights_built_in_memory_do(layouts, rearran
         patch.setattr(carpool.models, "load_with_layouts", lambda d, g, q, s, build_model: build_model(BUILT_IN_MEMORY))
         in_memory = run()
     assert written == mapped == in_memory
+
+
+def test_a_new_layout_version_deletes_the_files_it_succeeds(tmp_path, monkeypatch):
+    real = layout_cache.layout_file
+    monkeypatch.setattr(layout_cache, "layout_file", lambda directory, quantization: real(tmp_path, quantization))
+    with monkeypatch.context() as patch:
+        patch.setattr(layout_cache, "LAYOUT_VERSION", LAYOUT_VERSION - 1)
+        load_model(None, quantization="auto")
+    [previous] = tmp_path.glob("layouts-*")
+    another_quantization = tmp_path / previous.name.replace("layouts-auto-", "layouts-q8_0-")
+    another_quantization.write_bytes(b"kept: not the same weights")
+
+    load_model(None, quantization="auto")
+    current = real(tmp_path, "auto")
+    assert previous != current
+    assert sorted(tmp_path.glob("layouts-*")) == sorted([current, another_quantization])
+
+
+def test_weights_made_dense_write_no_layout_file(layouts):
+    """Nothing is built in blocks where every weight is dequantized (`none`, and the same on CUDA devices)."""
+    load_model(None, quantization="none")
+    assert not layouts.exists()
