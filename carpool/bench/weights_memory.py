@@ -4,8 +4,8 @@ so the weights used in place are paged in).
 
     python -m carpool.bench.weights_memory --model qwen2.5-coder-1.5b [--cold]
 
---cold deletes the model's cached weight layout first (carpool.models.layout_cache), so the first process arranges
-the weights and the second and third (the replicas) map what it wrote.
+--cold deletes the model's layout files first (carpool.models.layout_cache), so the first process builds the fused
+and rearranged matrices into one and the others map it.
 """
 
 import argparse
@@ -48,7 +48,7 @@ def child(model: str) -> None:
 
 
 def spawn(model: str) -> subprocess.Popen:
-    command = [sys.executable, "-m", __spec__.name, "--child", "--model", model]
+    command = [sys.executable, "-m", __spec__.name, "--child", *(["--model", model] if model else [])]
     return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
 
