@@ -22,6 +22,7 @@ import json
 import logging
 import mmap
 import os
+import time
 import warnings
 from pathlib import Path
 
@@ -113,12 +114,31 @@ def _problem(mapping: mmap.mmap | None, header: dict) -> str | dict:
     return matrices
 
 
+def _forget_abandoned(path: Path) -> None:
+    """Delete the partial files of `path` whose writer is gone (killed mid-write): up to a model's size each."""
+    for partial in path.parent.glob(f"{path.name}.*.partial"):
+        pid = partial.name.removeprefix(f"{path.name}.").removesuffix(".partial")
+        if pid.isdigit() and not _running(int(pid)):
+            partial.unlink(missing_ok=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
+
+
 class LayoutWriter:
     """Builds each matrix, appends it to a new layout file and drops it: `matrix` returns a placeholder on the
     meta device, so the model it is loaded into (a scratch one) holds none of them."""
 
     def __init__(self, path: Path, header: dict):
         self.path, self.header = path, header
+        _forget_abandoned(path)
         self.partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
         self.file = open(self.partial, "wb")
         self.matrices: dict[str, dict] = {}
@@ -143,6 +163,7 @@ class LayoutWriter:
         manifest = json.dumps({"header": self.header, "matrices": self.matrices}).encode()
         self.file.write(manifest + len(manifest).to_bytes(8, "little") + MAGIC)
         self.file.flush()
+        self.size = self.file.tell()
         os.fsync(self.file.fileno())
         self.file.close()
         os.replace(self.partial, self.path)
@@ -168,6 +189,7 @@ def load_with_layouts(directory: Path, gguf_path: str | None, quantization: str,
         except OSError as error:
             log.warning("cannot write the weight layout file %s (%s): building the weights in memory", path, error)
             return build_model(BUILT_IN_MEMORY)
+        start = time.monotonic()
         try:
             build_model(writer)  # on the meta device: each matrix built, written and dropped in turn
             writer.finish()
@@ -179,7 +201,11 @@ def load_with_layouts(directory: Path, gguf_path: str | None, quantization: str,
         except BaseException:
             writer.abort()
             raise
-        layouts = LayoutFile.open(path, header)  # ours, or one a process racing us renamed over it: the same bytes
+        log.info(
+            "wrote the weight layout file %s (%.2f GB) in %.1f s", path, writer.size / 1e9, time.monotonic() - start
+        )
+        # Ours, or the same bytes a process racing us renamed over it; gone only if deleted since.
+        layouts = LayoutFile.open(path, header) or BUILT_IN_MEMORY
     return build_model(layouts)
 
 

@@ -2,6 +2,7 @@
 mapped read-only by every load after it (carpool.models.layout_cache), on the default model (SmolLM2-135M)."""
 
 import os
+import subprocess
 
 import pytest
 
@@ -118,6 +119,17 @@ def test_a_damaged_or_stale_layout_file_is_rebuilt(layouts, builds, caplog, monk
 
     load_model(None, quantization="auto")
     assert builds["stacked"] == 2 * written, "the rebuilt file was not reused"
+
+
+def test_a_killed_writers_partial_file_is_deleted_by_the_next_writer(layouts):
+    finished = subprocess.Popen(["true"])
+    finished.wait()  # its id now names no process
+    abandoned = layouts.with_name(f"{layouts.name}.{finished.pid}.partial")
+    abandoned.write_bytes(b"half a model")
+    live = layouts.with_name(f"{layouts.name}.{os.getppid()}.partial")  # a writer still running: left alone
+    live.write_bytes(b"being written")
+    load_model(None, quantization="auto")
+    assert not abandoned.exists() and live.exists() and layouts.exists()
 
 
 def test_an_unwritable_layout_file_leaves_the_weights_in_memory(tmp_path, monkeypatch, caplog):
