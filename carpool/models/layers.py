@@ -21,7 +21,13 @@ from torch import nn
 import carpool.kernels  # noqa: F401  (registers torch.ops.carpool)
 from carpool.models.attention import AttentionMetadata, PagedAttention, decode_only_metadata
 from carpool.models.config import ModelConfig
-from carpool.models.quantization import GGMLLinear, concat_rows, install_ggml_modules
+from carpool.models.quantization import (
+    BUILT_IN_MEMORY,
+    GGMLLinear,
+    GGMLWeight,
+    concat_rows,
+    install_ggml_modules,
+)
 
 # Rotary tables start this long and double when a position needs more, so a 32K-context model does not hold
 # 32K rows of cos/sin per rope base (64 MiB for Gemma 3's head_dim 256 in fp32) to serve short requests.
@@ -105,18 +111,27 @@ class FusedLinear(nn.Module):
         out = self.parts[0](x) if len(self.parts) == 1 else torch.cat([part(x) for part in self.parts], dim=-1)
         return out if self.bias is None else out + self.bias
 
-    def fuse(self, prefix: str, weights: list, biases: list | None) -> dict:
+    def fuse(self, prefix: str, weights: list, biases: list | None, layouts=BUILT_IN_MEMORY) -> dict:
         """State dict entries (under `prefix`) for the projections' weights and biases, in output order; makes
-        one part per run of weights that can be stacked."""
+        one part per run of weights that can be stacked (block matrices built, as the kernels run them, by
+        `layouts`: see quantization.BuiltInMemory)."""
         # Runs of one block type stack into one matrix; dense tensors (no qtype) stack with each other.
         runs = [list(run) for _, run in itertools.groupby(weights, key=lambda w: getattr(w, "qtype", None))]
-        stacked = [run[0] if len(run) == 1 else concat_rows(run) for run in runs]
+        stacked = [_stacked(f"{prefix}parts.{i}.weight", run, layouts) for i, run in enumerate(runs)]
         device = self.parts[0].weight.device
         self.parts = nn.ModuleList(nn.Linear(self.in_features, w.shape[0], bias=False, device=device) for w in stacked)
         state = {f"{prefix}parts.{i}.weight": w for i, w in enumerate(stacked)}
         if biases is not None:
             state[f"{prefix}bias"] = torch.cat(biases)
         return state
+
+
+def _stacked(name: str, run: list, layouts):
+    if len(run) == 1:
+        return run[0]
+    if isinstance(run[0], GGMLWeight):
+        return layouts.matrix(name, lambda: concat_rows(run).for_kernels())
+    return concat_rows(run)
 
 
 def projection_parts(module: nn.Module) -> tuple[list[torch.Tensor], list[int]]:
@@ -320,9 +335,10 @@ class CausalLM(nn.Module):
         alternating in one process)."""
         return self.lm_head(hidden)
 
-    def load_hf_weights(self, state: dict, dtype: torch.dtype) -> None:
+    def load_hf_weights(self, state: dict, dtype: torch.dtype, layouts=BUILT_IN_MEMORY) -> None:
         """Load a state dict with Hugging Face names and values, fusing q/k/v and gate/up as this module stores
-        them. Weights in GGML blocks replace their Linear/Embedding with the block-format module."""
+        them. Weights in GGML blocks replace their Linear/Embedding with the block-format module; the block
+        matrices the load builds (fused, rearranged) come from `layouts` (quantization.BuiltInMemory)."""
         own = {name.removeprefix("model."): tensor for name, tensor in state.items()}
         if self.norm_offset:
             own = {k: v + self.norm_offset if k.endswith("norm.weight") else v for k, v in own.items()}
@@ -331,12 +347,12 @@ class CausalLM(nn.Module):
             projections = [attn + p for p in ("q_proj.", "k_proj.", "v_proj.")]
             weights = [own.pop(p + "weight") for p in projections]
             biases = [own.pop(p + "bias") for p in projections] if self.config.attention_bias else None
-            own |= layer.self_attn.qkv_proj.fuse(attn + "qkv_proj.", weights, biases)
+            own |= layer.self_attn.qkv_proj.fuse(attn + "qkv_proj.", weights, biases, layouts)
             gate_up = [own.pop(mlp + "gate_proj.weight"), own.pop(mlp + "up_proj.weight")]
-            own |= layer.mlp.gate_up_proj.fuse(mlp + "gate_up_proj.", gate_up, None)
+            own |= layer.mlp.gate_up_proj.fuse(mlp + "gate_up_proj.", gate_up, None, layouts)
         if self.config.tie_word_embeddings:
             own["lm_head.weight"] = own["embed_tokens.weight"]
-        own = install_ggml_modules(self, own, dtype)
+        own = install_ggml_modules(self, own, dtype, layouts)
         missing, unexpected = self.load_state_dict(own, strict=False, assign=True)
         if missing or unexpected:
             raise ValueError(

@@ -198,6 +198,12 @@ def read_config(directory: Path) -> ModelConfig:
     return config
 
 
+def gguf_source(directory: Path) -> str | None:
+    """The GGUF file a model directory indexes; None for a safetensors directory."""
+    index = Path(directory) / GGUF_INDEX_FILE
+    return json.loads(index.read_text())["path"] if index.exists() else None
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     shape: tuple[int, ...]  # Hugging Face's shape

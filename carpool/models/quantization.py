@@ -63,6 +63,21 @@ ROW_GROUP_TYPES = frozenset({gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizati
 GROUP_ROWS = 8  # a matrix whose rows are not whole groups stays in GGUF's layout
 # The arrangement each format has besides GGUF's.
 ARRANGEMENTS = {**dict.fromkeys(OCTET_MAJOR_TYPES, "octet-major"), **dict.fromkeys(ROW_GROUP_TYPES, "row-groups")}
+# Bumped whenever an arrangement's bytes, what the loader builds or the layout file's format change
+# (carpool.models.layout_cache), so layout files written before are rebuilt, never read.
+LAYOUT_VERSION = 1
+
+
+class BuiltInMemory:
+    """Where the loader's built matrices (fused projections, arrangements) go by default: `matrix(name, build)`
+    builds each in this process's memory; carpool.models.layout_cache writes them to a file shared by every
+    process instead. `build` returns a GGMLWeight, or None where there is nothing to build."""
+
+    def matrix(self, name: str, build):
+        return build()
+
+
+BUILT_IN_MEMORY = BuiltInMemory()
 
 
 @dataclass
@@ -229,9 +244,10 @@ def resolve_weights(state: dict, quantization: str, device: torch.device) -> dic
     return state
 
 
-def install_ggml_modules(model: nn.Module, state: dict, dtype: torch.dtype) -> dict:
+def install_ggml_modules(model: nn.Module, state: dict, dtype: torch.dtype, layouts=BUILT_IN_MEMORY) -> dict:
     """Swap the Linear/Embedding modules whose weights are GGMLWeights (in the layout this CPU's kernels run
-    fastest) for block-format modules; returns the dense rest of the state dict, for load_state_dict."""
+    fastest, built by `layouts`: see BuiltInMemory) for block-format modules; returns the dense rest of the state
+    dict, for load_state_dict."""
     dense, laid_out = {}, {}  # a tied embedding and LM head: one GGMLWeight, rearranged once and shared
     modules = {
         name: model.get_submodule(name.removesuffix(".weight"))
@@ -244,7 +260,7 @@ def install_ggml_modules(model: nn.Module, state: dict, dtype: torch.dtype) -> d
             dense[name] = value
             continue
         if id(value) not in laid_out:
-            laid_out[id(value)] = value.for_kernels(lookup=id(value) in looked_up)
+            laid_out[id(value)] = layouts.matrix(name, lambda v=value: _rearranged(v, id(v) in looked_up)) or value
         value = laid_out[id(value)]
         module_name = name.removesuffix(".weight")
         module = modules[name]
@@ -258,6 +274,12 @@ def install_ggml_modules(model: nn.Module, state: dict, dtype: torch.dtype) -> d
             raise ValueError(f"model: {name} has shape {value.shape}, expected {replacement_shape(module)}")
         model.set_submodule(module_name, replacement)
     return dense
+
+
+def _rearranged(weight: GGMLWeight, lookup: bool) -> GGMLWeight | None:
+    """`weight` as the kernels run it, or None where that is the weight as it is."""
+    arranged = weight.for_kernels(lookup)
+    return None if arranged is weight else arranged
 
 
 def replacement_shape(module: nn.Module) -> tuple[int, int]:
