@@ -112,6 +112,14 @@ class ReplicaSpec:
 
 
 @dataclass(frozen=True)
+class Pool:
+    """One model's replicas and what a step of that model costs."""
+
+    replicas: int
+    step: StepModel
+
+
+@dataclass(frozen=True)
 class Job:
     """One request to run: when it arrives, its prompt (length, and its full blocks' chain of prefix-cache keys:
     any hashable values, equal where prompts share a prefix), its output tokens and its tier.
@@ -131,6 +139,7 @@ class Job:
     # from their last use, whatever the LRU would evict.
     pinned_blocks: int = 0
     pin_ttl: float = 0.0
+    model: int = 0  # which pool of replicas runs it (`replay`'s models: 0 the recorded one, then others)
 
 
 @dataclass
@@ -207,8 +216,8 @@ class _Seq:
 
 
 class _Replica:
-    def __init__(self, spec: ReplicaSpec):
-        self.spec = spec
+    def __init__(self, spec: ReplicaSpec, step: StepModel):
+        self.spec, self.step = spec, step
         self.waiting: list[tuple[int, float, int, _Seq]] = []  # a heap: tier priority, then arrival order
         self.running: list[_Seq] = []
         self.cache: OrderedDict[int, None] = OrderedDict()
@@ -281,23 +290,34 @@ def simulate(
     if len(arrivals) != len(sessions):
         raise ValueError("arrivals: one arrival time per session")
     starts = [(at, (index, 0)) for index, at in enumerate(arrivals)]
-    return _run(sessions, starts, replicas, routing, step, spec)
+    return _run(sessions, starts, (Pool(replicas, step),), routing, spec)
 
 
-def replay(jobs: list[Job], replicas: int, routing: str, step: StepModel, spec: ReplicaSpec) -> SimResult:
-    """Run recorded requests, each at its own arrival time, on `replicas` replicas routed by `routing`."""
-    if replicas < 1:
+def replay(
+    jobs: list[Job], replicas: int, routing: str, step: StepModel, spec: ReplicaSpec, others: tuple[Pool, ...] = ()
+) -> SimResult:
+    """Run recorded requests, each at its own arrival time, on `replicas` replicas routed by `routing`; a job of
+    `model` k > 0 on the replicas of others[k - 1] (a cheaper model a router or a cascade sends it to)."""
+    pools = (Pool(replicas, step), *others)
+    if min(pool.replicas for pool in pools) < 1:
         raise ValueError("replicas must be at least 1")
+    if any(not 0 <= job.model < len(pools) for job in jobs):
+        raise ValueError(f"jobs: a job's model must index the {len(pools)} pools")
     starts = [(job.arrival, (-1, index)) for index, job in enumerate(jobs) if job.after is None]
-    return _run(jobs, starts, replicas, routing, step, spec)
+    return _run(jobs, starts, pools, routing, spec)
 
 
-def _run(work: list, starts: list, replicas: int, routing: str, step: StepModel, spec: ReplicaSpec) -> SimResult:
-    """`work`: sessions (a start's payload is (session, turn)) or jobs (payload (-1, job index))."""
-    router = make_routing(routing, spec.block_size)
-    loads = [ReplicaLoad(slots=spec.max_num_seqs) for _ in range(replicas)]
-    nodes = [_Replica(spec) for _ in range(replicas)]
-    result = SimResult(replicas, routing)
+def _run(work: list, starts: list, pools: tuple[Pool, ...], routing: str, spec: ReplicaSpec) -> SimResult:
+    """`work`: sessions (a start's payload is (session, turn)) or jobs (payload (-1, job index)). Each pool's
+    replicas are routed among by a router of their own."""
+    members = []  # per pool, its replicas' indexes in `nodes`
+    nodes: list[_Replica] = []
+    for pool in pools:
+        members.append(list(range(len(nodes), len(nodes) + pool.replicas)))
+        nodes += [_Replica(spec, pool.step) for _ in range(pool.replicas)]
+    routers = [make_routing(routing, spec.block_size) for _ in pools]
+    loads = [ReplicaLoad(slots=spec.max_num_seqs) for _ in nodes]
+    result = SimResult(len(nodes), routing)
     followers: dict[int, list[int]] = {}  # a replayed job's index -> the jobs sent when it finishes
     for index, job in enumerate(work):
         if isinstance(job, Job) and job.after is not None:
@@ -319,17 +339,18 @@ def _run(work: list, starts: list, replicas: int, routing: str, step: StepModel,
                 chain = _chain(turn.prompt_token_ids, session.salt, spec.block_size)
                 job = Job(now, len(turn.prompt_token_ids), chain, turn.output_tokens)
             seq = _Seq(job, session_index, turn_index)
-            seq.replica = _route(router, job, loads)
+            pool = members[job.model]
+            seq.replica = pool[_route(routers[job.model], job, [loads[i] for i in pool])]
             loads[seq.replica].in_flight += 1
             heapq.heappush(nodes[seq.replica].waiting, (BY_NAME[job.tier].priority, now, next(order), seq))
-            _start_step(nodes[seq.replica], seq.replica, now, step, events, order, result)
+            _start_step(nodes[seq.replica], seq.replica, now, events, order, result)
         else:
-            _finish_step(nodes, loads, payload, now, work, followers, step, events, order, result)
+            _finish_step(nodes, loads, payload, now, work, followers, events, order, result)
     result.makespan = now - min((at for at, _ in starts), default=0.0)
     return result
 
 
-def _start_step(node: _Replica, index: int, now: float, step: StepModel, events, order, result: SimResult) -> None:
+def _start_step(node: _Replica, index: int, now: float, events, order, result: SimResult) -> None:
     if node.busy or not (node.waiting or node.running):
         return
     spec = node.spec
@@ -365,7 +386,7 @@ def _start_step(node: _Replica, index: int, now: float, step: StepModel, events,
     node.busy = True
     context = sum(seq.context for seq in decoding)
     pairs = sum(attention_pairs(chunk, seq.context) for seq, chunk in chunks)
-    duration = step.seconds(sum(c for _, c in chunks), len(decoding), context, pairs)
+    duration = node.step.seconds(sum(c for _, c in chunks), len(decoding), context, pairs)
     # The step's shape as the engine tells its SLO controller: tokens, sequences, KV read (computed before it + new).
     tokens = len(decoding) + sum(c for _, c in chunks)
     read = sum(s.num_computed_tokens for s in decoding) + sum(s.num_computed_tokens for s, _ in chunks) + tokens
@@ -381,7 +402,7 @@ def _capped(seq: _Seq, limits: StepLimits, running: list[_Seq]) -> bool:
     return not any(r.priority > seq.priority for r in running)
 
 
-def _finish_step(nodes, loads, payload, now, work, followers, step, events, order, result: SimResult) -> None:
+def _finish_step(nodes, loads, payload, now, work, followers, events, order, result: SimResult) -> None:
     index, decoding, chunks, (tokens, seqs, read, started) = payload
     node = nodes[index]
     node.busy = False
@@ -421,7 +442,7 @@ def _finish_step(nodes, loads, payload, now, work, followers, step, events, orde
         node.slo.observe(tokens, seqs, read, started, now, bool(node.running or node.waiting))
     used = sum(math.ceil(s.job.prompt_tokens / node.spec.block_size) for s in node.running)
     loads[index].kv_usage = min(1.0, used / node.spec.num_blocks)
-    _start_step(node, index, now, step, events, order, result)
+    _start_step(node, index, now, events, order, result)
 
 
 def poisson_arrivals(count: int, rate: float, seed: int = 0) -> list[float]:

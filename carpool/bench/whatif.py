@@ -8,9 +8,9 @@ the margin and its change against today's configuration, TTFT and ITL p50/p99 pe
 The levers replayed here: prefix caching off (today's saving made visible), cache breakpoints on the shared
 prefixes (pinned for a TTL, their writes at its rate), chosen tenants' or tiers' requests moved to the Batch API
 (half price, admitted after every live tier; the report says how long they waited against the 24-hour window),
-prompt compression at a rate, the SLO controller (the engine's own, carpool.engine.slo, fed
-the simulated steps) against today's fixed steps, and replica counts. Cascade and router thresholds are not
-replayed yet (issue 50 lists them).
+prompt compression at a rate, a router or a cascade through a cheaper model (its replica and step model of its
+own; the share routed or escalated from `carpool cascade evaluate`), the SLO controller (the engine's own,
+carpool.engine.slo, fed the simulated steps) against today's fixed steps, and replica counts.
 
 Compression is replayed as the server runs it (carpool.server.compression): the scorer's pass over the whole prompt
 (a prompt computed with its cache hits, one token out, billed as its own row), then the request with its prompt
@@ -24,11 +24,12 @@ import argparse
 import itertools
 import json
 import math
+import random
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from carpool.bench.serve import latency_summary
-from carpool.bench.simulate import Job, ReplicaSpec, StepModel, measure_step_model, replay
+from carpool.bench.simulate import Job, Pool, ReplicaSpec, StepModel, measure_step_model, replay
 from carpool.economics.contract import UsageRecord, read_block_chain
 from carpool.economics.db import default_db_path, open_database
 from carpool.economics.prices import PriceSheet, load_price_sheet
@@ -62,6 +63,12 @@ class Scenario:
     breakpoint_ttl: float = 0.0  # seconds a cache breakpoint pins each prompt's shared prefix; 0: no breakpoints
     slo_itl_ms: tuple = ()  # (tier, ms) pairs: the SLO controller sizes each step; none: fixed steps
     slo_ttft_ms: tuple = ()
+    # A cheaper model on a replica of its own: a router sends it the `routed` rows; a cascade tries every row on
+    # it first and sends the `escalated` ones on to the recorded model after.
+    cheap_model: str | None = None
+    routed: frozenset = frozenset()
+    cascade: bool = False
+    escalated: frozenset = frozenset()
 
 
 def recorded_rows(db, model: str | None, since: float | None, until: float | None) -> tuple[list[Recorded], int]:
@@ -108,6 +115,16 @@ def scenarios(rows: list[Recorded], args: argparse.Namespace) -> list[Scenario]:
     found = [today, replace(today, name="no prefix cache", prefix_caching=False)]
     if moved:
         found.append(replace(today, name=f"Batch API ({len(moved)} moved)", to_batch=moved))
+    for flag, (model, share) in (("router", args.router), ("cascade", args.cascade)):
+        if model is None:
+            continue
+        rng = random.Random(0)  # which rows: a fixed draw, so every run of a report picks the same
+        picked = frozenset(i for i in range(len(rows)) if rng.random() < share)
+        if flag == "router":
+            found.append(replace(today, name=f"router to {model} ({len(picked)})", cheap_model=model, routed=picked))
+        else:
+            name = f"cascade via {model} ({len(picked)} escalated)"
+            found.append(replace(today, name=name, cheap_model=model, cascade=True, escalated=picked))
     for ttl in args.breakpoint_ttl:
         found.append(replace(today, name=f"breakpoints {ttl}", breakpoint_ttl=BREAKPOINT_TTLS[ttl]))
     if compressed:
@@ -154,6 +171,13 @@ def scenario_jobs(
         kept = list(itertools.takewhile(lambda block: block in shared, job.chain))
         if scenario.breakpoint_ttl and len(kept) * block_size >= min_pin_tokens:
             job = replace(job, pinned_blocks=len(kept), pin_ttl=scenario.breakpoint_ttl)
+        if scenario.cascade:
+            jobs.append(replace(job, model=1, internal=i in scenario.escalated))  # the cheap attempt
+            if i in scenario.escalated:
+                followers.append(replace(job, after=i))
+            continue
+        if i in scenario.routed:
+            job = replace(job, model=1)
         if i not in scenario.compressed:
             jobs.append(job)
             continue
@@ -162,7 +186,9 @@ def scenario_jobs(
         cut = max(1, math.floor(scenario.compress_rate * rest))
         fresh = tuple(("compressed", i, k) for k in range(cut // block_size))
         followers.append(replace(job, prompt_tokens=len(kept) * block_size + cut, chain=(*kept, *fresh), after=i))
-    return jobs + followers, [row.model for row in rows] + [rows[job.after].model for job in followers]
+    jobs += followers
+    recorded = [rows[i if job.after is None else job.after].model for i, job in enumerate(jobs)]
+    return jobs, [scenario.cheap_model if job.model else model for job, model in zip(jobs, recorded)]
 
 
 def _shared_blocks(rows: list[Recorded]) -> frozenset:
@@ -176,7 +202,13 @@ def _shared_blocks(rows: list[Recorded]) -> frozenset:
 
 
 def run_scenario(
-    scenario: Scenario, rows: list[Recorded], step: StepModel, spec: ReplicaSpec, hourly: float, prices: PriceSheet
+    scenario: Scenario,
+    rows: list[Recorded],
+    step: StepModel,
+    spec: ReplicaSpec,
+    hourly: float,
+    prices: PriceSheet,
+    cheap_step: StepModel | None = None,
 ) -> dict:
     jobs, models = scenario_jobs(scenario, rows, spec.block_size, prices.cache_min_tokens)
     spec = replace(
@@ -185,9 +217,11 @@ def run_scenario(
         slo_itl_ms=dict(scenario.slo_itl_ms),
         slo_ttft_ms=dict(scenario.slo_ttft_ms),
     )
-    result = replay(jobs, scenario.replicas, "prefix", step, spec)
+    others = (Pool(1, cheap_step),) if scenario.cheap_model else ()
+    result = replay(jobs, scenario.replicas, "prefix", step, spec, others)
     span = max(max(job.arrival for job in jobs), result.makespan)
-    machine = scenario.replicas * hourly * span / 3600
+    replicas = scenario.replicas + len(others)
+    machine = replicas * hourly * span / 3600
     revenue = sum(
         _billed(
             prices,
@@ -206,7 +240,7 @@ def run_scenario(
     waited = [at - jobs[i].arrival for i, at in finished.items() if at is not None]
     return {
         "scenario": scenario.name,
-        "replicas": scenario.replicas,
+        "replicas": replicas,
         "prefix_caching": scenario.prefix_caching,
         "moved_to_batch": len(scenario.to_batch),
         "compressed": len(scenario.compressed),
@@ -251,10 +285,12 @@ def _billed(
     return prices.cost(usage)
 
 
-def whatif(rows: list[Recorded], args: argparse.Namespace, step: StepModel) -> list[dict]:
+def whatif(
+    rows: list[Recorded], args: argparse.Namespace, step: StepModel, cheap_step: StepModel | None = None
+) -> list[dict]:
     spec = ReplicaSpec(args.max_num_seqs, args.max_num_batched_tokens, args.num_kv_blocks)
     prices = load_price_sheet(args.prices)
-    results = [run_scenario(s, rows, step, spec, args.hourly_price, prices) for s in scenarios(rows, args)]
+    results = [run_scenario(s, rows, step, spec, args.hourly_price, prices, cheap_step) for s in scenarios(rows, args)]
     for result in results:
         result["margin_change"] = result["margin"] - results[0]["margin"]
     return results
@@ -324,6 +360,28 @@ def add_parser(cost_commands) -> None:
     parser.add_argument("--batch-tenants", type=_names, default=frozenset(), help="tenants moved to the Batch API")
     parser.add_argument("--batch-tiers", type=_names, default=frozenset(), help="tiers moved to the Batch API")
     parser.add_argument(
+        "--router",
+        type=_model_share,
+        default=(None, 0.0),
+        metavar="MODEL:SHARE",
+        help="a router sending SHARE of the rows to MODEL, a cheaper model on a replica of its own (the share "
+        "`carpool cascade evaluate` reports at the threshold you would serve)",
+    )
+    parser.add_argument(
+        "--cascade",
+        type=_model_share,
+        default=(None, 0.0),
+        metavar="MODEL:ESCALATED",
+        help="a cascade trying every row on MODEL first (a replica of its own) and ESCALATED of them on the recorded "
+        "model after (the escalation rate `carpool cascade evaluate` reports)",
+    )
+    parser.add_argument(
+        "--cheap-step",
+        default=None,
+        metavar="BASE,...",
+        help="the --router/--cascade model's step model in seconds, as --step (default: fitted here)",
+    )
+    parser.add_argument(
         "--breakpoint-ttl",
         action="append",
         choices=sorted(BREAKPOINT_TTLS),
@@ -373,6 +431,23 @@ def fit_target(served: str) -> str:
     return DEFAULT_MODEL if served == model_name(default_model_path()) else served
 
 
+def _fitted(model: str, args: argparse.Namespace) -> StepModel:
+    from carpool.engine.config import EngineConfig
+
+    return measure_step_model(EngineConfig(model=model, num_threads=args.threads))
+
+
+def _model_share(text: str) -> tuple[str, float]:
+    model, _, share = text.rpartition(":")
+    try:
+        value = float(share)
+    except ValueError:
+        value = -1.0
+    if not model or not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"expected MODEL:SHARE with SHARE in [0, 1], got {text!r}")
+    return model, value
+
+
 def _counts(text: str) -> list[int]:
     counts = [int(value) for value in text.split(",")]
     if any(count < 1 for count in counts):
@@ -405,15 +480,12 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(
             f"--db: no row in that window has an arrival time ({left_out} written before the ledger kept it)"
         )
-    if args.step:
-        step = StepModel.parse(args.step)
-    else:
-        from carpool.engine.config import EngineConfig
-
-        step = measure_step_model(
-            EngineConfig(model=args.fit_model or fit_target(rows[0].model), num_threads=args.threads)
-        )
-    results = whatif(rows, args, step)
+    step = StepModel.parse(args.step) if args.step else _fitted(args.fit_model or fit_target(rows[0].model), args)
+    cheap = args.router[0] or args.cascade[0]
+    cheap_step = None
+    if cheap is not None:
+        cheap_step = StepModel.parse(args.cheap_step) if args.cheap_step else _fitted(cheap, args)
+    results = whatif(rows, args, step, cheap_step)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     # What the ledger billed these rows, beside the replay's "today": the two differ by cache hits and writes the

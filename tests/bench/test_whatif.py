@@ -141,6 +141,33 @@ def test_a_breakpoint_keeps_its_shared_prefix_through_an_eviction_and_bills_its_
     assert hour["revenue"] == pytest.approx(((32 + 128 + 32) * 1.25 + 64 * 2.0 + 6.4 + 12) / 1e6)
 
 
+def test_a_router_and_a_cascade_run_their_rows_on_the_cheaper_models_replica_and_bill_each_attempt(tmp_path):
+    shared = [f"block-{i}".encode().ljust(8, b".") for i in range(4)]
+    other = [f"other-{i}".encode().ljust(8, b".") for i in range(2)]
+    ledger(tmp_path / "carpool.db", [(0, "a", 64, shared), (100, "a", 64, shared), (200, "b", 32, other)])
+    (tmp_path / "prices.toml").write_text(SHEET + "[models.small]\ninput = 0.5\noutput = 1.0\n")
+    out = tmp_path / "whatif.json"
+    args = build_parser().parse_args(
+        ["cost", "whatif", "--db", str(tmp_path / "carpool.db"), "--hourly-price", "3.6", "--step", STEP]
+        + ["--prices", str(tmp_path / "prices.toml"), "--router", "small:1", "--cascade", "small:1"]
+        + ["--cheap-step", "0.005,0.0005,0.005", "--out", str(out)]
+    )
+    assert whatif.main(args) == 0
+    by_name = {row["scenario"]: row for row in json.loads(out.read_text())["scenarios"]}
+    routed, cascade = by_name["router to small (3)"], by_name["cascade via small (3 escalated)"]
+    # Every row on the cheap model (5 ms a step, 0.5 ms a prompt token): first tokens at 37, 5.5 (63 cached) and
+    # 21 ms; billed at its prices; two machines (the recorded model's replica idles).
+    assert routed["replicas"] == 2 and routed["machine_cost"] == pytest.approx(2 * 3.6 * 200.031 / 3600)
+    assert routed["latency"]["default"]["ttft_p50_s"] == pytest.approx(0.021)
+    assert routed["revenue"] == pytest.approx((42 + 5.65 + 22) / 1e6)
+    # Escalated, each row waits for its cheap attempt (37 + 10, 5.5 + 10, 21 + 10 ms), then the recorded model's
+    # first token (74, 11, 42 ms): 121, 26.5 and 73 ms; both attempts billed.
+    assert cascade["latency"]["default"]["ttft_p50_s"] == pytest.approx(0.073)
+    assert cascade["revenue"] == pytest.approx((42 + 5.65 + 22 + 84 + 11.3 + 44) / 1e6)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["cost", "whatif", "--hourly-price", "1", "--router", "small:2"])
+
+
 def test_the_step_model_of_the_default_servers_rows_is_fitted_on_the_default_model():
     """`carpool serve` without --model serves the embedded GGUF under its file's stem, which is no catalog name: the
     fit would fail to find a model to load."""
