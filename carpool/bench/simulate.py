@@ -456,18 +456,25 @@ def poisson_arrivals(count: int, rate: float, seed: int = 0) -> list[float]:
     return times
 
 
-def measure_step_model(
+def measure_step_model(config, **shapes) -> StepModel:
+    """A StepModel fitted to real steps of carpool's engine under `config` (an EngineConfig): `measured_steps`."""
+    return StepModel.fit(measured_steps(config, **shapes))
+
+
+def measured_steps(
     config,
     prompt_lengths=(64, 256, 512),
     batch_sizes=(1, 4, 16, 32),
     contexts=(16, 768),
     hit_suffixes=(32, 128),
     decode_steps=8,
-) -> StepModel:
-    """Fit a StepModel to real steps of carpool's engine under `config` (an EngineConfig): prefill-only steps of
-    several sizes, prompts behind a cached prefix of the longest context (what a help line's turns are), then
-    decode steps at several batch sizes over short and long contexts (random token prompts)."""
+) -> list[tuple[int, int, int, int, float]]:
+    """(prompt tokens, decoding sequences, KV tokens the decodes read, prompt chunks' query-key pairs, seconds) of
+    real steps of carpool's engine under `config`, warmed up as a server is: prompts alone of several sizes,
+    prompts behind a cached prefix of the longest context (what a help line's turns are), then decode batches of
+    several sizes over short and long contexts (random token prompts)."""
     from carpool.engine.llm_engine import LLMEngine
+    from carpool.engine.warmup import warm_up
 
     engine = LLMEngine(config)
     rng = random.Random(0)
@@ -484,23 +491,32 @@ def measure_step_model(
                 f"fit-{next(ids)}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
             )
         while engine.has_unfinished_requests():
-            seqs = [*engine.scheduler.running, *engine.scheduler.waiting]
-            before = {seq.seq_id: seq.num_computed_tokens for seq in seqs}
-            context = sum(n for seq in seqs if (n := before[seq.seq_id]) >= seq.num_prompt_tokens)
+            engine.last_step = None  # a step that scheduled nothing leaves it as it was
             engine.step()
-            stats = engine.last_step
+            shape, stats = scheduled.pop(), engine.last_step
             if stats is None or not stats.num_tokens:
                 continue
-            pairs = 0
-            for seq in seqs:
-                # A prompt admitted by this step starts from its cache hit, one already running from where it was.
-                start = max(before[seq.seq_id], seq.num_cached_prompt_tokens)
-                if start < seq.num_prompt_tokens:
-                    pairs += attention_pairs(min(seq.num_computed_tokens, seq.num_prompt_tokens) - start, start)
+            # Each scheduled sequence's tokens computed before the step (a prompt admitted by it: its cache hit)
+            # and new in it: prompt chunks compute query-key pairs, decodes read their context.
+            context = pairs = 0
+            for computed, new, prompt in shape:
+                if computed < prompt:
+                    pairs += attention_pairs(new, computed)
+                else:
+                    context += computed
             steps.append((stats.num_prefill_tokens, stats.num_decode_tokens, context, pairs, stats.duration))
 
-    run([tokens(16)], 4)  # warm-up: first-call costs are not a step's
-    steps.clear()
+    scheduled: list[list[tuple[int, int, int]]] = []
+    schedule = engine.scheduler.schedule
+
+    def schedule_and_record():  # the batch's shape as scheduled, before the step's forward moves it on
+        batch = schedule()
+        shape = [(s.num_computed_tokens, n, s.num_prompt_tokens) for s, n in zip(batch.seqs, batch.num_new_tokens)]
+        scheduled.append(shape)
+        return batch
+
+    warm_up(engine)  # as a server does before its first request: first-call costs are no step's
+    engine.scheduler.schedule = schedule_and_record
     for length in prompt_lengths:
         run([tokens(length)], 1)
     prefix = tokens(max(contexts))
@@ -510,7 +526,7 @@ def measure_step_model(
     for context in contexts:
         for size in batch_sizes:
             run([tokens(context) for _ in range(size)], decode_steps)
-    return StepModel.fit(steps)
+    return steps
 
 
 def add_parser(modes) -> None:

@@ -149,3 +149,23 @@ def test_a_coefficient_the_steps_would_make_negative_is_zero_and_the_rest_refitt
     columns = {"base": [1.0] * len(steps), "per_decode_seq": [step[1] for step in steps]}
     for name, column in columns.items():
         assert abs(sum(r * x for r, x in zip(residuals, column))) < 1e-9, name
+
+
+def test_the_fit_measures_a_prompt_behind_a_cached_prefix_by_its_chunk_and_pairs():
+    from carpool.bench.simulate import measured_steps
+    from carpool.engine.config import EngineConfig
+
+    steps = measured_steps(
+        EngineConfig(num_kv_blocks=64, max_num_seqs=4),
+        prompt_lengths=(48,),
+        batch_sizes=(1, 2),
+        contexts=(16, 64),
+        hit_suffixes=(8,),
+        decode_steps=2,
+    )
+    shapes = [step[:4] for step in steps]
+    assert (48, 0, 0, attention_pairs(48, 0)) in shapes  # a prompt alone
+    assert (8, 0, 0, attention_pairs(8, 64)) in shapes  # 8 new tokens over the 64 cached
+    # Decode-only steps of two sequences read their contexts: two prompts of 64 and the tokens decoded since.
+    assert any(p == 0 and d == 2 and c >= 2 * 64 and pairs == 0 for p, d, c, pairs in shapes)
+    assert all(seconds > 0 for *_, seconds in steps)
