@@ -92,3 +92,16 @@ def test_a_pass_routed_to_the_strong_model_bills_the_pass_and_the_strong_answer(
         ("cheap", 0, False),
         ("strong", 1, True),
     ]
+
+
+def test_a_completion_is_passed_on_its_text_and_its_cheap_answer_reads_the_pass(engine, strong_engine):
+    gate = RecordingGate()
+    app = create_app({"cheap": engine, "strong": strong_engine}, gate, cascades={"route": router(100.0)})
+    prompt = f"A customer wrote: my card was charged twice for order {uuid.uuid4().hex}. The desk is"
+    response = post(app, "/v1/completions", {"model": "route", "prompt": prompt, "max_tokens": 3, "temperature": 0})
+    assert response.status_code == 200, response.text
+    client_id = response.headers["x-request-id"]
+    rows = {r.request_id: r for r in gate.records}
+    passed, answer = rows[f"{client_id}#{PART}"], rows[f"{client_id}#cascade-0"]
+    assert len(rows) == 2 and passed.prompt_tokens == answer.prompt_tokens
+    assert answer.cached_tokens >= (answer.prompt_tokens - 1) // 16 * 16 > 0

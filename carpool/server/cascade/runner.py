@@ -48,7 +48,13 @@ class CascadeServing:
         every model of it can take."""
         named = self.cascades[name]
         if isinstance(named, Router):
-            described = {"router": {"models": list(named.models), "thresholds": list(named.thresholds)}}
+            described = {
+                "router": {
+                    "models": list(named.models),
+                    "thresholds": list(named.thresholds),
+                    "features": named.features,
+                }
+            }
             if named.cascade is not None:
                 described["router"]["cascade"] = named.cascade
         else:
