@@ -1,11 +1,11 @@
-"""Routers (RouteLLM, Ong et al. 2024): pick the model from the prompt alone, before any model runs, so a prompt
+"""Routers (RouteLLM, Ong et al. 2024): pick the model from the prompt alone, before any model answers, so a prompt
 sent to the strong model never pays for a cheap attempt first.
 
     [[router]]
     name = "support"                  # what clients pass as `model`
     models = ["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"]   # cheapest first, two or more served models
     thresholds = [0.62]               # route to models[k] when P(models[k] answers right) >= thresholds[k]
-    weights = [[...]]                 # per model but the last: FEATURE_COUNT weights (`carpool cascade calibrate`)
+    weights = [[...]]                 # per model but the last: feature_count(features) weights (`calibrate`)
     bias = [-0.3]
     cascade = "qwen-cascade"          # optional: a cascade of the same models, continued from the routed-to step
     features = "words"                # or "prompt-pass": also the cheapest model's surprisal of the prompt
