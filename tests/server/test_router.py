@@ -110,7 +110,12 @@ def test_models_lists_the_router(engine, strong_engine):
             return (await client.get(path)).json()
 
     card = asyncio.run(get("/v1/models/route"))
-    assert card["router"] == {"models": ["cheap", "strong"], "thresholds": [0.3], "cascade": "casc"}
+    assert card["router"] == {
+        "models": ["cheap", "strong"],
+        "thresholds": [0.3],
+        "features": "words",
+        "cascade": "casc",
+    }
     assert card["max_model_len"] == min(engine.max_model_len, strong_engine.max_model_len)
 
 

@@ -5,7 +5,7 @@ import pytest
 
 from carpool.cli import main
 from carpool.server.cascade.config import dump_cascades, load_cascades
-from carpool.server.cascade.router import FEATURE_COUNT, Router
+from carpool.server.cascade.router import FEATURE_COUNT, Router, feature_count
 from tests.server.test_cascade_config import load
 
 CASCADE = '[[cascade]]\nname = "c"\n[[cascade.step]]\nmodel = "small"\nscorer = "mean"\nthreshold = -1.5\n'
@@ -75,3 +75,23 @@ def test_the_shipped_support_mix_file_serves():
     assert served["support-router-cascade"].cascade == "support"
     question = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May."
     assert served["support-router"].route(question) == 1
+
+
+def test_an_unknown_feature_set_is_one_line_naming_the_field(tmp_path, capsys):
+    with pytest.raises(ValueError, match=r"router\[0\] \('r'\)\.features: must be one of 'words', 'prompt-pass'"):
+        load(tmp_path, GOOD + 'features = "tokens"\n')
+    path = tmp_path / "cascades.toml"
+    path.write_text(GOOD.replace(CASCADE, "").replace('cascade = "c"\n', "") + 'features = "tokens"\n')
+    assert main(["serve", "--cascades", str(path), "--port", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "('r').features: must be one of 'words', 'prompt-pass', got 'tokens'" in err
+    assert len(err.splitlines()) == 1
+
+
+def test_prompt_pass_weights_count_the_pass_statistics(tmp_path):
+    text = GOOD + 'features = "prompt-pass"\n'
+    with pytest.raises(ValueError, match=rf"\.weights: each list needs {feature_count('prompt-pass')} numbers"):
+        load(tmp_path, text)
+    longer = "[[" + ", ".join(["0.25"] * feature_count("prompt-pass")) + "]]"
+    loaded = load(tmp_path, text.replace(WEIGHTS, longer))
+    assert loaded["r"].features == "prompt-pass" and load(tmp_path, dump_cascades(loaded)) == loaded

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, replace
 
 from carpool.server.cascade.config import Cascade
-from carpool.server.cascade.router import Router, first_reaching, prompt_features
+from carpool.server.cascade.router import Router, first_reaching
 from carpool.server.cascade.runs import Attempt, Example, same_answer
 from carpool.server.cascade.scorers import Scorer, features, fit_logistic
 
@@ -27,6 +27,7 @@ class Table:
     scores: list[list[float]]
     costs: list[list[float]]
     right: list[list[bool]]
+    overhead: list[float] | None = None  # paid per example whatever runs after (a prompt-pass router's pass)
 
     @property
     def size(self) -> int:
@@ -76,7 +77,7 @@ def replay(data: Table, thresholds: tuple[float, ...], starts: list[int] | None 
     """The cascade over every example: step s answers when its score >= thresholds[s] (the last step always).
     `starts`: the step each example begins at (a router's choice); the steps before it are neither run nor paid."""
     steps = len(data.costs)
-    answered, cost, right = [0] * steps, 0.0, 0
+    answered, cost, right = [0] * steps, sum(data.overhead or ()), 0
     for i in range(data.size):
         for s in range(starts[i] if starts else 0, steps):
             cost += data.costs[s][i]
@@ -103,16 +104,43 @@ def sweep(data: Table) -> list[Outcome]:
     return [replay(data, thresholds) for thresholds in itertools.product(*grids)]
 
 
-def fit_router(router: Router, examples: list[Example], right: list[list[bool]]) -> Router:
+@dataclass
+class Passes:
+    """The cheapest model's prompt pass over every example, for a prompt-pass router."""
+
+    surprisals: list[list[float]]
+    costs: list[float]  # each pass's own
+    reused_costs: list[float]  # the cheapest model's attempt when it reads the pass's KV (runs.reused_cost)
+
+
+def routed_table(router: Router, data: Table, passes: Passes | None) -> Table:
+    """The table a router's outcomes are priced on: a prompt-pass router pays for every pass, and its cheapest
+    model's attempts read their prompts' KV from the cache the pass wrote."""
+    if not router.reads_prompt_pass:
+        return data
+    if passes is None:
+        raise ValueError(f"router {router.name!r}: features: 'prompt-pass' needs the cheapest model's prompt passes")
+    return Table(data.scores, [passes.reused_costs, *data.costs[1:]], data.right, passes.costs)
+
+
+def _surprisals(router: Router, passes: Passes | None, size: int) -> list[list[float] | None]:
+    return passes.surprisals if router.reads_prompt_pass and passes is not None else [None] * size
+
+
+def fit_router(
+    router: Router, examples: list[Example], right: list[list[bool]], passes: Passes | None = None
+) -> Router:
     """The router with each classifier fitted to predict that its model's answer to a prompt is right."""
-    rows = [prompt_features(example.prompt) for example in examples]
+    surprisals = _surprisals(router, passes, len(examples))
+    rows = [router.features_of(example.prompt, s) for example, s in zip(examples, surprisals)]
     fitted = [fit_logistic(rows, right[k], l2=ROUTER_L2) for k in range(len(router.models) - 1)]
     return replace(router, weights=tuple(w for w, _ in fitted), bias=tuple(b for _, b in fitted))
 
 
-def route_scores(router: Router, examples: list[Example]) -> list[list[float]]:
+def route_scores(router: Router, examples: list[Example], passes: Passes | None = None) -> list[list[float]]:
     """scores[k][i]: the router's P(models[k] answers example i right)."""
-    per_example = [router.scores(example.prompt) for example in examples]
+    surprisals = _surprisals(router, passes, len(examples))
+    per_example = [router.scores(example.prompt, s) for example, s in zip(examples, surprisals)]
     return [list(column) for column in zip(*per_example)]
 
 

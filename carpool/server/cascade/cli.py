@@ -83,11 +83,27 @@ def _scored(args: argparse.Namespace):
         raise ValueError(f"--cascade: {args.cascade!r} is a router; name a cascade of its models (routers follow it)")
     examples = load_examples(args.data, args.offset, args.limit, args.suffix + (GSM8K_SUFFIX if args.gsm8k else ""))
     cost = load_price_sheet(args.prices).cost
-    attempts = [
-        cached_runs(args.runs, model, examples, args.max_tokens, cost, args.num_threads)
-        for model in cascades[args.cascade].models
-    ]
-    return cascades, examples, attempts
+    models = cascades[args.cascade].models
+    attempts = [cached_runs(args.runs, model, examples, args.max_tokens, cost, args.num_threads) for model in models]
+    return cascades, examples, attempts, _passes(args, cascades, examples, attempts, cost)
+
+
+def _passes(args, cascades, examples, attempts, cost):
+    """The cheapest model's prompt passes, when a router over the cascade's models reads them."""
+    from carpool.server.cascade.calibrate import Passes
+    from carpool.server.cascade.compare import routers_of
+    from carpool.server.cascade.runs import cached_prompt_passes, reused_cost
+
+    cascade = cascades[args.cascade]
+    if not any(router.reads_prompt_pass for router in routers_of(cascades, cascade)):
+        return None
+    cheapest = cascade.models[0]
+    passes = cached_prompt_passes(args.runs, cheapest, examples, cost, args.num_threads)
+    return Passes(
+        [p.surprisals for p in passes],
+        [p.cost for p in passes],
+        [reused_cost(cheapest, attempt, cost) for attempt in attempts[0]],
+    )
 
 
 def _singles(cascade, data) -> dict[str, tuple[float, float]]:
@@ -102,7 +118,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     from carpool.server.cascade.config import dump_cascades
     from carpool.server.cascade.plot import draw_curve
 
-    cascades, examples, attempts = _scored(args)
+    cascades, examples, attempts, passes = _scored(args)
     cascade = cascades[args.cascade]
     if args.scorer is not None:
         steps = [
@@ -121,11 +137,11 @@ def _calibrate(args: argparse.Namespace) -> int:
     outcomes = calibrate.sweep(data)
     chosen = calibrate.cheapest_meeting(outcomes, target)
     cascade = cascades[cascade.name] = calibrate.with_thresholds(cascade, chosen.thresholds)
-    routers = compare.fit_routers(cascades, cascade, examples, data, target)
+    routers = compare.fit_routers(cascades, cascade, examples, data, target, passes)
     cascades.update(routers)
     Path(args.cascades).write_text(dump_cascades(cascades), encoding="utf-8")
     metric = "agreement with the last model" if agreement else "accuracy"
-    found = compare.curves(cascades, cascade, examples, data)
+    found = compare.curves(cascades, cascade, examples, data, passes)
     if args.plot:
         draw_curve(
             args.plot, f"{cascade.name}: {data.size} examples (calibration)", found, _singles(cascade, data), metric
@@ -139,11 +155,11 @@ def _evaluate(args: argparse.Namespace) -> int:
     from carpool.server.cascade import calibrate, compare
     from carpool.server.cascade.plot import draw_curve
 
-    cascades, examples, attempts = _scored(args)
+    cascades, examples, attempts, passes = _scored(args)
     cascade = cascades[args.cascade]
     right = calibrate.labels(examples, attempts, args.agreement)
     data = calibrate.table(cascade, attempts, right)
-    found = compare.curves(cascades, cascade, examples, data)
+    found = compare.curves(cascades, cascade, examples, data, passes)
     metric = "agreement with the last model" if args.agreement else "accuracy"
     if args.plot:
         draw_curve(

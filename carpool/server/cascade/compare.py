@@ -26,42 +26,57 @@ def routers_of(cascades: dict, cascade: Cascade) -> list[Router]:
 
 
 def fit_routers(
-    cascades: dict, cascade: Cascade, examples: list[Example], data: calibrate.Table, target: float
+    cascades: dict,
+    cascade: Cascade,
+    examples: list[Example],
+    data: calibrate.Table,
+    target: float,
+    passes: calibrate.Passes | None = None,
 ) -> dict[str, Router]:
     """Each router over the cascade's models, its classifiers fitted and its thresholds the cheapest meeting
-    `target` (with its own `cascade`'s thresholds, as the file has them, after the routed-to step)."""
+    `target` (with its own `cascade`'s thresholds, as the file has them, after the routed-to step); a prompt-pass
+    router's cost counts its passes."""
     fitted = {}
     for router in routers_of(cascades, cascade):
-        router = calibrate.fit_router(router, examples, data.right)
+        router = calibrate.fit_router(router, examples, data.right, passes)
         grid = _configured_grid(cascades, router, data)
-        outcomes = calibrate.sweep_router(data, calibrate.route_scores(router, examples), grid)
+        routed = calibrate.routed_table(router, data, passes)
+        outcomes = calibrate.sweep_router(routed, calibrate.route_scores(router, examples, passes), grid)
         chosen = calibrate.cheapest_meeting(outcomes, target)
         fitted[router.name] = calibrate.with_route_thresholds(router, chosen.route_thresholds)
     return fitted
 
 
-def curves(cascades: dict, cascade: Cascade, examples: list[Example], data: calibrate.Table) -> list[Curve]:
-    """The cascade's, then per router over its models: the router alone and the router with this cascade."""
+def curves(
+    cascades: dict,
+    cascade: Cascade,
+    examples: list[Example],
+    data: calibrate.Table,
+    passes: calibrate.Passes | None = None,
+) -> list[Curve]:
+    """The cascade's, then per router over its models: the router alone and the router with this cascade (a
+    prompt-pass router's costs with its passes)."""
     thresholds = tuple(step.threshold for step in cascade.steps[:-1])
     result = [Curve(f"cascade {cascade.name}", calibrate.sweep(data), calibrate.replay(data, thresholds))]
     everywhere = calibrate.cascade_grid(data)
     for router in routers_of(cascades, cascade):
         if router.weights is None:
             continue  # not calibrated yet: nothing to draw
-        scores = calibrate.route_scores(router, examples)
+        scores = calibrate.route_scores(router, examples, passes)
+        routed = calibrate.routed_table(router, data, passes)
         starts = [first_reaching([column[i] for column in scores], router.thresholds) for i in range(data.size)]
-        alone = calibrate.replay(data, calibrate.accept_all(data)[0], starts)
-        with_cascade = calibrate.replay(data, thresholds, starts)
+        alone = calibrate.replay(routed, calibrate.accept_all(data)[0], starts)
+        with_cascade = calibrate.replay(routed, thresholds, starts)
         configured = router.cascade == cascade.name
         result += [
             Curve(
                 f"router {router.name}",
-                calibrate.sweep_router(data, scores, calibrate.accept_all(data)),
+                calibrate.sweep_router(routed, scores, calibrate.accept_all(data)),
                 None if configured else alone,
             ),
             Curve(
                 f"router {router.name} + cascade",
-                calibrate.sweep_router(data, scores, everywhere),
+                calibrate.sweep_router(routed, scores, everywhere),
                 with_cascade if configured else None,
             ),
         ]

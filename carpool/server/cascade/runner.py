@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from carpool.economics.contract import GateError, Principal, part_request_id
 from carpool.server.cascade.config import Cascade, Step
+from carpool.server.cascade.prompt_pass import prompt_pass
 from carpool.server.cascade.router import Router
 from carpool.server.errors import APIError
 from carpool.server.generation import Generation, GenerationFailed
@@ -47,7 +48,13 @@ class CascadeServing:
         every model of it can take."""
         named = self.cascades[name]
         if isinstance(named, Router):
-            described = {"router": {"models": list(named.models), "thresholds": list(named.thresholds)}}
+            described = {
+                "router": {
+                    "models": list(named.models),
+                    "thresholds": list(named.thresholds),
+                    "features": named.features,
+                }
+            }
             if named.cascade is not None:
                 described["router"]["cascade"] = named.cascade
         else:
@@ -78,7 +85,13 @@ class CascadeServing:
         named = self.cascades[body.model]
         _check_single_choice(body)
         if isinstance(named, Router):
-            first = named.route(_routed_text(body))
+            text, surprisals = _routed_text(body), None
+            if named.reads_prompt_pass:
+                # checked before the pass runs and is billed: a body the routed-to model would refuse pays nothing
+                for model in named.models:
+                    self.serving.check(body.model_copy(update={"model": model}), principal)
+                surprisals = await prompt_pass(self.serving, named, body, text, principal, client_request_id)
+            first = named.route(text, surprisals)
             steps = self.cascades[named.cascade].steps[first:] if named.cascade else (Step(named.models[first]),)
             cascade, routed = Cascade(named.name, steps), {ROUTED_TO_HEADER: named.models[first]}
         else:

@@ -172,3 +172,75 @@ def _read_runs(path: Path | None) -> dict[tuple[str, int], Attempt]:
         (prompt, limit or header["max_tokens"]): Attempt(**json.loads(row))
         for prompt, limit, row in zip(header["prompts"], limits, rows)
     }
+
+
+@dataclass
+class PromptPass:
+    """A model's one prefill of an example's chat prompt (a prompt-pass router's features)."""
+
+    surprisals: list[float]  # nats, of each prompt token after the first
+    prompt_tokens: int
+    cost: float  # dollars: the prompt and the one output token a request must ask for, as the ledger bills it
+
+
+# The engine serves a prompt's cached KV in whole blocks and never its last token: the routed-to request after a
+# prompt pass reads at least this much of it back.
+_BLOCK = 16
+
+
+def reused_cost(model: str, attempt: Attempt, cost: Callable[[UsageRecord], float]) -> float:
+    """The attempt's cost when a prompt pass on the same model ran first: the whole blocks of its prompt before
+    the last token are prefix-cache reads."""
+    cached = (attempt.prompt_tokens - 1) // _BLOCK * _BLOCK
+    usage = UsageRecord(
+        "calibration", model, DEFAULT_TIER, attempt.prompt_tokens, cached, 0, attempt.output_tokens, 0, 0, 0, "stop"
+    )
+    return cost(usage)
+
+
+def run_prompt_passes(
+    model: str,
+    examples: list[Example],
+    cost: Callable[[UsageRecord], float],
+    num_threads: int | None = None,
+    llm=None,
+) -> list[PromptPass]:
+    """`model`'s surprisal of every example's chat prompt (`llm`: that model already loaded, a carpool.LLM), one
+    batch of prefills (one output token each)."""
+    from carpool.engine.sampling_params import SamplingParams
+    from carpool.llm import LLM
+
+    llm = llm or LLM(model, num_threads=num_threads)
+    prompts = [llm.chat_prompt([{"role": "user", "content": example.prompt}]) for example in examples]
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0))
+    passes = []
+    for output in outputs:
+        tokens = len(output.prompt_token_ids)
+        usage = UsageRecord("calibration", model, DEFAULT_TIER, tokens, 0, 0, len(output.token_ids), 0, 0, 0, "stop")
+        surprisals = [-entry.logprob for entry in output.prompt_logprobs[1:]]
+        passes.append(PromptPass(surprisals, tokens, cost(usage)))
+    return passes
+
+
+def cached_prompt_passes(
+    runs_dir: str | Path | None,
+    model: str,
+    examples: list[Example],
+    cost: Callable[[UsageRecord], float],
+    num_threads: int | None = None,
+) -> list[PromptPass]:
+    """run_prompt_passes, cached in `<runs_dir>/<model>.prompt-pass.jsonl` per prompt as cached_runs caches
+    answers."""
+    path = None if runs_dir is None else Path(runs_dir) / f"{Path(model).name}.prompt-pass.jsonl"
+    passed = {}
+    if path is not None and path.exists():
+        header, *rows = path.read_text(encoding="utf-8").splitlines()
+        passed = {p: PromptPass(**json.loads(row)) for p, row in zip(json.loads(header)["prompts"], rows)}
+    missing = {example.prompt: example for example in examples if example.prompt not in passed}
+    if missing:
+        passed.update(zip(missing, run_prompt_passes(model, list(missing.values()), cost, num_threads)))
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            lines = [json.dumps({"prompts": list(passed)})] + [json.dumps(asdict(p)) for p in passed.values()]
+            path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return [passed[example.prompt] for example in examples]
