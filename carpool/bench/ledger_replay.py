@@ -160,7 +160,7 @@ def compare(predicted: dict, real: dict) -> dict:
                 rows[f"{tier} {key}"] = (value, measured)
     result = {}
     for name, (value, measured) in rows.items():
-        error = value / measured - 1 if measured else None
+        error = value / measured - 1 if measured else (0.0 if value == measured else None)
         bound = BOUNDS[name.split()[-1]]
         result[name] = {
             "predicted": value,

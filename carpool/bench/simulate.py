@@ -42,7 +42,13 @@ class StepModel:
     (carpool/kernels/csrc/decode_layer.cpp) while a step with a prompt chunk runs them one by one, and 40 new tokens
     over an 800-token cached prefix compute 40 x 840 query-key pairs, 40 times a decode's; with one base and no
     pair term the whatif of a help line behind an 800-token system prompt put its TTFT p50 at half the real one
-    (docs/benchmarks/journal.md, 2026-12-06 09:42)."""
+    (docs/benchmarks/journal.md, 2026-12-06 09:42).
+
+    `noise`: how far real steps stray from the plane, the standard deviation of log(measured / predicted) over the
+    fitted steps; the simulator draws each step's time around the plane with it. Without it the SLO controller
+    (which aims two standard deviations of its own model's error under the target) saw no error in the simulated
+    steps and planned larger steps than the real one: the help-line day's default-tier TTFT p50 came out 42% under
+    the real run's (2026-12-06 12:04)."""
 
     base: float
     per_prefill_token: float
@@ -50,6 +56,7 @@ class StepModel:
     per_context_token: float = 0.0
     per_prefill_step: float = 0.0
     per_prefill_pair: float = 0.0
+    noise: float = 0.0
 
     def seconds(self, prefill_tokens: int, decode_seqs: int, context_tokens: int = 0, prefill_pairs: int = 0) -> float:
         return (
@@ -61,13 +68,17 @@ class StepModel:
             + self.per_prefill_pair * prefill_pairs
         )
 
+    def drawn(self, seconds: float, rng: random.Random) -> float:
+        """One real-looking step of `seconds` on the plane: log-normally spread by `noise`."""
+        return seconds * math.exp(rng.gauss(0.0, self.noise)) if self.noise else seconds
+
     @classmethod
     def parse(cls, text: str) -> "StepModel":
-        """`--step BASE,PER_PREFILL_TOKEN,PER_DECODE_SEQ[,PER_CONTEXT_TOKEN[,PER_PREFILL_STEP[,PER_PREFILL_PAIR]]]`,
-        in seconds."""
+        """`--step BASE,PER_PREFILL_TOKEN,PER_DECODE_SEQ[,PER_CONTEXT_TOKEN[,PER_PREFILL_STEP[,PER_PREFILL_PAIR
+        [,NOISE]]]]`, in seconds (NOISE: the spread of log step times, as `noise`)."""
         values = text.split(",")
-        if not 3 <= len(values) <= 6:
-            raise ValueError(f"--step: expected 3 to 6 comma-separated numbers of seconds, got {text!r}")
+        if not 3 <= len(values) <= 7:
+            raise ValueError(f"--step: expected 3 to 7 comma-separated numbers, got {text!r}")
         return cls(*(float(value) for value in values))
 
     @classmethod
@@ -90,7 +101,10 @@ class StepModel:
             if (fitted >= 0).all():
                 break
             free[np.flatnonzero(free)[fitted < 0]] = False
-        return cls(*(float(c) for c in coefficients))
+        predicted = rows @ coefficients
+        fitted_steps = (predicted > 0) & (times > 0)
+        noise = float(np.std(np.log(times[fitted_steps] / predicted[fitted_steps]))) if fitted_steps.any() else 0.0
+        return cls(*(float(c) for c in coefficients), noise=noise)
 
 
 def attention_pairs(chunk: int, computed: int) -> int:
@@ -216,8 +230,9 @@ class _Seq:
 
 
 class _Replica:
-    def __init__(self, spec: ReplicaSpec, step: StepModel):
+    def __init__(self, spec: ReplicaSpec, step: StepModel, seed: int):
         self.spec, self.step = spec, step
+        self.rng = random.Random(seed)  # its steps' draws: the same replay, the same times
         self.waiting: list[tuple[int, float, int, _Seq]] = []  # a heap: tier priority, then arrival order
         self.running: list[_Seq] = []
         self.cache: OrderedDict[int, None] = OrderedDict()
@@ -314,7 +329,7 @@ def _run(work: list, starts: list, pools: tuple[Pool, ...], routing: str, spec: 
     nodes: list[_Replica] = []
     for pool in pools:
         members.append(list(range(len(nodes), len(nodes) + pool.replicas)))
-        nodes += [_Replica(spec, pool.step) for _ in range(pool.replicas)]
+        nodes += [_Replica(spec, pool.step, seed=len(nodes) + i) for i in range(pool.replicas)]
     routers = [make_routing(routing, spec.block_size) for _ in pools]
     loads = [ReplicaLoad(slots=spec.max_num_seqs) for _ in nodes]
     result = SimResult(len(nodes), routing)
@@ -386,7 +401,7 @@ def _start_step(node: _Replica, index: int, now: float, events, order, result: S
     node.busy = True
     context = sum(seq.context for seq in decoding)
     pairs = sum(attention_pairs(chunk, seq.context) for seq, chunk in chunks)
-    duration = node.step.seconds(sum(c for _, c in chunks), len(decoding), context, pairs)
+    duration = node.step.drawn(node.step.seconds(sum(c for _, c in chunks), len(decoding), context, pairs), node.rng)
     # The step's shape as the engine tells its SLO controller: tokens, sequences, KV read (computed before it + new).
     tokens = len(decoding) + sum(c for _, c in chunks)
     read = sum(s.num_computed_tokens for s in decoding) + sum(s.num_computed_tokens for s, _ in chunks) + tokens
@@ -557,7 +572,7 @@ def add_parser(modes) -> None:
     parser.add_argument(
         "--step",
         default=None,
-        metavar="BASE,PER_PREFILL_TOKEN,PER_DECODE_SEQ[,PER_CONTEXT_TOKEN[,PER_PREFILL_STEP[,PER_PREFILL_PAIR]]]",
+        metavar="BASE,PER_PREFILL_TOKEN,PER_DECODE_SEQ[,PER_CONTEXT_TOKEN[,PER_PREFILL_STEP[,PER_PREFILL_PAIR[,NOISE]]]]",
         help="a step model in seconds instead of fitting one to this machine",
     )
     parser.add_argument("--hourly-price", type=float, default=0.10, help="dollars an hour a replica costs")

@@ -407,7 +407,7 @@ def add_parser(cost_commands) -> None:
     parser.add_argument(
         "--step",
         default=None,
-        metavar="BASE,PER_PREFILL_TOKEN,PER_DECODE_SEQ[,PER_CONTEXT_TOKEN[,PER_PREFILL_STEP[,PER_PREFILL_PAIR]]]",
+        metavar="BASE,PER_PREFILL_TOKEN,PER_DECODE_SEQ[,PER_CONTEXT_TOKEN[,PER_PREFILL_STEP[,PER_PREFILL_PAIR[,NOISE]]]]",
         help="a step model in seconds instead of fitting one to this machine (carpool bench simulate's)",
     )
     parser.add_argument("--threads", type=int, default=None, help="torch threads of the fitted step model")

@@ -1,7 +1,9 @@
 """The replica simulator: its step model fit, its timing against hand-computed cases, and the routing effect it
 exists to predict (prefix affinity keeps hit rate; more replicas cut queueing)."""
 
+import math
 import random
+import statistics
 
 import pytest
 
@@ -169,3 +171,20 @@ def test_the_fit_measures_a_prompt_behind_a_cached_prefix_by_its_chunk_and_pairs
     # Decode-only steps of two sequences read their contexts: two prompts of 64 and the tokens decoded since.
     assert any(p == 0 and d == 2 and c >= 2 * 64 and pairs == 0 for p, d, c, pairs in shapes)
     assert all(seconds > 0 for *_, seconds in steps)
+
+
+def test_the_fit_keeps_the_steps_spread_and_the_simulator_draws_each_step_around_the_plane():
+    rng = random.Random(2)
+    shapes = [
+        (p, d, c, attention_pairs(p, 0) if p else 0) for p in (0, 64, 512) for d in (0, 1, 8, 32) for c in (0, 900)
+    ]
+    shapes = [shape for shape in shapes if shape[0] or shape[1]] * 20
+    steps = [(*shape, WHOLE.seconds(*shape) * math.exp(rng.gauss(0.0, 0.2))) for shape in shapes]
+    assert StepModel.fit(steps).noise == pytest.approx(0.2, rel=0.15)
+    noisy = StepModel(**{**vars(WHOLE), "noise": 0.2})
+    jobs = [Job(0.0, 32, (), 200)]
+    first, again = (replay(jobs, 1, "prefix", noisy, ReplicaSpec()).itl for _ in range(2))
+    assert first == again  # seeded: the same replay, the same times
+    # Around the plane: the 200 gaps spread, their median where the noiseless step over the median context is.
+    assert max(first) / min(first) > 1.5
+    assert statistics.median(first) == pytest.approx(WHOLE.seconds(0, 1, 32 + 100), rel=0.1)
