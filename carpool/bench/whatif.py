@@ -359,22 +359,18 @@ def add_parser(cost_commands) -> None:
     )
     parser.add_argument("--batch-tenants", type=_names, default=frozenset(), help="tenants moved to the Batch API")
     parser.add_argument("--batch-tiers", type=_names, default=frozenset(), help="tiers moved to the Batch API")
-    parser.add_argument(
-        "--router",
-        type=_model_share,
-        default=(None, 0.0),
-        metavar="MODEL:SHARE",
-        help="a router sending SHARE of the rows to MODEL, a cheaper model on a replica of its own (the share "
-        "`carpool cascade evaluate` reports at the threshold you would serve)",
-    )
-    parser.add_argument(
-        "--cascade",
-        type=_model_share,
-        default=(None, 0.0),
-        metavar="MODEL:ESCALATED",
-        help="a cascade trying every row on MODEL first (a replica of its own) and ESCALATED of them on the recorded "
-        "model after (the escalation rate `carpool cascade evaluate` reports)",
-    )
+    cheaper = {  # the share of rows each sends where: what `carpool cascade evaluate` reports at a threshold
+        "--router": (
+            "MODEL:SHARE",
+            "a router sending SHARE of the rows to MODEL, a cheaper model on a replica of its own",
+        ),
+        "--cascade": (
+            "MODEL:ESCALATED",
+            "a cascade trying every row on MODEL first (a replica of its own), ESCALATED of them then on the recorded one",
+        ),
+    }
+    for flag, (metavar, text) in cheaper.items():
+        parser.add_argument(flag, type=_model_share, default=(None, 0.0), metavar=metavar, help=text)
     parser.add_argument(
         "--cheap-step",
         default=None,
