@@ -375,16 +375,38 @@ def _start_step(node: _Replica, index: int, now: float, events, order, result: S
         waiting = [entry[-1] for entry in node.waiting]
         limits = node.slo.plan(node.running, waiting, now, spec.max_num_batched_tokens, spec.max_num_seqs)
     budget = (limits.max_tokens if limits else spec.max_num_batched_tokens) - len(decoding)
+    # The SLO controller's held block: tokens of the budget only a tier below the governing one may use, while one
+    # of its prompts can (the scheduler's hold), so a stream of priority prompts cannot take every token.
+    exempt = limits.exempt_priority if limits else -1
+    lower_prompt = any(s.priority > exempt for s in node.running if s.to_prefill) or any(
+        entry[-1].priority > exempt for entry in node.waiting
+    )
+    held = limits.reserved if limits and lower_prompt else 0
     chunks = []
-    for seq in node.running:  # prompts already started go on first, then new ones while the budget lasts
-        if seq.to_prefill and budget > 0:
-            chunk = min(seq.to_prefill, budget)
+
+    def take(seq: _Seq) -> int:
+        """seq's chunk of what is left of the budget, the held block kept from the governing tier and above."""
+        nonlocal budget, held
+        chunk = min(seq.to_prefill, budget - (held if seq.priority <= exempt else 0))
+        if chunk > 0:
             chunks.append((seq, chunk))
             budget -= chunk
-    while node.waiting and len(node.running) < spec.max_num_seqs and budget > 0:
-        if limits and _capped(node.waiting[0][-1], limits, node.running):
-            break  # the rest wait in tier order behind it
-        seq = heapq.heappop(node.waiting)[-1]
+            if seq.priority > exempt:
+                held = max(0, held - chunk)
+        return chunk
+
+    for seq in node.running:  # prompts already started go on first, then new ones while the budget lasts
+        if seq.to_prefill and budget > 0:
+            take(seq)
+    for entry in sorted(node.waiting):  # tier, then arrival
+        seq = entry[-1]
+        if len(node.running) >= spec.max_num_seqs or budget <= 0:
+            break
+        if limits and _capped(seq, limits, node.running):
+            continue  # the cap: only a lower tier than the governing one, which waits for the batch to shrink
+        if budget - (held if seq.priority <= exempt else 0) <= 0:
+            continue  # what is left is held for a lower tier's prompt
+        node.waiting.remove(entry)
         seq.admitted = True
         cached = node.cached_tokens(seq.job, now)  # at admission: what earlier chunks have cached by now
         result.prompt_tokens += seq.job.prompt_tokens
@@ -393,9 +415,8 @@ def _start_step(node: _Replica, index: int, now: float, events, order, result: S
             result.cached_by_job[seq.turn] = cached
         seq.to_prefill = seq.job.prompt_tokens - cached
         node.running.append(seq)
-        chunk = min(seq.to_prefill, budget)
-        chunks.append((seq, chunk))
-        budget -= chunk
+        take(seq)
+    heapq.heapify(node.waiting)
     if not chunks and not decoding:
         return
     node.busy = True

@@ -188,3 +188,14 @@ def test_the_fit_keeps_the_steps_spread_and_the_simulator_draws_each_step_around
     # Around the plane: the 200 gaps spread, their median where the noiseless step over the median context is.
     assert max(first) / min(first) > 1.5
     assert statistics.median(first) == pytest.approx(WHOLE.seconds(0, 1, 32 + 100), rel=0.1)
+
+
+def test_under_slo_steps_a_lower_tiers_prompt_moves_on_its_held_block_through_a_stream_of_priority_prompts():
+    """The controller holds a block of each step for a lower tier's prompt (Scheduler's hold): a flex prompt
+    finishes while priority prompts still queue, instead of after the last of them."""
+    slow = StepModel(base=0.010, per_prefill_token=0.001, per_decode_seq=0.002)
+    stream = [Job(0.02 * i, 200, (), 3, "priority") for i in range(60)]
+    jobs = [*stream, Job(0.01, 400, (), 2, "flex")]
+    governed = replay(jobs, 1, "prefix", slow, ReplicaSpec(slo_itl_ms={"priority": 100.0}))
+    flex_ttft, last_priority = governed.ttft_by_tier["flex"][0], max(governed.ttft_by_tier["priority"])
+    assert flex_ttft < 0.5 * (0.02 * 59 + last_priority)
