@@ -123,6 +123,9 @@ class ReplicaSpec:
     # The SLO controller's targets ({tier: ms}, `carpool serve --slo-itl/--slo-ttft`); empty: fixed steps.
     slo_itl_ms: dict = field(default_factory=dict)
     slo_ttft_ms: dict = field(default_factory=dict)
+    # Seconds from a request's arrival to when the engine can schedule it that no step explains (`carpool cost
+    # whatif` fits it to the recorded rows' own times to first token).
+    admission_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -170,6 +173,7 @@ class SimResult:
     ttft_by_tier: dict[str, list[float]] = field(default_factory=dict)
     itl_by_tier: dict[str, list[float]] = field(default_factory=dict)
     cached_by_job: dict[int, int] = field(default_factory=dict)
+    ttft_by_job: dict[int, float] = field(default_factory=dict)
     cache_writes_by_job: dict[int, int] = field(default_factory=dict)  # prompt tokens it added to the cache
     pin_writes_by_job: dict[int, int] = field(default_factory=dict)  # of those, the ones under its breakpoint
     finished_by_job: dict[int, float] = field(default_factory=dict)
@@ -357,7 +361,10 @@ def _run(work: list, starts: list, pools: tuple[Pool, ...], routing: str, spec: 
             pool = members[job.model]
             seq.replica = pool[_route(routers[job.model], job, [loads[i] for i in pool])]
             loads[seq.replica].in_flight += 1
-            heapq.heappush(nodes[seq.replica].waiting, (BY_NAME[job.tier].priority, now, next(order), seq))
+            heapq.heappush(events, (now + spec.admission_seconds, next(order), "admit", seq))
+        elif kind == "admit":
+            seq = payload
+            heapq.heappush(nodes[seq.replica].waiting, (BY_NAME[seq.job.tier].priority, now, next(order), seq))
             _start_step(nodes[seq.replica], seq.replica, now, events, order, result)
         else:
             _finish_step(nodes, loads, payload, now, work, followers, events, order, result)
@@ -454,6 +461,8 @@ def _finish_step(nodes, loads, payload, now, work, followers, events, order, res
             if not seq.job.internal:
                 result.ttft.append(now - seq.job.arrival)
                 result.ttft_by_tier.setdefault(seq.job.tier, []).append(now - seq.job.arrival)
+                if seq.session < 0:
+                    result.ttft_by_job[seq.turn] = now - seq.job.arrival
             emitted.append(seq)
     for seq in emitted:
         if seq.last_token_at is not None and node.slo is not None:

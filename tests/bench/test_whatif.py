@@ -25,19 +25,20 @@ output = 2.0
 STEP = "0.01,0.001,0.01"  # 10 ms a step, 1 ms a prompt token, 10 ms a decoding sequence
 
 
-def ledger(path, rows, tiers=()) -> None:
+def ledger(path, rows, tiers=(), ttfts=()) -> None:
     conn = open_database(path)
     with conn:
         for i, (arrived, tenant, prompt_tokens, chain) in enumerate(rows):
             conn.execute(
                 "INSERT INTO ledger (time, tenant, model, tier, uncached_prompt_tokens, cache_read_tokens,"
                 " cache_write_tokens, output_tokens, queue_seconds, prefill_seconds, decode_seconds, finish_reason,"
-                " cost, arrived, prompt_block_chain) VALUES (?, ?, 'm', ?, ?, 0, 0, 2, 0, 0, 0, 'stop', 1, ?, ?)",
+                " cost, arrived, prompt_block_chain) VALUES (?, ?, 'm', ?, ?, 0, 0, 2, 0, ?, 0, 'stop', 1, ?, ?)",
                 (
                     1000 + (arrived or 0),
                     tenant,
                     tiers[i] if i < len(tiers) else "default",
                     prompt_tokens,
+                    ttfts[i] if i < len(ttfts) else 0.0,
                     None if arrived is None else 1000 + arrived,
                     block_chain_text([chain]),
                 ),
@@ -166,6 +167,26 @@ def test_a_router_and_a_cascade_run_their_rows_on_the_cheaper_models_replica_and
     assert cascade["revenue"] == pytest.approx((42 + 5.65 + 22 + 84 + 11.3 + 44) / 1e6)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["cost", "whatif", "--hourly-price", "1", "--router", "small:2"])
+
+
+def test_the_time_to_first_token_no_step_explains_is_fitted_to_the_recorded_rows_and_delays_every_scenario(tmp_path):
+    shared = [f"block-{i}".encode().ljust(8, b".") for i in range(4)]
+    other = [f"other-{i}".encode().ljust(8, b".") for i in range(2)]
+    # Today's replay gives them 74, 11 and 42 ms; the ledger recorded each 30 ms later.
+    rows = [(0, "a", 64, shared), (100, "a", 64, shared), (200, "b", 32, other)]
+    ledger(tmp_path / "carpool.db", rows, ttfts=(0.104, 0.041, 0.072))
+    (tmp_path / "prices.toml").write_text(SHEET)
+    out = tmp_path / "whatif.json"
+    args = build_parser().parse_args(
+        ["cost", "whatif", "--db", str(tmp_path / "carpool.db"), "--hourly-price", "3.6", "--step", STEP]
+        + ["--prices", str(tmp_path / "prices.toml"), "--out", str(out)]
+    )
+    assert whatif.main(args) == 0
+    report = json.loads(out.read_text())
+    assert report["admission_s"] == pytest.approx(0.030)
+    by_name = {row["scenario"]: row for row in report["scenarios"]}
+    assert by_name["today"]["latency"]["default"]["ttft_p50_s"] == pytest.approx(0.042 + 0.030)
+    assert by_name["no prefix cache"]["latency"]["default"]["ttft_p50_s"] == pytest.approx(0.074 + 0.030)
 
 
 def test_the_step_model_of_the_default_servers_rows_is_fitted_on_the_default_model():
