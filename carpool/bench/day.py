@@ -69,10 +69,11 @@ class Texts:
 
     def __init__(self, max_doc_chars: int, rng: random.Random):
         self.rng = rng
-        self.system = DESK_BRIEF + next(long_docs())["document"][:3200]
+        transcripts = list(long_docs())
+        self.system = DESK_BRIEF + transcripts[0]["document"][:3200]
         self.simple = itertools.cycle(first_human_turns(max_chars=400))
         self.hard = itertools.cycle(record["question"] for record in gsm8k())
-        docs = [r for r in long_docs() if len(r["document"]) <= max_doc_chars]
+        docs = [r for r in transcripts if len(r["document"]) <= max_doc_chars]
         if not docs:
             raise ValueError(f"--max-doc-chars: no transcript is {max_doc_chars} characters or shorter")
         self.docs = docs[:DOC_POOL]

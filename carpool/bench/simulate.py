@@ -391,7 +391,7 @@ def _start_step(node: _Replica, index: int, now: float, events, order, result: S
     held = limits.reserved if limits and lower_prompt else 0
     chunks = []
 
-    def take(seq: _Seq) -> int:
+    def take(seq: _Seq) -> None:
         """seq's chunk of what is left of the budget, the held block kept from the governing tier and above."""
         nonlocal budget, held
         chunk = min(seq.to_prefill, budget - (held if seq.priority <= exempt else 0))
@@ -400,7 +400,6 @@ def _start_step(node: _Replica, index: int, now: float, events, order, result: S
             budget -= chunk
             if seq.priority > exempt:
                 held = max(0, held - chunk)
-        return chunk
 
     for seq in node.running:  # prompts already started go on first, then new ones while the budget lasts
         if seq.to_prefill and budget > 0:
