@@ -49,6 +49,13 @@ class EngineConfig:
     # as they are (bit-faithful to gguf-py). "auto" (resolved at init, resolve_matmul): int8-dot-all on the avx2 and
     # avxvnni kernel paths, int8-dot elsewhere.
     matmul: str = "auto"
+    # Whether a token's logits are the same bits whatever its step holds (the batch beside it, a prompt chunk or a
+    # decode row, a prefix-cache hit, a chunk boundary, a preemption): every block-format linear row through the int8
+    # kernels' one arithmetic, prompt attention through the decode kernel's (docs/features/reproducible.md).
+    # None: on where that holds (the CPU, block-format weights, matmul "auto" or "int8-dot-all"), off where a
+    # setting changes the arithmetic with the batch (cuda's matmuls; matmul "exact" or "int8-dot"; quantization
+    # "none"); True where it cannot hold is a ValueError naming the setting. Resolved to a bool at init.
+    reproducible: bool | None = None
     block_size: int = 16
     num_kv_blocks: int | None = None  # exact pool size; overrides kv_cache_gb
     kv_cache_gb: float = 1.0
@@ -92,6 +99,24 @@ class EngineConfig:
     slo_itl_ms: dict[str, float] = field(default_factory=dict)
     slo_ttft_ms: dict[str, float] = field(default_factory=dict)
 
+    def _resolve_reproducible(self) -> bool:
+        if self.reproducible not in (None, True, False):
+            raise ValueError(f"reproducible must be true, false or unset, got {self.reproducible!r}")
+        cuda = self.device == "cuda" or (self.device is None and torch.cuda.is_available())
+        # What keeps a row's arithmetic from being one: the setting that says so, in the words of the ValueError.
+        obstacle = (
+            "device cuda (cuBLAS picks its reductions by batch size)"
+            if cuda
+            else f"matmul={self.matmul!r} (the exact path multiplies decode rows and batches differently)"
+            if self.matmul in ("exact", "int8-dot")
+            else "quantization='none' (torch's dense matmuls pick their reductions by batch size)"
+            if self.quantization == "none"
+            else None
+        )
+        if self.reproducible and obstacle:
+            raise ValueError(f"reproducible=True cannot hold with {obstacle}; leave reproducible unset or false")
+        return obstacle is None if self.reproducible is None else self.reproducible
+
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
@@ -114,7 +139,8 @@ class EngineConfig:
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         check_quantization(self.quantization)
-        self.matmul = resolve_matmul(self.matmul, kernel_path())
+        self.reproducible = self._resolve_reproducible()
+        self.matmul = "int8-dot-all" if self.reproducible else resolve_matmul(self.matmul, kernel_path())
         if self.priority_aging_seconds <= 0:
             raise ValueError(f"priority_aging_seconds must be > 0, got {self.priority_aging_seconds!r}")
         for name in ("num_speculative_tokens", "ngram_min", "ngram_max"):

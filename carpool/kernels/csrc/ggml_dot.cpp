@@ -101,7 +101,14 @@ inline __m256i fifth_bits(const uint8_t* p) {
   const __m256i mask = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
   return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, mask), mask), bytes(0x10));
 }
-inline float hsum(__m256 v) { return carpool::reduce_add(v); }
+// The sum of v's eight int32 lanes (exact: the integer total of a block's partial sums).
+inline int32_t hsum_i32(__m128i v) {
+  const __m128i pairs = _mm_add_epi32(v, _mm_shuffle_epi32(v, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtsi128_si32(_mm_add_epi32(pairs, _mm_shuffle_epi32(pairs, _MM_SHUFFLE(2, 3, 0, 1))));
+}
+inline int32_t hsum_i32(__m256i v) {
+  return hsum_i32(_mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
+}
 
 // ---- the 32-weight formats eight blocks at a time ----
 // Per block and row the integer dot is one vpdpbusd; converting each block's eight partial sums to float and
@@ -174,11 +181,12 @@ inline __m256i sum8(__m512i a, __m512i b, __m512i c, __m512i d) {
 }
 #endif
 
-// Blocks [0, 8 * octets) of one weight row against MR activation rows, into acc (8 lanes a row). xo: x's rows in
-// the paired order (Int8Rows::octet_row), where PairedOctet<QT>. kOctetMajor: the row is octet-major (ggml_blocks.h).
+// Blocks [0, 8 * octets) of one weight row against MR activation rows, into acc (one float a row, the blocks taken
+// in order: block_step). xo: x's rows in the paired order (Int8Rows::octet_row), where PairedOctet<QT>.
+// kOctetMajor: the row is octet-major (ggml_blocks.h).
 template <int64_t QT, int MR, bool kOctetMajor>
 void dot_octets(const uint8_t* row, int64_t octets, const int8_t* const* xq, const int8_t* const* xo,
-                const float* const* xd, const int32_t* const* xbs, __m256* acc) {
+                const float* const* xd, const int32_t* const* xbs, float* acc) {
   constexpr int64_t kBytes = Format<QT>::kBytes;
   for (int64_t o = 0; o < octets; ++o) {
     const uint8_t* p = row + 8 * o * kBytes;
@@ -200,6 +208,9 @@ void dot_octets(const uint8_t* row, int64_t octets, const int8_t* const* xq, con
       d = _mm256_cvtph_ps(_mm256_castsi256_si128(halves));
       if constexpr (QT == kQ4_1) m = _mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1));
     }
+    alignas(32) float block_d[8], block_m[8];
+    _mm256_store_ps(block_d, d);
+    if constexpr (QT == kQ4_1) _mm256_store_ps(block_m, m);
     __m256i w[8];
     if constexpr (PairedOctet<QT>) {  // w[k]: low nibbles of blocks k | k + 4, w[k + 4]: high ones
       for (int k = 0; k < 4; ++k) {
@@ -250,9 +261,16 @@ void dot_octets(const uint8_t* row, int64_t octets, const int8_t* const* xq, con
       const __m256i x_sums = load256(xbs[i] + 8 * o);
       if constexpr (Octet<QT>::kShift >= 0)
         sums = _mm256_sub_epi32(sums, _mm256_slli_epi32(x_sums, Octet<QT>::kShift));
-      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d, x_scale), acc[i]);
-      if constexpr (QT == kQ4_1)  // + m d_x sum(q_x)
-        acc[i] = _mm256_fmadd_ps(m, _mm256_mul_ps(x_scale, _mm256_cvtepi32_ps(x_sums)), acc[i]);
+      // The eight blocks' products with x's scales side by side, then their steps one block at a time.
+      alignas(32) float terms[8], min_terms[8];
+      _mm256_store_ps(terms, _mm256_mul_ps(_mm256_cvtepi32_ps(sums), x_scale));
+      if constexpr (QT == kQ4_1) _mm256_store_ps(min_terms, _mm256_mul_ps(x_scale, _mm256_cvtepi32_ps(x_sums)));
+      float a = acc[i];
+      for (int j = 0; j < 8; ++j) {
+        a = std::fma(terms[j], block_d[j], a);
+        if constexpr (QT == kQ4_1) a = std::fma(min_terms[j], block_m[j], a);  // + m d_x sum(q_x)
+      }
+      acc[i] = a;
     }
   }
 }
@@ -274,12 +292,8 @@ void dot_block_rows(const uint8_t* row, const Int8Rows& x, int64_t m0, float* ou
     xs[i] = x.sums_row(m0 + i);
     xbs[i] = x.block_sums_row(m0 + i);
   }
-  __m256 acc[MR];
-  float extra[MR];
-  for (int i = 0; i < MR; ++i) {
-    acc[i] = _mm256_setzero_ps();
-    extra[i] = 0.0f;
-  }
+  float acc[MR];
+  for (int i = 0; i < MR; ++i) acc[i] = 0.0f;
   int64_t first_block = 0;
   if constexpr (HasOctet<QT>) {
     dot_octets<QT, MR, kOctetMajor>(row, blocks / 8, xq, xo, xd, xbs, acc);
@@ -307,11 +321,12 @@ void dot_block_rows(const uint8_t* row, const Int8Rows& x, int64_t m0, float* ou
         const int32_t sum0 = xbs[i][b], sum1 = xbs[i][b + 1];
         if constexpr (QT == kQ4_0)  // - 8 sum(q_x) per block: 2 sum(q_x) from each of its four lanes
           dot = _mm256_sub_epi32(dot, _mm256_set_m128i(_mm_set1_epi32(2 * sum1), _mm_set1_epi32(2 * sum0)));
-        const __m256 scale = _mm256_set_m128(_mm_set1_ps(d1 * xd[i][b + 1]), _mm_set1_ps(d0 * xd[i][b]));
-        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[i]);
+        acc[i] = block_step(acc[i], hsum_i32(_mm256_castsi256_si128(dot)), xd[i][b], d0);
         if constexpr (QT == kQ4_1)  // + m d_x sum(q_x)
-          extra[i] += half_to_float(p + 2) * (xd[i][b] * static_cast<float>(sum0)) +
-                      half_to_float(p + kBytes + 2) * (xd[i][b + 1] * static_cast<float>(sum1));
+          acc[i] = std::fma(xd[i][b] * static_cast<float>(sum0), half_to_float(p + 2), acc[i]);
+        acc[i] = block_step(acc[i], hsum_i32(_mm256_extracti128_si256(dot, 1)), xd[i][b + 1], d1);
+        if constexpr (QT == kQ4_1)
+          acc[i] = std::fma(xd[i][b + 1] * static_cast<float>(sum1), half_to_float(p + kBytes + 2), acc[i]);
       }
     }
   }
@@ -327,15 +342,15 @@ void dot_block_rows(const uint8_t* row, const Int8Rows& x, int64_t m0, float* ou
       const __m256i u = _mm256_abs_epi8(w);
       for (int i = 0; i < MR; ++i) {
         const __m256i dot = dot_u8s8(_mm256_setzero_si256(), u, _mm256_sign_epi8(load256(xq[i] + k0), w));
-        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * xd[i][b]), acc[i]);
+        acc[i] = block_step(acc[i], hsum_i32(dot), xd[i][b], d);
       }
     } else if constexpr (QT == kQ4_1) {
       const float d = half_to_float(p), m = half_to_float(p + 2);
       const __m256i q = nibbles32(p + 4);
       for (int i = 0; i < MR; ++i) {
         const __m256i dot = dot_u8s8(_mm256_setzero_si256(), q, load256(xq[i] + k0));
-        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * xd[i][b]), acc[i]);
-        extra[i] += m * (xd[i][b] * static_cast<float>(xs[i][2 * b] + xs[i][2 * b + 1]));
+        acc[i] = block_step(acc[i], hsum_i32(dot), xd[i][b], d);
+        acc[i] = std::fma(xd[i][b] * static_cast<float>(xs[i][2 * b] + xs[i][2 * b + 1]), m, acc[i]);
       }
     } else if constexpr (QT == kQ4_K || QT == kQ5_K) {
       const float d = half_to_float(p), dmin = half_to_float(p + 2);
@@ -403,9 +418,8 @@ void dot_block_rows(const uint8_t* row, const Int8Rows& x, int64_t m0, float* ou
 #endif
       for (int i = 0; i < MR; ++i) {
         const __m256i min_sum = _mm256_madd_epi16(min16, load256(xs[i] + 16 * b));
-        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(isum[i][0], isum[i][1])),
-                                 _mm256_set1_ps(d * xd[i][b]), acc[i]);
-        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(min_sum), _mm256_set1_ps(-(dmin * xd[i][b])), acc[i]);
+        acc[i] = block_step_with_mins(acc[i], hsum_i32(_mm256_add_epi32(isum[i][0], isum[i][1])), hsum_i32(min_sum),
+                                      xd[i][b], d, -dmin);
       }
     } else if constexpr (QT == kQ6_K) {
       const int8_t* scales = reinterpret_cast<const int8_t*>(p + 192);
@@ -463,13 +477,13 @@ void dot_block_rows(const uint8_t* row, const Int8Rows& x, int64_t m0, float* ou
       const __m256i scale16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales)));
       for (int i = 0; i < MR; ++i) {  // minus 32 sum_s sc_s sum_s(q_x): the q - 32 offset
         const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(scale16, load256(xs[i] + 16 * b)), 5);
-        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(isum[i], offset)), _mm256_set1_ps(d * xd[i][b]), acc[i]);
+        acc[i] = block_step(acc[i], hsum_i32(_mm256_sub_epi32(isum[i], offset)), xd[i][b], d);
       }
     } else {
       static_assert(QT != QT, "not a GGML kernel type");
     }
   }
-  for (int i = 0; i < MR; ++i) out[i] = hsum(acc[i]) + extra[i];
+  for (int i = 0; i < MR; ++i) out[i] = acc[i];
 }
 
 // ---- Q4_K row groups (ggml_blocks.h): eight weight rows at once, lane r of every vector row r ----
@@ -528,8 +542,9 @@ void dot_row_group(const uint8_t* group, const Int8Rows& x, int64_t m0, const st
     carpool::simd::prefetch(column + kGemvPrefetchBytes, kColumnBytes);
     const __m256 d =
         _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(column + group_half_offset(0, 0))));
-    const __m256 dmin =
-        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(column + group_half_offset(1, 0))));
+    const __m256 negdmin = _mm256_xor_ps(
+        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(column + group_half_offset(1, 0)))),
+        _mm256_set1_ps(-0.0f));
     Words scale_words[2], min_words[2];
     const auto scale_word = [&](int64_t t) {
       return reinterpret_cast<Words>(load256(column + group_word_offset<kQ4_K>(t, 0)));
@@ -577,9 +592,9 @@ void dot_row_group(const uint8_t* group, const Int8Rows& x, int64_t m0, const st
         _mm256_and_si256(mins[1], bytes02), _mm256_and_si256(_mm256_srli_epi32(mins[1], 8), bytes02)};
     for (int i = 0; i < MR; ++i) {
       const __m256i min_sum = pair_dots(min_pairs, sum_pairs[i].data() + 4 * b);
-      const __m256 x_scale = _mm256_set1_ps(x.d_row(m0 + i)[b]);
-      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_mul_ps(d, x_scale), acc[i]);
-      acc[i] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(min_sum), _mm256_mul_ps(dmin, x_scale), acc[i]);
+      // block_step_with_mins in every row's lane
+      const __m256 terms = _mm256_fmadd_ps(_mm256_cvtepi32_ps(min_sum), negdmin, _mm256_mul_ps(_mm256_cvtepi32_ps(isum[i]), d));
+      acc[i] = _mm256_fmadd_ps(terms, _mm256_set1_ps(x.d_row(m0 + i)[b]), acc[i]);
     }
   }
 }
@@ -658,9 +673,8 @@ void dot_q6_k_row_group(const uint8_t* group, const Int8Rows& x, int64_t m0, con
     }
     for (int i = 0; i < MR; ++i) {
       const __m256i offset = pair_dots(scale_pairs, sum_pairs[i].data() + 8 * b);
-      const __m256 x_scale = _mm256_set1_ps(x.d_row(m0 + i)[b]);
-      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(isum[i], _mm256_slli_epi32(offset, 5))),
-                               _mm256_mul_ps(d, x_scale), acc[i]);
+      const __m256i total = _mm256_sub_epi32(isum[i], _mm256_slli_epi32(offset, 5));  // block_step in every lane
+      acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(total), _mm256_set1_ps(x.d_row(m0 + i)[b])), d, acc[i]);
     }
   }
 }

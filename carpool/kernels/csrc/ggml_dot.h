@@ -7,6 +7,7 @@
 
 #include <ATen/ATen.h>
 
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <vector>
@@ -69,6 +70,19 @@ struct Int8Rows {
   const int16_t* sums_row(int64_t m) const { return sums.data() + m * (K / 16); }
   const int32_t* block_sums_row(int64_t m) const { return block_sums.data() + m * blocks_per_row; }
 };
+
+// The float step of every SIMD int8 kernel, per weight block and activation row: acc + (tot x_d) d, the K-quants'
+// acc + (tot d + mins (-dmin)) x_d, Q4_1's then + (x_d sum(q_x)) m; each a fused multiply-add as written, blocks
+// in order along K. tot and mins are the block's exact integer sums, so a row's output is the same bits whichever
+// kernel computed it and whatever rows shared its call (issue 53): the GEMV here, the batched kernel
+// (ggml_gemm.cpp's V::scaled and V::scaled_with_mins, on a vector of rows) and the row groups (on a vector of
+// weight rows). The portable build, whose GEMV runs every batch, keeps its own plain-C order.
+inline float block_step(float acc, int32_t tot, float x_d, float d) {
+  return std::fma(static_cast<float>(tot) * x_d, d, acc);
+}
+inline float block_step_with_mins(float acc, int32_t tot, int32_t mins, float x_d, float d, float negdmin) {
+  return std::fma(std::fma(static_cast<float>(mins), negdmin, static_cast<float>(tot) * d), x_d, acc);
+}
 
 // Weights per block of `qtype` (32, or 256 for the K-quants): the block its activations quantize by.
 int64_t block_weights(int64_t qtype);
