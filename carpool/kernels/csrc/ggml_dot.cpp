@@ -106,6 +106,23 @@ inline int32_t hsum_i32(__m128i v) {
   const __m128i pairs = _mm_add_epi32(v, _mm_shuffle_epi32(v, _MM_SHUFFLE(1, 0, 3, 2)));
   return _mm_cvtsi128_si32(_mm_add_epi32(pairs, _mm_shuffle_epi32(pairs, _MM_SHUFFLE(2, 3, 0, 1))));
 }
+// r[i][j] -> r[j][i]: eight weight rows' vectors of eight blocks into eight blocks' vectors of the rows.
+inline void transpose8(__m256 (&r)[8]) {
+  __m256 t[8], s[8];
+  for (int k = 0; k < 4; ++k) {
+    t[2 * k] = _mm256_unpacklo_ps(r[2 * k], r[2 * k + 1]);
+    t[2 * k + 1] = _mm256_unpackhi_ps(r[2 * k], r[2 * k + 1]);
+  }
+  for (int h = 0; h < 2; ++h)
+    for (int k = 0; k < 2; ++k) {
+      s[4 * h + 2 * k] = _mm256_shuffle_ps(t[4 * h + k], t[4 * h + 2 + k], _MM_SHUFFLE(1, 0, 1, 0));
+      s[4 * h + 2 * k + 1] = _mm256_shuffle_ps(t[4 * h + k], t[4 * h + 2 + k], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+  for (int j = 0; j < 4; ++j) {
+    r[j] = _mm256_permute2f128_ps(s[j], s[4 + j], 0x20);
+    r[4 + j] = _mm256_permute2f128_ps(s[j], s[4 + j], 0x31);
+  }
+}
 inline int32_t hsum_i32(__m256i v) {
   return hsum_i32(_mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
 }
@@ -181,12 +198,12 @@ inline __m256i sum8(__m512i a, __m512i b, __m512i c, __m512i d) {
 }
 #endif
 
-// Blocks [0, 8 * octets) of one weight row against MR activation rows, into acc (one float a row, the blocks taken
-// in order: block_step). xo: x's rows in the paired order (Int8Rows::octet_row), where PairedOctet<QT>.
-// kOctetMajor: the row is octet-major (ggml_blocks.h).
+// Blocks [0, 8 * octets) of one weight row against MR activation rows: each block's term (ggml_dot.h: (tot x_d) d,
+// Q4_1's fma(x_d sum(q_x), m, that)) into terms[i][b]. xo: x's rows in the paired order (Int8Rows::octet_row),
+// where PairedOctet<QT>. kOctetMajor: the row is octet-major (ggml_blocks.h).
 template <int64_t QT, int MR, bool kOctetMajor>
 void dot_octets(const uint8_t* row, int64_t octets, const int8_t* const* xq, const int8_t* const* xo,
-                const float* const* xd, const int32_t* const* xbs, float* acc) {
+                const float* const* xd, const int32_t* const* xbs, float* const* terms) {
   constexpr int64_t kBytes = Format<QT>::kBytes;
   for (int64_t o = 0; o < octets; ++o) {
     const uint8_t* p = row + 8 * o * kBytes;
@@ -208,9 +225,6 @@ void dot_octets(const uint8_t* row, int64_t octets, const int8_t* const* xq, con
       d = _mm256_cvtph_ps(_mm256_castsi256_si128(halves));
       if constexpr (QT == kQ4_1) m = _mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1));
     }
-    alignas(32) float block_d[8], block_m[8];
-    _mm256_store_ps(block_d, d);
-    if constexpr (QT == kQ4_1) _mm256_store_ps(block_m, m);
     __m256i w[8];
     if constexpr (PairedOctet<QT>) {  // w[k]: low nibbles of blocks k | k + 4, w[k + 4]: high ones
       for (int k = 0; k < 4; ++k) {
@@ -261,49 +275,51 @@ void dot_octets(const uint8_t* row, int64_t octets, const int8_t* const* xq, con
       const __m256i x_sums = load256(xbs[i] + 8 * o);
       if constexpr (Octet<QT>::kShift >= 0)
         sums = _mm256_sub_epi32(sums, _mm256_slli_epi32(x_sums, Octet<QT>::kShift));
-      // The eight blocks' products with x's scales side by side, then their steps one block at a time.
-      alignas(32) float terms[8], min_terms[8];
-      _mm256_store_ps(terms, _mm256_mul_ps(_mm256_cvtepi32_ps(sums), x_scale));
-      if constexpr (QT == kQ4_1) _mm256_store_ps(min_terms, _mm256_mul_ps(x_scale, _mm256_cvtepi32_ps(x_sums)));
-      float a = acc[i];
-      for (int j = 0; j < 8; ++j) {
-        a = std::fma(terms[j], block_d[j], a);
-        if constexpr (QT == kQ4_1) a = std::fma(min_terms[j], block_m[j], a);  // + m d_x sum(q_x)
-      }
-      acc[i] = a;
+      __m256 term = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sums), x_scale), d);
+      if constexpr (QT == kQ4_1)  // + m d_x sum(q_x)
+        term = _mm256_fmadd_ps(_mm256_mul_ps(x_scale, _mm256_cvtepi32_ps(x_sums)), m, term);
+      _mm256_storeu_ps(terms[i] + 8 * o, term);
     }
   }
 }
 
-template <int64_t QT, int MR, Layout kLayout>
-void dot_block_rows(const uint8_t* row, const Int8Rows& x, int64_t m0, float* out) {
-  static_assert(kLayout != Layout::kRowGroups, "row groups run int8_dot_row_groups");
-  constexpr bool kOctetMajor = kLayout == Layout::kOctetMajor;
-  const int64_t blocks = x.K / Format<QT>::kWeights;
+// The rows of x that MR activation rows from m0 read (each Int8Rows array at row m0 + i).
+template <int MR>
+struct RowViews {
   const int8_t* xq[MR];
   const float* xd[MR];
   const int16_t* xs[MR];
   const int32_t* xbs[MR];
   const int8_t* xo[MR];
-  for (int i = 0; i < MR; ++i) {
-    xo[i] = kPairedOctets && x.block == 32 ? x.octet_row(m0 + i) : nullptr;
-    xq[i] = x.q_row(m0 + i);
-    xd[i] = x.d_row(m0 + i);
-    xs[i] = x.sums_row(m0 + i);
-    xbs[i] = x.block_sums_row(m0 + i);
+  RowViews(const Int8Rows& x, int64_t m0) {
+    for (int i = 0; i < MR; ++i) {
+      xo[i] = kPairedOctets && x.block == 32 ? x.octet_row(m0 + i) : nullptr;
+      xq[i] = x.q_row(m0 + i);
+      xd[i] = x.d_row(m0 + i);
+      xs[i] = x.sums_row(m0 + i);
+      xbs[i] = x.block_sums_row(m0 + i);
+    }
   }
-  float acc[MR];
-  for (int i = 0; i < MR; ++i) acc[i] = 0.0f;
+};
+
+// One weight row of a 32-weight format against MR activation rows: every block's term (ggml_dot.h) into
+// terms[i][b]; combine_columns then adds eight weight rows' terms in order, in their lanes.
+template <int64_t QT, int MR, Layout kLayout>
+void block_terms(const uint8_t* row, const Int8Rows& x, int64_t m0, float* const* terms) {
+  static_assert(kLayout != Layout::kRowGroups, "row groups run int8_dot_row_groups");
+  constexpr bool kOctetMajor = kLayout == Layout::kOctetMajor;
+  const int64_t blocks = x.K / Format<QT>::kWeights;
+  const RowViews<MR> v(x, m0);
   int64_t first_block = 0;
   if constexpr (HasOctet<QT>) {
-    dot_octets<QT, MR, kOctetMajor>(row, blocks / 8, xq, xo, xd, xbs, acc);
+    dot_octets<QT, MR, kOctetMajor>(row, blocks / 8, v.xq, v.xo, v.xd, v.xbs, terms);
     first_block = blocks / 8 * 8;
   }
   if constexpr (PairedOctet<QT>) {
     // The blocks past the last octet two at a time, paired as the octets pair theirs (x's halves swapped into place
-    // here): lanes 0-3 of the products are block b's, 4-7 block b + 1's, each scaled in its own lanes, as acc's
-    // lanes are summed at the end. One block at a time, SmolLM2's two tail blocks a 576-wide row cost 2.6 octet
-    // blocks' time each, 20% of the row; two at a time, 1536x576 took 57.8 -> 54.1 us (Zen 3, one thread).
+    // here): lanes 0-3 of the products are block b's, 4-7 block b + 1's. One block at a time, SmolLM2's two tail
+    // blocks a 576-wide row cost 2.6 octet blocks' time each, 20% of the row; two at a time, 1536x576 took 57.8 ->
+    // 54.1 us (Zen 3, one thread).
     constexpr int64_t kBytes = Format<QT>::kBytes;
     for (; first_block + 2 <= blocks; first_block += 2) {
       const int64_t b = first_block;
@@ -315,44 +331,75 @@ void dot_block_rows(const uint8_t* row, const Int8Rows& x, int64_t m0, float* ou
       const __m256i high = _mm256_and_si256(_mm256_srli_epi16(raw, 4), bytes(0x0F));
       const float d0 = half_to_float(p), d1 = half_to_float(p + kBytes);
       for (int i = 0; i < MR; ++i) {
-        const __m256i first = load256(xq[i] + 32 * b), second = load256(xq[i] + 32 * b + 32);
+        const __m256i first = load256(v.xq[i] + 32 * b), second = load256(v.xq[i] + 32 * b + 32);
         __m256i dot = dot_nibble_pairs(low, _mm256_permute2x128_si256(first, second, 0x20), high,
                                        _mm256_permute2x128_si256(first, second, 0x31));
-        const int32_t sum0 = xbs[i][b], sum1 = xbs[i][b + 1];
         if constexpr (QT == kQ4_0)  // - 8 sum(q_x) per block: 2 sum(q_x) from each of its four lanes
-          dot = _mm256_sub_epi32(dot, _mm256_set_m128i(_mm_set1_epi32(2 * sum1), _mm_set1_epi32(2 * sum0)));
-        acc[i] = block_step(acc[i], hsum_i32(_mm256_castsi256_si128(dot)), xd[i][b], d0);
-        if constexpr (QT == kQ4_1)  // + m d_x sum(q_x)
-          acc[i] = std::fma(xd[i][b] * static_cast<float>(sum0), half_to_float(p + 2), acc[i]);
-        acc[i] = block_step(acc[i], hsum_i32(_mm256_extracti128_si256(dot, 1)), xd[i][b + 1], d1);
-        if constexpr (QT == kQ4_1)
-          acc[i] = std::fma(xd[i][b + 1] * static_cast<float>(sum1), half_to_float(p + kBytes + 2), acc[i]);
+          dot = _mm256_sub_epi32(
+              dot, _mm256_set_m128i(_mm_set1_epi32(2 * v.xbs[i][b + 1]), _mm_set1_epi32(2 * v.xbs[i][b])));
+        terms[i][b] = static_cast<float>(hsum_i32(_mm256_castsi256_si128(dot))) * v.xd[i][b] * d0;
+        terms[i][b + 1] = static_cast<float>(hsum_i32(_mm256_extracti128_si256(dot, 1))) * v.xd[i][b + 1] * d1;
+        if constexpr (QT == kQ4_1) {  // + m d_x sum(q_x)
+          terms[i][b] = std::fma(v.xd[i][b] * static_cast<float>(v.xbs[i][b]), half_to_float(p + 2), terms[i][b]);
+          terms[i][b + 1] = std::fma(v.xd[i][b + 1] * static_cast<float>(v.xbs[i][b + 1]),
+                                     half_to_float(p + kBytes + 2), terms[i][b + 1]);
+        }
       }
     }
   }
   for (int64_t b = first_block; b < blocks; ++b) {
     const uint8_t* p = row + b * Format<QT>::kBytes;
     const int64_t k0 = b * Format<QT>::kWeights;
-    if constexpr (QT == kQ8_0 || QT == kQ4_0 || QT == kQ5_0) {
-      const float d = half_to_float(p);
-      __m256i w;
-      if constexpr (QT == kQ8_0) w = load256(p + 2);
-      if constexpr (QT == kQ4_0) w = _mm256_sub_epi8(nibbles32(p + 2), bytes(8));
-      if constexpr (QT == kQ5_0) w = _mm256_sub_epi8(_mm256_or_si256(nibbles32(p + 6), fifth_bits(p + 2)), bytes(16));
-      const __m256i u = _mm256_abs_epi8(w);
-      for (int i = 0; i < MR; ++i) {
-        const __m256i dot = dot_u8s8(_mm256_setzero_si256(), u, _mm256_sign_epi8(load256(xq[i] + k0), w));
-        acc[i] = block_step(acc[i], hsum_i32(dot), xd[i][b], d);
-      }
-    } else if constexpr (QT == kQ4_1) {
-      const float d = half_to_float(p), m = half_to_float(p + 2);
-      const __m256i q = nibbles32(p + 4);
-      for (int i = 0; i < MR; ++i) {
-        const __m256i dot = dot_u8s8(_mm256_setzero_si256(), q, load256(xq[i] + k0));
-        acc[i] = block_step(acc[i], hsum_i32(dot), xd[i][b], d);
-        acc[i] = std::fma(xd[i][b] * static_cast<float>(xs[i][2 * b] + xs[i][2 * b + 1]), m, acc[i]);
-      }
-    } else if constexpr (QT == kQ4_K || QT == kQ5_K) {
+    const float d = half_to_float(p);
+    __m256i w;
+    if constexpr (QT == kQ8_0) w = load256(p + 2);
+    if constexpr (QT == kQ4_0) w = _mm256_sub_epi8(nibbles32(p + 2), bytes(8));
+    if constexpr (QT == kQ5_0) w = _mm256_sub_epi8(_mm256_or_si256(nibbles32(p + 6), fifth_bits(p + 2)), bytes(16));
+    if constexpr (QT == kQ4_1) w = nibbles32(p + 4);  // unsigned: its minimum is Q4_1's m term
+    const __m256i u = QT == kQ4_1 ? w : _mm256_abs_epi8(w);
+    for (int i = 0; i < MR; ++i) {
+      const __m256i xs = load256(v.xq[i] + k0);
+      const __m256i dot = dot_u8s8(_mm256_setzero_si256(), u, QT == kQ4_1 ? xs : _mm256_sign_epi8(xs, w));
+      terms[i][b] = static_cast<float>(hsum_i32(dot)) * v.xd[i][b] * d;
+      if constexpr (QT == kQ4_1)
+        terms[i][b] = std::fma(v.xd[i][b] * static_cast<float>(v.xbs[i][b]), half_to_float(p + 2), terms[i][b]);
+    }
+  }
+}
+
+// Eight weight rows' terms (terms[c * ld + b], from block_terms) added in order along K, a weight row a lane, into
+// out[0..8). Whole octets transpose in registers; the blocks past them load lane by lane.
+inline void combine_columns(const float* terms, int64_t ld, int64_t blocks, float* out) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t b = 0;
+  for (; b + 8 <= blocks; b += 8) {
+    __m256 t[8];
+    for (int c = 0; c < 8; ++c) t[c] = _mm256_loadu_ps(terms + c * ld + b);
+    transpose8(t);
+    for (int j = 0; j < 8; ++j) acc = _mm256_add_ps(acc, t[j]);
+  }
+  for (; b < blocks; ++b) {
+    alignas(32) float t[8];
+    for (int c = 0; c < 8; ++c) t[c] = terms[c * ld + b];
+    acc = _mm256_add_ps(acc, _mm256_load_ps(t));
+  }
+  _mm256_storeu_ps(out, acc);
+}
+
+template <int64_t QT, int MR, Layout kLayout>
+void dot_block_rows(const uint8_t* row, const Int8Rows& x, int64_t m0, float* out) {
+  static_assert(kLayout == Layout::kGguf && Format<QT>::kWeights == 256, "32-weight formats run block_terms");
+  const int64_t blocks = x.K / Format<QT>::kWeights;
+  const RowViews<MR> v(x, m0);
+  const int8_t* const* xq = v.xq;
+  const float* const* xd = v.xd;
+  const int16_t* const* xs = v.xs;
+  float acc[MR];
+  for (int i = 0; i < MR; ++i) acc[i] = 0.0f;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* p = row + b * Format<QT>::kBytes;
+    const int64_t k0 = b * Format<QT>::kWeights;
+    if constexpr (QT == kQ4_K || QT == kQ5_K) {
       const float d = half_to_float(p), dmin = half_to_float(p + 2);
       uint64_t scales, mins;
       k_scales_mins_packed(p + 4, scales, mins);
@@ -793,26 +840,71 @@ void dot_block_rows(const uint8_t* row, const Int8Rows& x, int64_t m0, float* ou
 
 #endif
 
+#ifdef CARPOOL_SIMD
+// Weight rows [first, last) of a 32-weight format against every activation row: eight weight rows at a time, up to
+// kGemvPassRows activation rows a pass (block_terms, then combine_columns per activation row).
+template <int64_t QT, Layout kLayout, typename Y>
+void int8_dot_rows_by_eight(const Int8Rows& x, const uint8_t* weight, int64_t first, int64_t last, Y* y,
+                            int64_t ldy) {
+  const int64_t row_bytes = gguf_row_bytes<QT>(x.K), M = x.M, blocks = x.K / 32;
+  RowReader<QT> rows(weight, row_bytes, kLayout);
+  // terms [pass row][weight row of the eight][block]. Lanes past a partial eight add whatever an earlier eight left
+  // (finite) and are never stored.
+  std::vector<float> terms(kGemvPassRows * 8 * blocks, 0.0f);
+  for (int64_t n = first; n < last; n += 8) {
+    const int64_t columns = std::min<int64_t>(8, last - n);
+    for (int64_t m = 0; m < M; m += kGemvPassRows) {
+      const int64_t mr = std::min(kGemvPassRows, M - m);
+      for (int64_t c = 0; c < columns; ++c) {
+        const uint8_t* row = rows(n + c);
+        if (m == 0) carpool::simd::prefetch(row + kGemvPrefetchBytes, row_bytes);
+        float* t[kGemvPassRows];
+        for (int64_t i = 0; i < kGemvPassRows; ++i) t[i] = terms.data() + (i * 8 + c) * blocks;
+        switch (mr) {
+          case 1: block_terms<QT, 1, kLayout>(row, x, m, t); break;
+          case 2: block_terms<QT, 2, kLayout>(row, x, m, t); break;
+          case 3: block_terms<QT, 3, kLayout>(row, x, m, t); break;
+          default: block_terms<QT, 4, kLayout>(row, x, m, t); break;
+        }
+      }
+      for (int64_t i = 0; i < mr; ++i) {
+        alignas(32) float out[8];
+        combine_columns(terms.data() + i * 8 * blocks, blocks, blocks, out);
+        for (int64_t c = 0; c < columns; ++c) y[(m + i) * ldy + n + c] = Y(out[c]);
+      }
+    }
+  }
+}
+#endif
+
 // Weight rows [first, last) against every activation row, up to kGemvPassRows at a time per unpacked block.
 template <int64_t QT, Layout kLayout, typename Y>
 void int8_dot_rows(const Int8Rows& x, const uint8_t* weight, int64_t first, int64_t last, Y* y, int64_t ldy) {
-  const int64_t row_bytes = gguf_row_bytes<QT>(x.K), M = x.M;
-  RowReader<QT> rows(weight, row_bytes, kLayout);  // row groups: the portable build's
-  float out[kGemvPassRows];
-  for (int64_t n = first; n < last; ++n) {
-    const uint8_t* row = rows(n);
 #ifdef CARPOOL_SIMD
-    carpool::simd::prefetch(row + kGemvPrefetchBytes, row_bytes);
+  if constexpr (Format<QT>::kWeights == 32) {
+    int8_dot_rows_by_eight<QT, kLayout>(x, weight, first, last, y, ldy);
+    return;
+  } else
 #endif
-    for (int64_t m = 0; m < M; m += kGemvPassRows) {
-      const int64_t mr = std::min(kGemvPassRows, M - m);
-      switch (mr) {
-        case 1: dot_block_rows<QT, 1, kLayout>(row, x, m, out); break;
-        case 2: dot_block_rows<QT, 2, kLayout>(row, x, m, out); break;
-        case 3: dot_block_rows<QT, 3, kLayout>(row, x, m, out); break;
-        default: dot_block_rows<QT, 4, kLayout>(row, x, m, out); break;
+  {
+    const int64_t row_bytes = gguf_row_bytes<QT>(x.K), M = x.M;
+    RowReader<QT> rows(weight, row_bytes, kLayout);  // row groups: the portable build's
+    float out[kGemvPassRows];
+    for (int64_t n = first; n < last; ++n) {
+      const uint8_t* row = rows(n);
+#ifdef CARPOOL_SIMD
+      carpool::simd::prefetch(row + kGemvPrefetchBytes, row_bytes);
+#endif
+      for (int64_t m = 0; m < M; m += kGemvPassRows) {
+        const int64_t mr = std::min(kGemvPassRows, M - m);
+        switch (mr) {
+          case 1: dot_block_rows<QT, 1, kLayout>(row, x, m, out); break;
+          case 2: dot_block_rows<QT, 2, kLayout>(row, x, m, out); break;
+          case 3: dot_block_rows<QT, 3, kLayout>(row, x, m, out); break;
+          default: dot_block_rows<QT, 4, kLayout>(row, x, m, out); break;
+        }
+        for (int64_t i = 0; i < mr; ++i) y[(m + i) * ldy + n] = Y(out[i]);
       }
-      for (int64_t i = 0; i < mr; ++i) y[(m + i) * ldy + n] = Y(out[i]);
     }
   }
 }

@@ -71,12 +71,15 @@ struct Int8Rows {
   const int32_t* block_sums_row(int64_t m) const { return block_sums.data() + m * blocks_per_row; }
 };
 
-// The float step of every SIMD int8 kernel, per weight block and activation row: acc + (tot x_d) d, the K-quants'
-// acc + (tot d + mins (-dmin)) x_d, Q4_1's then + (x_d sum(q_x)) m; each a fused multiply-add as written, blocks
-// in order along K. tot and mins are the block's exact integer sums, so a row's output is the same bits whichever
-// kernel computed it and whatever rows shared its call (issue 53): the GEMV here, the batched kernel
-// (ggml_gemm.cpp's V::scaled and V::scaled_with_mins, on a vector of rows) and the row groups (on a vector of
-// weight rows). The portable build, whose GEMV runs every batch, keeps its own plain-C order.
+// The float step of every SIMD int8 kernel, per weight block and activation row, blocks in order along K, so that a
+// row's output is the same bits whichever kernel computed it and whatever rows shared its call (issue 53): the GEMV
+// here, the batched kernel (ggml_gemm.cpp's V::scaled, V::scaled_with_mins and V::added, on a vector of rows) and
+// the row groups (on a vector of weight rows). tot and mins are the block's exact integer sums. The K-quants (a step
+// per 256 weights) fuse it into acc: acc + (tot x_d) d (Q6_K), acc + (tot d + mins (-dmin)) x_d (Q4_K, Q5_K). The
+// 32-weight formats add a whole term, (tot x_d) d, Q4_1's fma(x_d sum(q_x), m, that): the GEMV computes the terms
+// of eight blocks side by side and adds them to eight weight rows' sums in their lanes (a transpose), where a fused
+// step would chain eight scalar multiply-adds per octet (SmolLM2's Q4_1 GEMV took 1.6-2x as long so). The portable
+// build, whose GEMV runs every batch, keeps its own plain-C order.
 inline float block_step(float acc, int32_t tot, float x_d, float d) {
   return std::fma(static_cast<float>(tot) * x_d, d, acc);
 }

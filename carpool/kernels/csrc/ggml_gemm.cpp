@@ -296,7 +296,14 @@ struct Rows16 {
     const F terms = _mm512_fmadd_ps(_mm512_cvtepi32_ps(mins), _mm512_set1_ps(negdmin), scaled);
     return _mm512_fmadd_ps(terms, xd, acc);
   }
-  static F fma(F acc, F a, float s) { return _mm512_fmadd_ps(a, _mm512_set1_ps(s), acc); }
+  // The 32-weight formats' step (ggml_dot.h's block_step32): acc + (tot xd) d, Q4_1's + sums m inside the term.
+  static F added(F acc, I tot, F xd, float d) {
+    return _mm512_add_ps(acc, _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(tot), xd), _mm512_set1_ps(d)));
+  }
+  static F added(F acc, I tot, F xd, float d, F sums, float m) {
+    const F term = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(tot), xd), _mm512_set1_ps(d));
+    return _mm512_add_ps(acc, _mm512_fmadd_ps(sums, _mm512_set1_ps(m), term));
+  }
   static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
 };
 #endif
@@ -351,7 +358,13 @@ struct Rows8 {
     const F terms = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_set1_ps(negdmin), scaled);
     return _mm256_fmadd_ps(terms, xd, acc);
   }
-  static F fma(F acc, F a, float s) { return _mm256_fmadd_ps(a, _mm256_set1_ps(s), acc); }
+  static F added(F acc, I tot, F xd, float d) {  // as Rows16's
+    return _mm256_add_ps(acc, _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(tot), xd), _mm256_set1_ps(d)));
+  }
+  static F added(F acc, I tot, F xd, float d, F sums, float m) {
+    const F term = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(tot), xd), _mm256_set1_ps(d));
+    return _mm256_add_ps(acc, _mm256_fmadd_ps(sums, _mm256_set1_ps(m), term));
+  }
   static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
 };
 
@@ -878,19 +891,16 @@ void gemm_tile(const Panel<QT>& panel, int64_t c0, const InterleavedRows& x, int
             mins = V::dot_pairs(mins, V::iload(reinterpret_cast<const uint8_t*>(qs + j * x.rows * 2)), m[j]);
           acc[n][r] = V::scaled_with_mins(acc[n][r], tot, mins, xd, panel.d[(c0 + n) * blocks + b],
                                           panel.negdmin[(c0 + n) * blocks + b]);
-        } else {
+        } else if constexpr (L::kScaled) {  // Q6_K
           acc[n][r] = V::scaled(acc[n][r], tot, xd, panel.d[(c0 + n) * blocks + b]);
+        } else if constexpr (L::kMinGroups == 1) {  // Q4_1: its block's m (d_x sum(q_x)) in the same step
+          const typename V::F sums = V::fload(x.sums.data() + b * x.rows + (first_vector + r) * V::kLanes);
+          acc[n][r] = V::added(acc[n][r], tot, xd, panel.d[(c0 + n) * blocks + b], sums, panel.negdm[(c0 + n) * blocks + b]);
+        } else {
+          acc[n][r] = V::added(acc[n][r], tot, xd, panel.d[(c0 + n) * blocks + b]);
         }
       }
     }
-    if constexpr (!L::kIntegerMins)
-      for (int g = 0; g < L::kMinGroups; ++g) {
-        const int64_t group = b * kW / 32 + g;
-        for (int r = 0; r < RV; ++r) {
-          const typename V::F sums = V::fload(x.sums.data() + group * x.rows + (first_vector + r) * V::kLanes);
-          for (int n = 0; n < NR; ++n) acc[n][r] = V::fma(acc[n][r], sums, panel.negdm[(c0 + n) * K / 32 + group]);
-        }
-      }
   }
   for (int n = 0; n < NR; ++n)
     for (int r = 0; r < RV; ++r) V::store(out + (n * RV + r) * V::kLanes, acc[n][r]);
