@@ -94,6 +94,7 @@ class LLMEngine:
             self.dtype,
             pools.window,
             pools.sliding_blocks,
+            reproducible=getattr(self.config, "reproducible", False),
         )
         self.detokenizer = Detokenizer(self.tokenizer)
         self.speculator = self._speculator(draft_model, pools.full_blocks)

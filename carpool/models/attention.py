@@ -7,7 +7,10 @@ cache slots, which sequences, how much context each has) travels beside the mode
 Token layout of a step: decode tokens first (one per sequence, shortest context first), then each prefill
 chunk as a contiguous run. On the CPU decodes read the pool in place (`torch.ops.carpool.paged_decode_attention`);
 elsewhere they are gathered into padded SDPA calls, one per group of similar context lengths so that short
-contexts are not padded to the longest. Prefill chunks run one SDPA call each.
+contexts are not padded to the longest. Prefill chunks run one SDPA call each, or, in a reproducible step
+(`AttentionMetadata.reproducible`, on the CPU), through the decode kernel with the chunk's rows as decode rows of
+their sequence: a token's attention is then the same bits whether a prompt chunk or a decode step computes it,
+whatever else the call holds (the kernel's rows are row-invariant: tests/kernels/test_prompt_rows_attention.py).
 
 A sliding-window layer (`window` > 0, Gemma 3's local layers) lets each query see only its last `window` keys,
 its own included, as Hugging Face's sliding mask does.
@@ -31,6 +34,8 @@ class PrefillSegment:
     # Blocks holding that context; None when the chunk starts the sequence, in which case the chunk's own
     # keys are the whole context and a plain causal mask applies.
     context_blocks: torch.Tensor | None
+    # In a reproducible step: the chunk's rows as decode rows (each its sequence's table, keys up to itself).
+    rows: "DecodeGroup | None" = None
 
 
 @dataclass
@@ -49,6 +54,9 @@ class AttentionMetadata:
     # The sliding-window layers' own slots and tables when they have a KV pool of their own (see
     # BlockManager); None: every layer reads this metadata.
     sliding: "AttentionMetadata | None" = None
+    # Prefill chunks attend through the decode kernel (each segment's `rows`), not SDPA: SDPA's blocked softmax
+    # gives a token other bits in a chunk than the kernel gives it as a decode row.
+    reproducible: bool = False
 
 
 _current: AttentionMetadata | None = None
@@ -110,7 +118,10 @@ class PagedAttention(nn.Module):
         for group in meta.decode_groups:
             out[group.start : group.end] = self._decode(q[group.start : group.end], group)
         for segment in meta.prefills:
-            out[segment.start : segment.end] = self._prefill(q, k, v, segment)
+            if meta.reproducible:
+                out[segment.start : segment.end] = self._decode(q[segment.start : segment.end], segment.rows)
+            else:
+                out[segment.start : segment.end] = self._prefill(q, k, v, segment)
         return out.view(q.shape[0], -1)
 
     def _decode(self, q: torch.Tensor, group: DecodeGroup) -> torch.Tensor:

@@ -1,0 +1,81 @@
+"""In a reproducible step a prompt token's attention is the same bits as the token's attention computed as a decode
+row (what a decode step, a recompute after preemption, or a later chunk would compute for it), whichever chunk it
+was in: a chunk that starts its sequence, a chunk behind a prefix-cache hit, chunks of two sequences in one step.
+
+Only attention is under test: the layers' own q/k/v of the prompt step are recorded at the PagedAttention module
+(the engine's real KV pool, block tables and metadata) and replayed row by row as decodes of the same layer, so the
+matmuls (batch-dependent in the session model's exact fp32 mode) play no part."""
+
+import pytest
+import torch
+
+from carpool import SamplingParams
+from carpool.models import attention
+from carpool.models.attention import AttentionMetadata, DecodeGroup
+
+FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture
+def reproducible_llm(llm):
+    """The session model with its runner making reproducible steps (the engine's `reproducible` setting)."""
+    runner = llm.engine.runner
+    before, runner.reproducible = runner.reproducible, True
+    yield llm
+    runner.reproducible = before
+
+
+def record_chunks(layer_attention):
+    """Hooks the layer's attention; each prefill chunk it runs is appended as (q, k, v, out, block table, first
+    position, cache slots) of the chunk's rows."""
+    chunks = []
+
+    def hook(module, inputs, out):
+        q, k, v = inputs
+        meta = attention._current
+        for segment in meta.prefills:
+            rows = slice(segment.start, segment.end)
+            slots = meta.slot_mapping[rows]
+            if segment.context_blocks is None:  # the chunk starts its sequence: its slots name its blocks
+                table, first = slots[:: module.k_cache.shape[1]] // module.k_cache.shape[1], 0
+            else:
+                table, first = segment.context_blocks, segment.context_len - (segment.end - segment.start)
+            chunks.append((q[rows], k[rows], v[rows], out[rows], table, first, slots))
+
+    return chunks, layer_attention.register_forward_hook(hook)
+
+
+def replay_as_decodes(layer_attention, chunk):
+    """The chunk's rows attended one by one as decode rows of its sequence, and all of them as one decode group."""
+    q, k, v, _, table, first, slots = chunk
+    lengths = torch.arange(first + 1, first + q.shape[0] + 1)
+    one_by_one = []
+    for i in range(q.shape[0]):
+        meta = AttentionMetadata(slots[i : i + 1], [DecodeGroup(0, 1, table[None], lengths[i : i + 1])])
+        with attention.attention_metadata(meta):
+            one_by_one.append(layer_attention(q[i : i + 1], k[i : i + 1], v[i : i + 1]))
+    together = AttentionMetadata(slots, [DecodeGroup(0, q.shape[0], table.expand(q.shape[0], -1), lengths)])
+    with attention.attention_metadata(together):
+        return torch.cat(one_by_one), layer_attention(q, k, v)
+
+
+def test_prompt_rows_attend_as_decode_rows(reproducible_llm):
+    llm = reproducible_llm
+    layers = [llm.engine.model.layers[i].self_attn.attn for i in (0, -1)]
+    recorded = [record_chunks(layer) for layer in layers]
+    block_size = llm.engine.config.block_size
+    shared = [100 + i * 7 % 997 for i in range(6 * block_size + 5)]
+    try:
+        llm.generate([shared], FIRST_TOKEN)  # a chunk from position 0
+        # The shared prompt's whole blocks from the prefix cache, then its tail: a chunk behind 96 cached keys,
+        # in one step with another prompt's first chunk.
+        llm.generate([shared + [7, 8, 9] * 20, [300 + i for i in range(40)]], FIRST_TOKEN)
+    finally:
+        for _, handle in recorded:
+            handle.remove()
+    for layer, (chunks, _) in zip(layers, recorded):
+        assert sorted(chunk[5] for chunk in chunks) == [0, 0, 6 * block_size]
+        for chunk in chunks:
+            one_by_one, together = replay_as_decodes(layer, chunk)
+            assert torch.equal(one_by_one, chunk[3])
+            assert torch.equal(together, chunk[3])
