@@ -94,7 +94,7 @@ class LLMEngine:
             self.dtype,
             pools.window,
             pools.sliding_blocks,
-            reproducible=getattr(self.config, "reproducible", False),
+            reproducible=self.config.reproducible,
         )
         self.detokenizer = Detokenizer(self.tokenizer)
         self.speculator = self._speculator(draft_model, pools.full_blocks)
@@ -152,6 +152,7 @@ class LLMEngine:
                 config.enable_prefix_caching,
                 config.speculative_vocab_size,
                 self.tokenizer.added_token_ids,
+                config.reproducible,
             )
         return Speculator(drafter, config.num_speculative_tokens)
 
