@@ -7,6 +7,12 @@ from carpool.engine.config import DRAFT_VOCAB_SIZE, DTYPES, EngineConfig
 from carpool.models.quantization import MATMUL_SETTINGS, QUANTIZATION_MODES
 
 
+def on_or_off(value: str) -> bool:
+    if value not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"expected on or off, got {value!r}")
+    return value == "on"
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     defaults = EngineConfig()
     parser.add_argument(
@@ -37,6 +43,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "int8-dot-all does so for prompt chunks too (faster prefill where there are no bf16 "
         "units, ~0.6%% error per linear); exact multiplies them as they are; auto: "
         "int8-dot-all on the avx2 and avxvnni kernel paths, int8-dot elsewhere (default: auto)",
+    )
+    parser.add_argument(
+        "--reproducible",
+        type=on_or_off,
+        metavar="{on,off}",
+        default=None,
+        help="on: a token's logits are the same bits whatever else its step holds (the batch, a prompt chunk or a "
+        "decode row, a prefix-cache hit, a preemption): every linear row through the int8 kernels' one arithmetic "
+        "and prompt attention through the decode kernel (docs/features/reproducible.md); off: each batch shape's "
+        "fastest arithmetic (--matmul auto, SDPA for prompts). Default: on where it can hold (the CPU, block-format "
+        "weights, --matmul auto or int8-dot-all)",
     )
     parser.add_argument(
         "--block-size",
