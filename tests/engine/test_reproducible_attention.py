@@ -9,7 +9,7 @@ matmuls (batch-dependent in the session model's exact fp32 mode) play no part.""
 import pytest
 import torch
 
-from carpool import SamplingParams
+from carpool import LLM, SamplingParams
 from carpool.models import attention
 from carpool.models.attention import AttentionMetadata, DecodeGroup
 
@@ -27,19 +27,24 @@ def reproducible_llm(llm):
 
 def record_chunks(layer_attention):
     """Hooks the layer's attention; each prefill chunk it runs is appended as (q, k, v, out, block table, first
-    position, cache slots) of the chunk's rows."""
+    position, cache slots) of the chunk's rows. A sliding-window layer's table (its own pool's) starts with
+    placeholders for the blocks before the chunk's window, as the engine's sliding tables do."""
     chunks = []
 
     def hook(module, inputs, out):
         q, k, v = inputs
-        meta = attention._current
-        for segment in meta.prefills:
+        full = attention._current
+        meta = full.sliding if module.window and full.sliding is not None else full
+        block_size = module.k_cache.shape[1]
+        for segment, full_segment in zip(meta.prefills, full.prefills):
             rows = slice(segment.start, segment.end)
             slots = meta.slot_mapping[rows]
+            first = full_segment.context_len - (segment.end - segment.start)  # full attention: keys from 0
             if segment.context_blocks is None:  # the chunk starts its sequence: its slots name its blocks
-                table, first = slots[:: module.k_cache.shape[1]] // module.k_cache.shape[1], 0
-            else:
-                table, first = segment.context_blocks, segment.context_len - (segment.end - segment.start)
+                table = slots[::block_size] // block_size
+            else:  # a window gathers from the block of its first key on
+                skipped = (first + segment.end - segment.start - segment.context_len) // block_size
+                table = torch.cat([torch.zeros(skipped, dtype=torch.long), segment.context_blocks])
             chunks.append((q[rows], k[rows], v[rows], out[rows], table, first, slots))
 
     return chunks, layer_attention.register_forward_hook(hook)
@@ -75,7 +80,30 @@ def test_prompt_rows_attend_as_decode_rows(reproducible_llm):
             handle.remove()
     for layer, (chunks, _) in zip(layers, recorded):
         assert sorted(chunk[5] for chunk in chunks) == [0, 0, 6 * block_size]
-        for chunk in chunks:
-            one_by_one, together = replay_as_decodes(layer, chunk)
-            assert torch.equal(one_by_one, chunk[3])
-            assert torch.equal(together, chunk[3])
+        assert_replays_equal(layer, chunks)
+
+
+def assert_replays_equal(layer, chunks):
+    for chunk in chunks:
+        one_by_one, together = replay_as_decodes(layer, chunk)
+        assert torch.equal(one_by_one, chunk[3])
+        assert torch.equal(together, chunk[3])
+
+
+def test_sliding_window_prompt_rows_attend_as_decode_rows():
+    """Gemma 3's local layers (a 512-key window, a pool of their own) and a global one, over a prompt of three
+    512-token chunks: the last chunk's rows see windows that start past the sequence's first 32 blocks."""
+    llm = LLM(model="gemma-3-270m", dtype="float32", quantization="none", max_num_seqs=2, num_kv_blocks=160)
+    llm.engine.runner.reproducible = True
+    model = llm.engine.model
+    assert model.config.layer_window(0) == 512 and not model.config.layer_window(5)
+    layers = [model.layers[i].self_attn.attn for i in (0, 5)]
+    recorded = [record_chunks(layer) for layer in layers]
+    try:
+        llm.generate([[100 + i * 7 % 9973 for i in range(1100)]], FIRST_TOKEN)
+    finally:
+        for _, handle in recorded:
+            handle.remove()
+    for layer, (chunks, _) in zip(layers, recorded):
+        assert [chunk[5] for chunk in chunks] == [0, 512, 1024]
+        assert_replays_equal(layer, chunks)
