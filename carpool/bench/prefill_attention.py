@@ -6,7 +6,9 @@ kernel (a reproducible step: carpool.models.attention), side by side in one run,
 
 Per case, one layer's PagedAttention over the chunks (SmolLM2's 9 query / 3 KV heads of 64 by default, a 16-token
 block pool of random values in a random block order): a 2,000-token prompt in chunks of 512 from position 0, and
-one 512-token chunk behind 1,500 cached tokens. Medians of wall time on the process's threads. --whole: the model's
+one 512-token chunk behind 1,500 cached tokens. Medians of wall time on the process's threads. On a machine shared
+with other work, set OMP_WAIT_POLICY=PASSIVE: libgomp's spinning threads (its default) slowed SDPA several-fold
+there (a 2,000-token prompt's bf16 chunks, one layer: 188 ms, 27 passive) and the whole prefill about 3x. --whole: the model's
 whole prefill of a prompt of that many tokens through `LLM(...)` (max_tokens 1), reproducible on and off in turn.
 """
 
