@@ -8,7 +8,7 @@ or those items cut finer among the threads: SplitDecodeAttention). Runs on whate
 import pytest
 import torch
 import torch.nn.functional as F
-from test_verify_attention import BLOCK_SIZE, HEAD_LAYOUTS
+from test_verify_attention import BLOCK_SIZE, HEAD_LAYOUTS, MAX_RUN_ROWS
 
 import carpool.kernels  # noqa: F401
 
@@ -75,6 +75,15 @@ def test_prompt_chunk_rows_equal_each_row_alone_and_among_other_rows(
             ],
         )
         assert torch.equal(torch.cat(alone), chunk), threads
+    # The chunk's first MAX_RUN_ROWS rows alone (one run: a short prompt's chunk) with more threads than their KV
+    # heads: the split path over a run of many query vectors.
+    short = with_threads(
+        kv_heads + 1,
+        lambda: ops.paged_decode_attention(
+            q[:MAX_RUN_ROWS], k_cache, v_cache, tables[:MAX_RUN_ROWS], lens[:MAX_RUN_ROWS], scale, window
+        ),
+    )
+    assert torch.equal(short, chunk[:MAX_RUN_ROWS])
 
     # Among other sequences' rows: decodes and a verifying run between pieces of the chunk of every length from 1
     # to 40 rows, so the chunk's rows fall into other runs at other places in them.

@@ -154,10 +154,122 @@ constexpr int slice_chunks() {
   return std::max<int>(1, 64 / sizeof(T) / kLanes);
 }
 
-// Scores of keys [first, last) (whole fours) for every query vector of the item.
+#if defined(CARPOOL_AVX512)
+// A prompt chunk's run has rows x group query vectors (48 for SmolLM2's 16 rows of 3 heads): score_keys gives each
+// query vector's four keys reduce4's 11 shuffles and adds beside its 16 fmadds (head size 64). Transposed, 16 keys to a
+// vector (a key per lane), a query's score of 16 keys is 16 vertical sums and no shuffle; the keys' transposition is
+// paid once per item for all its query vectors. The sums are reduce4's to the bit: lane l of score_keys' accumulator is
+// the chain of fmadds over the chunks of q[c * 16 + l] * key[c * 16 + l] from zero, and reduce4 adds the 16 lanes in
+// one fixed tree (unpack, unpack, halves): in each 128-bit quarter L, (x[4L] + x[4L+2]) + (x[4L+1] + x[4L+3]); then
+// (quarter 0 + quarter 2) + (quarter 1 + quarter 3). So a row's scores do not depend on which way they were summed, and
+// a decoding row (a few query vectors, score_keys) gets the bits its prompt chunk's row got.
+constexpr int kTransposedQueries = 2, kTransposedGroups = 2;  // a tile: query vectors x groups of 16 keys
+// Below this many query vectors the transposition (its shuffles, ~380 uops per 16 keys) costs about what the
+// reductions it saves (~44 uops per query vector and 16 keys) cost. Verifying SmolLM2 sequences (8 at 1,500 keys,
+// bf16, one thread) were no slower at 6 rows (18 vectors, 2.3-2.6 -> 2.2-2.3 ms) and faster at 16 (5.9-6.3 -> 5.0).
+constexpr int kTransposedMinQueries = 16;
+
+// In place: r[j] = row j of a 16 x 16 matrix -> r[j] = its column j.
+inline void transpose16(__m512 r[16]) {
+  __m512 t[16], u[16];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit quarter: [a0 b0 a1 b1], [a2 b2 a3 b3] of rows a, b
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // per quarter k: u[4i + m] = rows 4i..4i+3 of column 4k + m
+    u[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int m = 0; m < 4; ++m) {  // column 4k + m: quarter k of u[m], u[4 + m], u[8 + m], u[12 + m]
+    const __m512 p = _mm512_shuffle_f32x4(u[m], u[4 + m], 0x88), q = _mm512_shuffle_f32x4(u[m], u[4 + m], 0xDD);
+    const __m512 v = _mm512_shuffle_f32x4(u[8 + m], u[12 + m], 0x88);
+    const __m512 w = _mm512_shuffle_f32x4(u[8 + m], u[12 + m], 0xDD);
+    r[m] = _mm512_shuffle_f32x4(p, v, 0x88);
+    r[4 + m] = _mm512_shuffle_f32x4(q, w, 0x88);
+    r[8 + m] = _mm512_shuffle_f32x4(p, v, 0xDD);
+    r[12 + m] = _mm512_shuffle_f32x4(q, w, 0xDD);
+  }
+}
+
+// kt[d * 16 + j] = element d of key first + j, in fp32, for 16 keys.
+template <typename T, int CHUNKS>
+void transpose_keys(const T* k_cache, const int64_t* offsets, int64_t first, int64_t stride, float* kt) {
+  constexpr int64_t kHeadDim = CHUNKS * kLanes;
+  if (first + kPrefetchKeys + kLanes <= stride)
+    for (int j = 0; j < kLanes; ++j) simd::prefetch(k_cache + offsets[first + kPrefetchKeys + j], kHeadDim * sizeof(T));
+  for (int c = 0; c < CHUNKS; ++c) {
+    __m512 rows[kLanes];
+    for (int j = 0; j < kLanes; ++j) rows[j] = simd::load(k_cache + offsets[first + j] + c * kLanes);
+    transpose16(rows);
+    for (int l = 0; l < kLanes; ++l) _mm512_store_ps(kt + (c * kLanes + l) * kLanes, rows[l]);
+  }
+}
+
+// scores[i * stride + g * 16 + j] = q_i . key j of group g, for QUERIES query vectors and GROUPS groups of 16 keys
+// (kt: each group's transpose_keys in turn), summed as reduce4 sums them. Two query vectors by two groups: each
+// broadcast query element and each loaded key vector serves two multiplies, and 16 chains in flight hide the fmadd
+// latency. Three query vectors by one group left two loads a multiply: SmolLM2's 512-row bf16 chunk behind 1,536
+// keys, one thread, took 24.3 ms that way, 22.5 two by two (26.4 by score_keys); the fp32 scores now run at about
+// two fmadds a cycle.
+template <int CHUNKS, int QUERIES, int GROUPS>
+void score_transposed(const float* query, const float* kt, int64_t stride, float* scores) {
+  constexpr int64_t kHeadDim = CHUNKS * kLanes;
+  __m512 even[QUERIES][GROUPS], sum[QUERIES][GROUPS];  // quarters 0 + 2, then (0 + 2) + (1 + 3)
+  for (int L : {0, 2, 1, 3}) {
+    __m512 x[QUERIES][GROUPS][4];
+    for (int h = 0; h < QUERIES; ++h)
+      for (int g = 0; g < GROUPS; ++g)
+        for (int i = 0; i < 4; ++i) x[h][g][i] = _mm512_setzero_ps();
+    for (int c = 0; c < CHUNKS; ++c)
+      for (int i = 0; i < 4; ++i) {
+        const int64_t d = c * kLanes + 4 * L + i;
+        __m512 keys[GROUPS];
+        for (int g = 0; g < GROUPS; ++g) keys[g] = _mm512_load_ps(kt + (g * kHeadDim + d) * kLanes);
+        for (int h = 0; h < QUERIES; ++h) {
+          const __m512 q = _mm512_set1_ps(query[h * kHeadDim + d]);
+          for (int g = 0; g < GROUPS; ++g) x[h][g][i] = _mm512_fmadd_ps(q, keys[g], x[h][g][i]);
+        }
+      }
+    for (int h = 0; h < QUERIES; ++h)
+      for (int g = 0; g < GROUPS; ++g) {
+        const __m512 quarter =
+            _mm512_add_ps(_mm512_add_ps(x[h][g][0], x[h][g][2]), _mm512_add_ps(x[h][g][1], x[h][g][3]));
+        if (L == 0) even[h][g] = quarter;
+        if (L == 2) even[h][g] = _mm512_add_ps(even[h][g], quarter);
+        if (L == 1) sum[h][g] = quarter;
+        if (L == 3) sum[h][g] = _mm512_add_ps(even[h][g], _mm512_add_ps(sum[h][g], quarter));
+      }
+  }
+  for (int h = 0; h < QUERIES; ++h)
+    for (int g = 0; g < GROUPS; ++g) _mm512_storeu_ps(scores + h * stride + g * kLanes, sum[h][g]);
+}
+#endif
+
+// Scores of keys [first, last) (whole fours) for every query vector of the item: 16 keys at a time transposed where
+// the item has many query vectors (AVX-512), the rest by score_keys; the same bits either way.
 template <typename T, int CHUNKS>
 void score_range(const RunWork<T>& w, const T* k_cache, int64_t first, int64_t last) {
   constexpr int64_t kHeadDim = CHUNKS * kLanes;
+#if defined(CARPOOL_AVX512)
+  if (w.queries() >= kTransposedMinQueries) {
+    alignas(64) float kt[kTransposedGroups * kHeadDim * kLanes];
+    while (first + kLanes <= last) {
+      const int groups = static_cast<int>(std::min<int64_t>(kTransposedGroups, (last - first) / kLanes));
+      for (int g = 0; g < groups; ++g)
+        transpose_keys<T, CHUNKS>(k_cache, w.offsets, first + g * kLanes, w.stride, kt + g * kHeadDim * kLanes);
+      with_tile<kTransposedGroups>(groups, [&](auto groups_tile) {
+        for (int i = 0; i < w.queries(); i += kTransposedQueries)
+          with_tile<kTransposedQueries>(std::min(kTransposedQueries, w.queries() - i), [&](auto tile) {
+            score_transposed<CHUNKS, decltype(tile)::value, decltype(groups_tile)::value>(
+                w.query + i * kHeadDim, kt, w.stride, w.scores + i * w.stride + first);
+          });
+      });
+      first += groups * kLanes;
+    }
+  }
+#endif
   for (int i = 0; i < w.queries(); i += kScoreHeads)
     with_tile<kScoreHeads>(std::min(kScoreHeads, w.queries() - i), [&](auto tile) {
       score_keys<T, CHUNKS, decltype(tile)::value>(w.query + i * kHeadDim, k_cache, w.offsets, first, last, w.stride,
@@ -206,15 +318,17 @@ void write_columns(const RunWork<T>& w, int column) {
 }
 
 // The query rows of one run (rows that share a sequence's block table: a verifying sequence's last token and its
-// drafts) with the `group` query heads of one KV head, against the union of their contexts (RunWork), on one
-// thread: scores, softmax, weighted values, each pass over key blocks that stay in L1.
+// drafts, or up to kMaxRunRows of a prompt chunk's rows) with the `group` query heads of one KV head, against the union
+// of their contexts (RunWork), on one thread: scores, softmax, weighted values, each pass over key blocks that stay in
+// L1.
 //
 // The rows x heads fill the register tiles together, so each key and value vector is loaded (and widened from
-// bf16) once per tile of query vectors and read from memory once per run, not once per row. Every row's weights
-// equal the one-row kernel's to the bit: its scores are the same sums (its whole fours by reduce4, its last
-// len % 4 keys by reduce_add), its softmax runs over its own keys, and keys outside its range get weight 0, which
-// leaves its fp32 value sums exactly as they were (0 * v + acc == acc). Each output column's sum is its own, in key
-// order, so cutting the columns otherwise (SplitDecodeAttention) leaves every bit as it is.
+// bf16) once per tile of query vectors and read from memory once per run, not once per row. Every row's weights equal
+// the one-row kernel's to the bit: its scores are the same sums (its whole fours by reduce4 or, in a run of many query
+// vectors, score_transposed's same tree; its last len % 4 keys by reduce_add), its softmax runs over its own keys, and
+// keys outside its range get weight 0, which leaves its fp32 value sums exactly as they were (0 * v + acc == acc). Each
+// output column's sum is its own, in key order, so cutting the columns otherwise (SplitDecodeAttention) leaves every
+// bit as it is.
 template <typename T, int CHUNKS>
 void attend_run(const RunWork<T>& w, const T* k_cache, const T* v_cache) {
   constexpr int64_t kKeys = key_block<T, CHUNKS>();
