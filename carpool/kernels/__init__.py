@@ -15,7 +15,7 @@ import logging
 import torch  # noqa: F401  (the builds link torch's libraries, libc10 among them: loaded first)
 
 from carpool.kernels.cpu import AMX_FEATURES, amx_probe, cpu_features, cpu_model
-from carpool.kernels.isa import PATHS, choose_path, forced_path
+from carpool.kernels.isa import PATHS, choose_path, forced_path, missing_features
 
 __all__ = [
     "RELEVANT_FEATURES",
@@ -54,6 +54,12 @@ def refused_paths() -> dict[str, str]:
         return {}  # choose_path names what is missing; the probe (a fork) is not needed
     probe = amx_probe()
     return {} if probe.usable else {"amx": f"the AMX probe failed: {probe.detail}"}
+
+
+def runnable_paths() -> list[str]:
+    """The paths this process could have loaded here (built, the CPU's features, not refused), in PATHS' order."""
+    features, refused = cpu_features(), refused_paths()
+    return [p for p in PATHS if p in built_paths() and not missing_features(p, features) and p not in refused]
 
 
 _choice = choose_path(cpu_features(), built_paths(), forced_path(), refused_paths())
