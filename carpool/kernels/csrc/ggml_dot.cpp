@@ -302,19 +302,27 @@ struct RowViews {
   }
 };
 
-// One weight row of a 32-weight format against MR activation rows: every block's term (ggml_dot.h) into
-// terms[i][b]; combine_columns then adds eight weight rows' terms in order, in their lanes.
+// The blocks a 32-weight row dots eight at a time (dot_octets); the rest are its tail.
+template <int64_t QT>
+int64_t octet_blocks(int64_t blocks) {
+  if constexpr (HasOctet<QT>) return blocks / 8 * 8;
+  return 0;
+}
+
+// One weight row of a 32-weight format against MR activation rows: every block's term (ggml_dot.h) into terms[i][b]
+// for the octets' blocks, into tails[i][8 (b - octet_blocks)] for the tail's (a weight row's tail terms 8 floats
+// apart, so that eight rows' make one vector); combine_columns then adds eight weight rows' terms in order, in their
+// lanes. Tail terms gathered lane by lane cost SmolLM2's 576-wide rows (two tail blocks to two octets) more than
+// their octets did.
 template <int64_t QT, int MR, Layout kLayout>
-void block_terms(const uint8_t* row, const Int8Rows& x, int64_t m0, float* const* terms) {
+void block_terms(const uint8_t* row, const Int8Rows& x, int64_t m0, float* const* terms, float* const* tails) {
   static_assert(kLayout != Layout::kRowGroups, "row groups run int8_dot_row_groups");
   constexpr bool kOctetMajor = kLayout == Layout::kOctetMajor;
   const int64_t blocks = x.K / Format<QT>::kWeights;
   const RowViews<MR> v(x, m0);
-  int64_t first_block = 0;
-  if constexpr (HasOctet<QT>) {
-    dot_octets<QT, MR, kOctetMajor>(row, blocks / 8, v.xq, v.xo, v.xd, v.xbs, terms);
-    first_block = blocks / 8 * 8;
-  }
+  const int64_t tail = octet_blocks<QT>(blocks);
+  if constexpr (HasOctet<QT>) dot_octets<QT, MR, kOctetMajor>(row, blocks / 8, v.xq, v.xo, v.xd, v.xbs, terms);
+  int64_t first_block = tail;
   if constexpr (PairedOctet<QT>) {
     // The blocks past the last octet two at a time, paired as the octets pair theirs (x's halves swapped into place
     // here): lanes 0-3 of the products are block b's, 4-7 block b + 1's. One block at a time, SmolLM2's two tail
@@ -337,13 +345,14 @@ void block_terms(const uint8_t* row, const Int8Rows& x, int64_t m0, float* const
         if constexpr (QT == kQ4_0)  // - 8 sum(q_x) per block: 2 sum(q_x) from each of its four lanes
           dot = _mm256_sub_epi32(
               dot, _mm256_set_m128i(_mm_set1_epi32(2 * v.xbs[i][b + 1]), _mm_set1_epi32(2 * v.xbs[i][b])));
-        terms[i][b] = static_cast<float>(hsum_i32(_mm256_castsi256_si128(dot))) * v.xd[i][b] * d0;
-        terms[i][b + 1] = static_cast<float>(hsum_i32(_mm256_extracti128_si256(dot, 1))) * v.xd[i][b + 1] * d1;
+        float term0 = static_cast<float>(hsum_i32(_mm256_castsi256_si128(dot))) * v.xd[i][b] * d0;
+        float term1 = static_cast<float>(hsum_i32(_mm256_extracti128_si256(dot, 1))) * v.xd[i][b + 1] * d1;
         if constexpr (QT == kQ4_1) {  // + m d_x sum(q_x)
-          terms[i][b] = std::fma(v.xd[i][b] * static_cast<float>(v.xbs[i][b]), half_to_float(p + 2), terms[i][b]);
-          terms[i][b + 1] = std::fma(v.xd[i][b + 1] * static_cast<float>(v.xbs[i][b + 1]),
-                                     half_to_float(p + kBytes + 2), terms[i][b + 1]);
+          term0 = std::fma(v.xd[i][b] * static_cast<float>(v.xbs[i][b]), half_to_float(p + 2), term0);
+          term1 = std::fma(v.xd[i][b + 1] * static_cast<float>(v.xbs[i][b + 1]), half_to_float(p + kBytes + 2), term1);
         }
+        tails[i][8 * (b - tail)] = term0;
+        tails[i][8 * (b + 1 - tail)] = term1;
       }
     }
   }
@@ -360,29 +369,24 @@ void block_terms(const uint8_t* row, const Int8Rows& x, int64_t m0, float* const
     for (int i = 0; i < MR; ++i) {
       const __m256i xs = load256(v.xq[i] + k0);
       const __m256i dot = dot_u8s8(_mm256_setzero_si256(), u, QT == kQ4_1 ? xs : _mm256_sign_epi8(xs, w));
-      terms[i][b] = static_cast<float>(hsum_i32(dot)) * v.xd[i][b] * d;
-      if constexpr (QT == kQ4_1)
-        terms[i][b] = std::fma(v.xd[i][b] * static_cast<float>(v.xbs[i][b]), half_to_float(p + 2), terms[i][b]);
+      float term = static_cast<float>(hsum_i32(dot)) * v.xd[i][b] * d;
+      if constexpr (QT == kQ4_1) term = std::fma(v.xd[i][b] * static_cast<float>(v.xbs[i][b]), half_to_float(p + 2), term);
+      tails[i][8 * (b - tail)] = term;
     }
   }
 }
 
-// Eight weight rows' terms (terms[c * ld + b], from block_terms) added in order along K, a weight row a lane, into
-// out[0..8). Whole octets transpose in registers; the blocks past them load lane by lane.
-inline void combine_columns(const float* terms, int64_t ld, int64_t blocks, float* out) {
+// Eight weight rows' terms (from block_terms: the octets' at terms[c * octets + b], the tail's a vector a block)
+// added in order along K, a weight row a lane, into out[0..8). The octets transpose in registers.
+inline void combine_columns(const float* terms, int64_t octets, const float* tails, int64_t tail_blocks, float* out) {
   __m256 acc = _mm256_setzero_ps();
-  int64_t b = 0;
-  for (; b + 8 <= blocks; b += 8) {
+  for (int64_t b = 0; b < octets; b += 8) {
     __m256 t[8];
-    for (int c = 0; c < 8; ++c) t[c] = _mm256_loadu_ps(terms + c * ld + b);
+    for (int c = 0; c < 8; ++c) t[c] = _mm256_loadu_ps(terms + c * octets + b);
     transpose8(t);
     for (int j = 0; j < 8; ++j) acc = _mm256_add_ps(acc, t[j]);
   }
-  for (; b < blocks; ++b) {
-    alignas(32) float t[8];
-    for (int c = 0; c < 8; ++c) t[c] = terms[c * ld + b];
-    acc = _mm256_add_ps(acc, _mm256_load_ps(t));
-  }
+  for (int64_t b = 0; b < tail_blocks; ++b) acc = _mm256_add_ps(acc, _mm256_loadu_ps(tails + 8 * b));
   _mm256_storeu_ps(out, acc);
 }
 
@@ -847,9 +851,10 @@ template <int64_t QT, Layout kLayout, typename Y>
 void int8_dot_rows_by_eight(const Int8Rows& x, const uint8_t* weight, int64_t first, int64_t last, Y* y,
                             int64_t ldy) {
   const int64_t row_bytes = gguf_row_bytes<QT>(x.K), M = x.M, blocks = x.K / 32;
+  const int64_t octets = octet_blocks<QT>(blocks), tail = blocks - octets;
   RowReader<QT> rows(weight, row_bytes, kLayout);
-  // terms [pass row][weight row of the eight][block]. Lanes past a partial eight add whatever an earlier eight left
-  // (finite) and are never stored.
+  // Per pass row: the octets' terms [weight row of the eight][block], then the tail's [block][weight row]. Lanes past
+  // a partial eight add whatever an earlier eight left (finite) and are never stored.
   std::vector<float> terms(kGemvPassRows * 8 * blocks, 0.0f);
   for (int64_t n = first; n < last; n += 8) {
     const int64_t columns = std::min<int64_t>(8, last - n);
@@ -858,18 +863,22 @@ void int8_dot_rows_by_eight(const Int8Rows& x, const uint8_t* weight, int64_t fi
       for (int64_t c = 0; c < columns; ++c) {
         const uint8_t* row = rows(n + c);
         if (m == 0) carpool::simd::prefetch(row + kGemvPrefetchBytes, row_bytes);
-        float* t[kGemvPassRows];
-        for (int64_t i = 0; i < kGemvPassRows; ++i) t[i] = terms.data() + (i * 8 + c) * blocks;
+        float *t[kGemvPassRows], *tails[kGemvPassRows];
+        for (int64_t i = 0; i < kGemvPassRows; ++i) {
+          t[i] = terms.data() + i * 8 * blocks + c * octets;
+          tails[i] = terms.data() + i * 8 * blocks + 8 * octets + c;
+        }
         switch (mr) {
-          case 1: block_terms<QT, 1, kLayout>(row, x, m, t); break;
-          case 2: block_terms<QT, 2, kLayout>(row, x, m, t); break;
-          case 3: block_terms<QT, 3, kLayout>(row, x, m, t); break;
-          default: block_terms<QT, 4, kLayout>(row, x, m, t); break;
+          case 1: block_terms<QT, 1, kLayout>(row, x, m, t, tails); break;
+          case 2: block_terms<QT, 2, kLayout>(row, x, m, t, tails); break;
+          case 3: block_terms<QT, 3, kLayout>(row, x, m, t, tails); break;
+          default: block_terms<QT, 4, kLayout>(row, x, m, t, tails); break;
         }
       }
       for (int64_t i = 0; i < mr; ++i) {
         alignas(32) float out[8];
-        combine_columns(terms.data() + i * 8 * blocks, blocks, blocks, out);
+        const float* own = terms.data() + i * 8 * blocks;
+        combine_columns(own, octets, own + 8 * octets, tail, out);
         for (int64_t c = 0; c < columns; ++c) y[(m + i) * ldy + n + c] = Y(out[c]);
       }
     }
