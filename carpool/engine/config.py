@@ -117,6 +117,20 @@ class EngineConfig:
             raise ValueError(f"reproducible=True cannot hold with {obstacle}; leave reproducible unset or false")
         return obstacle is None if self.reproducible is None else self.reproducible
 
+    def settle_reproducible(self, dense_layer: str | None) -> None:
+        """After the weights load: a dense linear layer (`dense_layer`, None without one) multiplies through torch's
+        matmuls, whose reductions follow the batch size. Asked for, reproducible is then a ValueError; by default
+        it turns off, `matmul` back to its own setting."""
+        if not (self.reproducible and dense_layer):
+            return
+        if self._asked["reproducible"]:
+            raise ValueError(
+                f"reproducible=True cannot hold with dense weights ({dense_layer}: torch's matmuls pick their "
+                "reductions by batch size); leave reproducible unset or false"
+            )
+        self.reproducible = False
+        self.matmul = resolve_matmul(self._asked["matmul"], kernel_path())
+
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
@@ -139,6 +153,7 @@ class EngineConfig:
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         check_quantization(self.quantization)
+        self._asked = {"reproducible": self.reproducible, "matmul": self.matmul}  # for settle_reproducible
         self.reproducible = self._resolve_reproducible()
         self.matmul = "int8-dot-all" if self.reproducible else resolve_matmul(self.matmul, kernel_path())
         if self.priority_aging_seconds <= 0:

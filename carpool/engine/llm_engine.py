@@ -26,7 +26,7 @@ from carpool.engine.structured.masks import prefetch_grammar_masks
 from carpool.engine.tiers import DEFAULT_TIER
 from carpool.models import Tokenizer, load_model
 from carpool.models.loader import resolve_model_dir
-from carpool.models.quantization import check_quantization, matmul_mode
+from carpool.models.quantization import check_quantization, first_dense_linear, matmul_mode
 
 
 @dataclass
@@ -59,6 +59,7 @@ class LLMEngine:
         self.model, self.tokenizer, self.model_config = load_model(
             self.config.model, self.device, self.dtype, self.config.quantization
         )
+        self.config.settle_reproducible(first_dense_linear(self.model))
         self.max_model_len = min(
             self.config.max_model_len or self.model_config.max_position_embeddings,
             self.model_config.max_position_embeddings,

@@ -182,6 +182,12 @@ def concat_rows(weights: list) -> "torch.Tensor | GGMLWeight":
     return torch.cat([w.dequantize() if isinstance(w, GGMLWeight) else w for w in weights])
 
 
+def first_dense_linear(model: nn.Module) -> str | None:
+    """The name of the model's first linear layer held in dense floats (torch's matmul), None when every one is in
+    a block format (GGMLLinear)."""
+    return next((name for name, module in model.named_modules() if isinstance(module, nn.Linear)), None)
+
+
 class GGMLLinear(nn.Module):
     """y = x W^T with W in GGML blocks; float32 or bfloat16 activations, output in the input's dtype."""
 
