@@ -64,15 +64,18 @@ def test_a_batch_of_32_mixed_lengths_gives_each_request_its_tokens_alone(llm, pr
     assert [o.token_ids for o in llm.generate(prompts, params)] == seeded_alone
 
 
-def test_a_prefix_cache_hit_changes_no_token(llm, cold, prompts):
-    """Whole cached blocks (the same prompt again), and a partial block's copy (a prompt sharing a cached prompt's
-    first tokens up to the middle of a block)."""
-    long = max(prompts, key=len)
-    first = llm.generate([long], seeded(7))[0]
-    again = llm.generate([long], seeded(7))[0]
-    assert again.num_cached_tokens >= len(long) // 16 * 16 - 16
-    assert again.token_ids == first.token_ids == alone(cold, long, seeded(7))
+def test_a_prefix_cache_hit_changes_no_token(llm, cold, prompts, greedy_alone, seeded_alone):
+    """Whole cached blocks (each of the 8 longest prompts again, its first run having cached it), and a partial
+    block's copy (a prompt sharing a cached prompt's first tokens up to the middle of a block)."""
+    longest = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))[-8:]
+    llm.generate([prompts[i] for i in longest], GREEDY)
+    for i in longest:
+        again = llm.generate([prompts[i]], GREEDY)[0]
+        assert again.num_cached_tokens >= len(prompts[i]) // 16 * 16 - 16
+        assert again.token_ids == greedy_alone[i]
+        assert llm.generate([prompts[i]], seeded(i))[0].token_ids == seeded_alone[i]
     block = llm.engine.config.block_size
+    long = prompts[longest[-1]]
     fork = long[: 5 * block + block // 2] + long[-20:]
     out = llm.generate([fork], GREEDY)[0]
     assert out.num_cached_tokens == 5 * block + block // 2

@@ -53,7 +53,8 @@ def test_auto_resolves_per_kernel_path():
     assert resolve_matmul("auto", "avx2") == resolve_matmul("auto", "avxvnni") == "int8-dot-all"  # fp32 FMAs there
     assert resolve_matmul("auto", "avx512") == resolve_matmul("auto", "portable") == "int8-dot"
     assert resolve_matmul("exact", "avx2") == "exact"
-    assert EngineConfig().matmul == resolve_matmul("auto", kernel_path())
+    assert EngineConfig(reproducible=False).matmul == resolve_matmul("auto", kernel_path())
+    assert EngineConfig(device="cpu").matmul == "int8-dot-all"  # reproducible by default: every row in integers
     assert EngineConfig(matmul="int8-dot-all").matmul == "int8-dot-all"
 
 
