@@ -10,6 +10,7 @@ from carpool.bench import (
     prefill,
     prefix,
     replicas,
+    reproducible,
     serve,
     simulate,
     soak,
@@ -34,6 +35,7 @@ MODES = (
     cache_ttl.add_parser,
     ledger_replay.add_parser,
     day.add_parser,
+    reproducible.add_parser,
 )
 
 

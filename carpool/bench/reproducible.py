@@ -3,7 +3,7 @@
 through the decode kernel) and one with `reproducible=False` (the fast mode: `matmul` "auto", SDPA for prompts),
 their measurements taking turns so that a shared machine's noise hits both alike.
 
-    python -m carpool.bench.reproducible --model smollm2-135m --rounds 5 [--out bench-results/reproducible.json]
+    carpool bench reproducible --model smollm2-135m --rounds 5 [--out bench-results/reproducible.json]
 
 Per engine: a decode step of 1 and of 32 sequences (the median step once every prompt is in, the 32 of mixed
 lengths from the shipped chat prompts, the one a 500-token transcript), and a 2,000-token prompt's prefill (one
@@ -51,14 +51,23 @@ def prefill_ms(llm: LLM, prompt: list[int]) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_parser(modes) -> None:
+    parser = modes.add_parser(
+        "reproducible",
+        help="what reproducible mode costs: decode steps of 1 and 32 sequences and a 2,000-token prefill, "
+        "reproducible on and off side by side",
+    )
     parser.add_argument("--model", default=None, help="catalog name or GGUF (default: the embedded SmolLM2-135M)")
     parser.add_argument("--rounds", type=int, default=5, help="rounds of every measurement, the engines in turn")
     parser.add_argument("--steps", type=int, default=10, help="decode steps timed per round")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--out", default=None, help="write the JSON report here too")
-    args = parser.parse_args(argv)
+    parser.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> dict:
+    if args.rounds < 1 or args.steps < 1:
+        raise ValueError("--rounds and --steps must be at least 1")
     if args.threads:
         torch.set_num_threads(args.threads)
     engines = {
@@ -84,7 +93,8 @@ def main(argv: list[str] | None = None) -> dict:
             for mode, llm in engines.items():
                 samples[case][mode].append(measure(llm))
     report = {
-        "command": "python -m carpool.bench.reproducible " + " ".join(argv or []),
+        "command": f"carpool bench reproducible --rounds {args.rounds} --steps {args.steps}"
+        + (f" --model {args.model}" if args.model else ""),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "cpu": cpu_model(),
         "kernel_path": kernel_path(),
@@ -103,7 +113,3 @@ def main(argv: list[str] | None = None) -> dict:
     if args.out:
         write_report(args.out, report)
     return report
-
-
-if __name__ == "__main__":
-    main()
