@@ -154,8 +154,9 @@ class EngineConfig:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         check_quantization(self.quantization)
         self._asked = {"reproducible": self.reproducible, "matmul": self.matmul}  # for settle_reproducible
+        fast = resolve_matmul(self.matmul, kernel_path())  # checks the setting too
         self.reproducible = self._resolve_reproducible()
-        self.matmul = "int8-dot-all" if self.reproducible else resolve_matmul(self.matmul, kernel_path())
+        self.matmul = "int8-dot-all" if self.reproducible else fast
         if self.priority_aging_seconds <= 0:
             raise ValueError(f"priority_aging_seconds must be > 0, got {self.priority_aging_seconds!r}")
         for name in ("num_speculative_tokens", "ngram_min", "ngram_max"):

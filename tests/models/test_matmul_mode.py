@@ -68,6 +68,8 @@ def test_the_cli_flag_sets_the_field():
     add_engine_args(parser)
     assert engine_config(parser.parse_args(["--matmul", "exact"])).matmul == "exact"
     assert engine_config(parser.parse_args(["--matmul", "int8-dot-all"])).matmul == "int8-dot-all"
-    assert engine_config(parser.parse_args([])).matmul == resolve_matmul("auto", kernel_path())
+    fast = engine_config(parser.parse_args(["--reproducible", "off"]))
+    assert fast.matmul == resolve_matmul("auto", kernel_path()) and fast.reproducible is False
+    assert engine_config(parser.parse_args(["--device", "cpu"])).matmul == "int8-dot-all"  # reproducible
     with pytest.raises(SystemExit):
         parser.parse_args(["--matmul", "int4"])
