@@ -101,10 +101,13 @@ inline __m256i fifth_bits(const uint8_t* p) {
   const __m256i mask = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
   return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, mask), mask), bytes(0x10));
 }
-// The sum of v's eight int32 lanes (exact: the integer total of a block's partial sums).
+// The sum of v's int32 lanes, exact: a block's integer total from its partial sums.
 inline int32_t hsum_i32(__m128i v) {
   const __m128i pairs = _mm_add_epi32(v, _mm_shuffle_epi32(v, _MM_SHUFFLE(1, 0, 3, 2)));
   return _mm_cvtsi128_si32(_mm_add_epi32(pairs, _mm_shuffle_epi32(pairs, _MM_SHUFFLE(2, 3, 0, 1))));
+}
+inline int32_t hsum_i32(__m256i v) {
+  return hsum_i32(_mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
 }
 // r[i][j] -> r[j][i]: eight weight rows' vectors of eight blocks into eight blocks' vectors of the rows.
 inline void transpose8(__m256 (&r)[8]) {
@@ -123,17 +126,14 @@ inline void transpose8(__m256 (&r)[8]) {
     r[4 + j] = _mm256_permute2f128_ps(s[j], s[4 + j], 0x31);
   }
 }
-inline int32_t hsum_i32(__m256i v) {
-  return hsum_i32(_mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
-}
 
 // ---- the 32-weight formats eight blocks at a time ----
 // Per block and row the integer dot is one vpdpbusd; converting each block's eight partial sums to float and
 // scaling them apart (the per-block loop below) cost 3-4 more vector ops and a scalar multiply per block and row,
 // which left Q4_1 compute-bound at 16 GB/s a core and made every extra row cost nearly a whole extra GEMV. Here the
 // partial sums of eight blocks are reduced together into one vector, lane j = block j's integer dot (a hadd tree:
-// 9 ops for 8 blocks), then scaled by the eight blocks' d (their f16 words in one vector) times x's scales in one
-// multiply-add. The weights are unpacked as unsigned bytes (q, or q + 128 for Q8_0 with VNNI) and the offset
+// 9 ops for 8 blocks), then made the eight blocks' terms (ggml_dot.h) with their d (f16 words in one vector) and
+// x's scales in two multiplies. The weights are unpacked as unsigned bytes (q, or q + 128 for Q8_0 with VNNI) and the offset
 // comes off as offset * sum(q_x) per block, exact in int32: the same integer dot as the signed form.
 
 // Octet<QT>: the offset subtracted from the unsigned weights (kShift: log2 of it; -1: none), and either where a
