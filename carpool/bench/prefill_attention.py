@@ -19,7 +19,13 @@ import time
 import torch
 
 from carpool.engine.block_manager import cdiv
-from carpool.models.attention import AttentionMetadata, DecodeGroup, PagedAttention, PrefillSegment, attention_metadata
+from carpool.models.attention import (
+    AttentionMetadata,
+    PagedAttention,
+    PrefillSegment,
+    attention_metadata,
+    prompt_rows,
+)
 
 BLOCK_SIZE = 16
 
@@ -29,10 +35,9 @@ def chunk_metadata(table: torch.Tensor, start: int, n: int, reproducible: bool) 
     builds it."""
     slots = torch.tensor([int(table[p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE for p in range(start, start + n)])
     blocks = table[: cdiv(start + n, BLOCK_SIZE)]
-    lengths = torch.arange(start + 1, start + n + 1)
-    rows = DecodeGroup(0, n, blocks.expand(n, -1).contiguous(), lengths) if reproducible else None
+    rows = prompt_rows(table, BLOCK_SIZE, 0, start, n) if reproducible else None
     segment = PrefillSegment(0, n, start + n, blocks if start else None, rows)
-    return AttentionMetadata(slot_mapping=slots, prefills=[segment], reproducible=reproducible)
+    return AttentionMetadata(slot_mapping=slots, prefills=[segment])
 
 
 def attention_ms(

@@ -10,7 +10,7 @@ import torch
 from carpool.engine.block_manager import cdiv
 from carpool.engine.scheduler import ScheduledBatch
 from carpool.engine.sequence import Sequence, TokenLogprob
-from carpool.models.attention import AttentionMetadata, DecodeGroup, PrefillSegment, attention_metadata
+from carpool.models.attention import AttentionMetadata, DecodeGroup, PrefillSegment, attention_metadata, prompt_rows
 
 PROMPT_LOGPROB_ROWS = 64
 
@@ -66,7 +66,7 @@ class ModelRunner:
         reproducible: bool = False,
     ):
         self.model = model
-        # Prompt chunks attend as decode rows (AttentionMetadata.reproducible): a token's bits whatever its step.
+        # Prompt chunks attend as decode rows (PrefillSegment.rows): a token's bits whatever its step.
         self.reproducible = reproducible
         self.block_size = block_size
         self.device = device
@@ -188,22 +188,16 @@ class ModelRunner:
                 table = table_of(seq)[skipped : cdiv(start + n, self.block_size)]
                 blocks = torch.tensor(table, dtype=torch.long, device=self.device)
                 context -= skipped * self.block_size
-            rows = self._chunk_rows(table_of(seq), offset, start, n) if self.reproducible else None
+            rows = None
+            if self.reproducible:
+                full_table = torch.tensor(table_of(seq), dtype=torch.long, device=self.device)
+                rows = prompt_rows(full_table, self.block_size, offset, start, n)
             prefills.append(PrefillSegment(offset, offset + n, context, blocks, rows))
         return AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
             decode_groups=self._decode_groups(decode_rows, table_of),
             prefills=prefills,
-            reproducible=self.reproducible,
         )
-
-    def _chunk_rows(self, table: list[int], offset: int, start: int, n: int) -> DecodeGroup:
-        """A prompt chunk's n tokens (positions start.. of the sequence) as decode rows: each reads the sequence's
-        blocks up to the chunk's end and attends to the keys up to itself (the chunk's are written before attention).
-        A sliding table's placeholder blocks lie before every row's window: the kernel never reads them."""
-        blocks = torch.tensor(table[: cdiv(start + n, self.block_size)], dtype=torch.long, device=self.device)
-        lengths = torch.arange(start + 1, start + n + 1, dtype=torch.long, device=self.device)
-        return DecodeGroup(offset, offset + n, blocks.expand(n, -1).contiguous(), lengths)
 
     def _decode_groups(self, rows: list[tuple[Sequence, int]], table_of) -> list[DecodeGroup]:
         """rows: (sequence, keys its query attends to) per decode query. On the CPU all decodes go in one group:

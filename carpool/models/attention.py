@@ -8,7 +8,7 @@ Token layout of a step: decode tokens first (one per sequence, shortest context 
 chunk as a contiguous run. On the CPU decodes read the pool in place (`torch.ops.carpool.paged_decode_attention`);
 elsewhere they are gathered into padded SDPA calls, one per group of similar context lengths so that short
 contexts are not padded to the longest. Prefill chunks run one SDPA call each, or, in a reproducible step
-(`AttentionMetadata.reproducible`, on the CPU), through the decode kernel with the chunk's rows as decode rows of
+(a segment with `rows`, on the CPU), through the decode kernel with the chunk's rows as decode rows of
 their sequence: a token's attention is then the same bits whether a prompt chunk or a decode step computes it,
 whatever else the call holds (the kernel's rows are row-invariant: tests/kernels/test_prompt_rows_attention.py).
 
@@ -54,12 +54,19 @@ class AttentionMetadata:
     # The sliding-window layers' own slots and tables when they have a KV pool of their own (see
     # BlockManager); None: every layer reads this metadata.
     sliding: "AttentionMetadata | None" = None
-    # Prefill chunks attend through the decode kernel (each segment's `rows`), not SDPA: SDPA's blocked softmax
-    # gives a token other bits in a chunk than the kernel gives it as a decode row.
-    reproducible: bool = False
 
 
 _current: AttentionMetadata | None = None
+
+
+def prompt_rows(table: torch.Tensor, block_size: int, offset: int, start: int, n: int) -> DecodeGroup:
+    """A prompt chunk's n tokens (positions start.. of the sequence whose block table is `table`; offset: the
+    chunk's first token in the step) as decode rows: each reads the table up to the chunk's end and attends to the
+    keys up to itself (the chunk's own are written before attention). A sliding table's placeholder blocks lie
+    before every row's window: the kernel never reads them."""
+    blocks = table[: (start + n + block_size - 1) // block_size]
+    lengths = torch.arange(start + 1, start + n + 1, dtype=torch.long, device=table.device)
+    return DecodeGroup(offset, offset + n, blocks.expand(n, -1).contiguous(), lengths)
 
 
 @contextmanager
@@ -118,7 +125,7 @@ class PagedAttention(nn.Module):
         for group in meta.decode_groups:
             out[group.start : group.end] = self._decode(q[group.start : group.end], group)
         for segment in meta.prefills:
-            if meta.reproducible:
+            if segment.rows is not None:  # SDPA's blocked softmax would give the rows other bits than decoding does
                 out[segment.start : segment.end] = self._decode(q[segment.start : segment.end], segment.rows)
             else:
                 out[segment.start : segment.end] = self._prefill(q, k, v, segment)

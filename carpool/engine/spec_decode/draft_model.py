@@ -141,12 +141,10 @@ class DraftModelDrafter:
             logits = torch.nn.functional.pad(logits, (0, self.vocab_size - logits.shape[-1]), value=float("-inf"))
         view = Extended(seq, seq.spec_token_ids)
         q = filtered_probs(logits, view, self.end_token_ids)
-        if self.reproducible:
-            noise = torch.empty_like(q).exponential_(generator=token_generator(view, q.device))
-        else:
-            noise = torch.empty_like(q).exponential_(generator=token_generator(view, q.device, _DRAFT_STREAM))
+        stream = token_generator(view, q.device, 0 if self.reproducible else _DRAFT_STREAM)
+        if not self.reproducible:
             probs.append(q)
-        return int((q / noise).argmax())
+        return int((q / torch.empty_like(q).exponential_(generator=stream)).argmax())
 
     def _sync(self, seq: Sequence) -> bool:
         """Bring seq's shadow up to seq's tokens; False when the draft pool has no room for it."""

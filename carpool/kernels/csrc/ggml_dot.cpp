@@ -886,36 +886,41 @@ void int8_dot_rows_by_eight(const Int8Rows& x, const uint8_t* weight, int64_t fi
 }
 #endif
 
-// Weight rows [first, last) against every activation row, up to kGemvPassRows at a time per unpacked block.
+// Weight rows [first, last) against every activation row, one weight row at a time, up to kGemvPassRows activation
+// rows per unpacked block.
+template <int64_t QT, Layout kLayout, typename Y>
+void int8_dot_rows_each(const Int8Rows& x, const uint8_t* weight, int64_t first, int64_t last, Y* y, int64_t ldy) {
+  const int64_t row_bytes = gguf_row_bytes<QT>(x.K), M = x.M;
+  RowReader<QT> rows(weight, row_bytes, kLayout);  // row groups: the portable build's
+  float out[kGemvPassRows];
+  for (int64_t n = first; n < last; ++n) {
+    const uint8_t* row = rows(n);
+#ifdef CARPOOL_SIMD
+    carpool::simd::prefetch(row + kGemvPrefetchBytes, row_bytes);
+#endif
+    for (int64_t m = 0; m < M; m += kGemvPassRows) {
+      const int64_t mr = std::min(kGemvPassRows, M - m);
+      switch (mr) {
+        case 1: dot_block_rows<QT, 1, kLayout>(row, x, m, out); break;
+        case 2: dot_block_rows<QT, 2, kLayout>(row, x, m, out); break;
+        case 3: dot_block_rows<QT, 3, kLayout>(row, x, m, out); break;
+        default: dot_block_rows<QT, 4, kLayout>(row, x, m, out); break;
+      }
+      for (int64_t i = 0; i < mr; ++i) y[(m + i) * ldy + n] = Y(out[i]);
+    }
+  }
+}
+
+// Weight rows [first, last) against every activation row: the 32-weight formats eight weight rows at a time where
+// the build has SIMD, the rest one at a time.
 template <int64_t QT, Layout kLayout, typename Y>
 void int8_dot_rows(const Int8Rows& x, const uint8_t* weight, int64_t first, int64_t last, Y* y, int64_t ldy) {
 #ifdef CARPOOL_SIMD
-  if constexpr (Format<QT>::kWeights == 32) {
+  if constexpr (Format<QT>::kWeights == 32)
     int8_dot_rows_by_eight<QT, kLayout>(x, weight, first, last, y, ldy);
-    return;
-  } else
+  else
 #endif
-  {
-    const int64_t row_bytes = gguf_row_bytes<QT>(x.K), M = x.M;
-    RowReader<QT> rows(weight, row_bytes, kLayout);  // row groups: the portable build's
-    float out[kGemvPassRows];
-    for (int64_t n = first; n < last; ++n) {
-      const uint8_t* row = rows(n);
-#ifdef CARPOOL_SIMD
-      carpool::simd::prefetch(row + kGemvPrefetchBytes, row_bytes);
-#endif
-      for (int64_t m = 0; m < M; m += kGemvPassRows) {
-        const int64_t mr = std::min(kGemvPassRows, M - m);
-        switch (mr) {
-          case 1: dot_block_rows<QT, 1, kLayout>(row, x, m, out); break;
-          case 2: dot_block_rows<QT, 2, kLayout>(row, x, m, out); break;
-          case 3: dot_block_rows<QT, 3, kLayout>(row, x, m, out); break;
-          default: dot_block_rows<QT, 4, kLayout>(row, x, m, out); break;
-        }
-        for (int64_t i = 0; i < mr; ++i) y[(m + i) * ldy + n] = Y(out[i]);
-      }
-    }
-  }
+    int8_dot_rows_each<QT, kLayout>(x, weight, first, last, y, ldy);
 }
 
 int64_t set_matmul_mode(int64_t mode) {

@@ -296,7 +296,7 @@ struct Rows16 {
     const F terms = _mm512_fmadd_ps(_mm512_cvtepi32_ps(mins), _mm512_set1_ps(negdmin), scaled);
     return _mm512_fmadd_ps(terms, xd, acc);
   }
-  // The 32-weight formats' step (ggml_dot.h's block_step32): acc + (tot xd) d, Q4_1's + sums m inside the term.
+  // The 32-weight formats' step (ggml_dot.h's float step): acc + (tot xd) d, Q4_1's + sums m inside the term.
   static F added(F acc, I tot, F xd, float d) {
     return _mm512_add_ps(acc, _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(tot), xd), _mm512_set1_ps(d)));
   }
