@@ -11,6 +11,11 @@ import pytest
 SMOL, QWEN = "smollm2-135m", "qwen2.5-coder-0.5b"
 KEY, OTHER_KEY = "sk-anthropic-test", "sk-anthropic-other"
 HI = [{"role": "user", "content": "Say hi to Ann."}]
+# Greedy on a prompt whose answer cannot end within 6 tokens, for the tests about a stop reason's name or the event
+# sequence: "Say hi to Ann." ended at its 5th token in two clean clones' CI runs (greedy near a tie once, sampled at
+# Anthropic's default temperature 1 once).
+COUNT = [{"role": "user", "content": "Count from one to twenty in words, one number a line."}]
+GREEDY = {"extra_body": {"temperature": 0}}
 WEATHER = {
     "name": "get_weather",
     "description": "The weather in a city",
@@ -44,10 +49,7 @@ def client(server):
 
 
 def test_create_answers_a_message_with_usage_and_request_id(client):
-    # A prompt whose answer cannot end within 6 tokens: "Say hi to Ann." once ended at its 5th in a clean clone's
-    # CI run (a greedy near-tie), and this test is about the stop reason's name, not the answer.
-    count = [{"role": "user", "content": "Count from one to twenty in words, one number a line."}]
-    raw = client.messages.with_raw_response.create(model=SMOL, max_tokens=6, messages=count)
+    raw = client.messages.with_raw_response.create(model=SMOL, max_tokens=6, messages=COUNT, **GREEDY)
     message = raw.parse()
     assert raw.headers["request-id"] == raw.headers["x-request-id"]
     assert message.id.startswith("msg_") and message.type == "message" and message.role == "assistant"
@@ -88,7 +90,7 @@ def test_stop_sequence_is_reported_with_the_string_that_ended_it(client):
 
 
 def test_stream_sends_anthropics_event_sequence(client, server):
-    with client.messages.stream(model=SMOL, max_tokens=6, messages=HI) as stream:
+    with client.messages.stream(model=SMOL, max_tokens=6, messages=COUNT, **GREEDY) as stream:
         kinds = [event.type for event in stream if event.type not in ("text",)]
         final = stream.get_final_message()
     assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]

@@ -66,7 +66,7 @@ def test_streaming_chat_with_usage_chunk(client, model):
 
 
 def test_stream_ends_with_done(server, model):
-    body = {"model": model, "prompt": "Hello", "max_tokens": 3, "stream": True}
+    body = {"model": model, "prompt": "1, 2, 3,", "max_tokens": 3, "temperature": 0, "stream": True}
     with server.http() as http, http.stream("POST", "/v1/completions", json=body) as response:
         events = [line for line in response.iter_lines() if line]
     assert response.headers["content-type"].startswith("text/event-stream")
