@@ -20,6 +20,7 @@ from carpool.economics.phase_meter import PhaseMeter
 from carpool.engine.config import EngineConfig
 from carpool.engine.llm_engine import LLMEngine
 from carpool.engine.sampling_params import SamplingParams
+from carpool.models.catalog import served_name
 from carpool.models.quantization import QUANTIZATION_MODES
 
 
@@ -32,6 +33,7 @@ def add_parser(modes) -> None:
         default=[1, 64],
         help="batch sizes to run, each a batch of that many prompts at once",
     )
+    parser.add_argument("--model", default=None, help="catalog name or GGUF path (default: the embedded model)")
     parser.add_argument("--max-tokens", type=int, default=128, help="output tokens per prompt at most")
     parser.add_argument("--max-prompt-chars", type=int, default=2000, help="skip longer prompts")
     parser.add_argument("--skip-transformers", action="store_true", help="run carpool only, without the comparison")
@@ -70,12 +72,12 @@ def run_carpool(engine: LLMEngine, prompts: list[str], max_tokens: int) -> dict:
     }
 
 
-def load_transformers_model(dtype: torch.dtype):
+def load_transformers_model(model: str | None, dtype: torch.dtype):
     import transformers
 
-    from carpool.models.loader import default_model_path
+    from carpool.models.catalog import resolve
 
-    path = Path(default_model_path())
+    path = Path(resolve(model))
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     tokenizer.padding_side = "left"
     model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
@@ -111,6 +113,7 @@ def run_transformers(model, tokenizer, prompts: list[str], max_tokens: int) -> d
 def main(args: argparse.Namespace) -> int:
     engine = LLMEngine(
         EngineConfig(
+            model=args.model,
             max_num_seqs=max(args.num_prompts),
             enable_prefix_caching=False,
             dtype=args.dtype,
@@ -118,8 +121,13 @@ def main(args: argparse.Namespace) -> int:
         )
     )
     texts = first_human_turns(max(args.num_prompts), max_chars=args.max_prompt_chars)
-    chats = [engine.tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
-    hf = None if args.skip_transformers else load_transformers_model(engine.dtype)
+    tokenizer = engine.tokenizer
+    # A model without a chat template (Gemma 3 270M's GGUF) gets the turns as raw prompts.
+    if tokenizer.chat_template:
+        chats = [tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
+    else:
+        chats = texts
+    hf = None if args.skip_transformers else load_transformers_model(args.model, engine.dtype)
     results = []
     for n in args.num_prompts:
         row = {"num_prompts": n, "carpool": run_carpool(engine, chats[:n], args.max_tokens)}
@@ -136,6 +144,7 @@ def main(args: argparse.Namespace) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     # "phases": the largest run's engine time split, which `carpool cost model --bench` prices.
     summary = {
+        "model": served_name(args.model),
         "max_tokens": args.max_tokens,
         "dtype": str(engine.dtype),
         "quantization": args.quantization,

@@ -29,6 +29,16 @@ def test_bench_offline_reports_carpool_throughput_and_phases(tmp_path):
     (row,) = report["results"]
     assert row["num_prompts"] == 2 and 2 <= row["carpool"]["output_tokens"] <= 8
     assert report["phases"]["prefill_tokens"] > 0 and report["phases"]["decode_tokens"] > 0
+    assert report["model"] == "SmolLM2-135M-Instruct.Q4_1"  # as the server names the embedded model
+
+
+def test_bench_offline_runs_a_named_model_without_a_chat_template(tmp_path):
+    # Gemma 3 270M's GGUF has no chat template: its turns go in as raw prompts (the price sheet's basis run).
+    out = tmp_path / "offline.json"
+    flags = ["--model", "gemma-3-270m", "--num-prompts", "1", "--max-tokens", "2", "--skip-transformers"]
+    assert main(["bench", "offline", *flags, "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["model"] == "gemma-3-270m" and report["phases"]["decode_tokens"] > 0
 
 
 def test_bench_prefix_computes_fewer_prompt_tokens_with_the_cache(tmp_path):
