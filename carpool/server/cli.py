@@ -21,6 +21,7 @@ from carpool.server.assembly import (
     model_configs,
     open_stores,
 )
+from carpool.server.replicas.counts import replicas_arg
 
 
 def add_serve_parser(subparsers) -> None:
@@ -99,10 +100,20 @@ def add_serve_parser(subparsers) -> None:
     )
     parser.add_argument(
         "--replicas",
-        type=int,
-        default=0,
-        help="serve each model from N engine replicas on Ray Serve behind this one endpoint (needs "
-        "`make scale`; --num-threads is then each replica's; default: one engine in-process)",
+        type=replicas_arg,
+        default=None,
+        metavar="N|MIN:MAX",
+        help="serve each model from N engine replicas on Ray Serve behind this one endpoint, or from MIN to MAX "
+        "that Ray Serve's autoscaler adds and drains on load (needs `make scale`; --num-threads is then each "
+        "replica's; default: one engine in-process)",
+    )
+    parser.add_argument(
+        "--scale-down-delay",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="with --replicas MIN:MAX: how long the load must stay low before a replica is drained and removed "
+        "(default: 60)",
     )
     parser.add_argument(
         "--routing",

@@ -6,6 +6,7 @@ import pytest
 
 pytest.importorskip("ray.serve", reason="needs `make scale`")
 from carpool.deploy.application import parse_serve_flags, serve_flags
+from carpool.server.replicas.counts import ReplicaCount
 
 
 def test_config_args_become_serve_flags():
@@ -13,7 +14,7 @@ def test_config_args_become_serve_flags():
         {"num_threads": 2, "model": ["smollm2-135m"], "no_warmup": True, "db": None, "routing": "round-robin"}
     )
     args, configs = parse_serve_flags(flags)
-    assert (args.replicas, args.routing, args.no_warmup) == (2, "round-robin", True)
+    assert (args.replicas, args.routing, args.no_warmup) == (ReplicaCount(2, 2), "round-robin", True)
     assert [config.num_threads for config in configs.values()] == [2]
 
 
