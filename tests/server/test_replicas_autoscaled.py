@@ -3,8 +3,10 @@ Serve's autoscaler, under carpool's policy), and when the load goes the replica 
 holds first: a long streamed answer on the removed replica arrives whole."""
 
 import json
+import shutil
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -14,14 +16,15 @@ pytest.importorskip("ray.serve", reason="needs `make scale`")
 
 SLOTS = 2  # --max-num-seqs: the autoscaler's target of ongoing requests per replica
 LONG_TOKENS = 1000
+FAILED_START = "model: no such file or directory"  # the new replica's constructor, in Ray's log
 
 
-@pytest.fixture(scope="module")
+AUTOSCALED = ("--replicas", "1:2", "--num-threads", "1", "--max-num-seqs", str(SLOTS), "--scale-down-delay", "5")
+
+
+@pytest.fixture
 def server():
-    # 1 s of low load before a scale-down would be as good a test and flakier on a loaded machine; 5 s keeps it short.
-    live = LiveServer(
-        "--replicas", "1:2", "--num-threads", "1", "--max-num-seqs", str(SLOTS), "--scale-down-delay", "5"
-    )
+    live = LiveServer(*AUTOSCALED)
     yield live
     live.stop()
 
@@ -39,6 +42,11 @@ def serving(server) -> float:
     return next(value for (name, _), value in server.metrics().items() if name == "carpool:replicas")
 
 
+def log(server) -> str:
+    """The server's whole log, Ray Serve's controller's lines included (LiveServer.output keeps only the tail)."""
+    return Path(server.log.name).read_text()
+
+
 def wait_for(condition, seconds: float, what: str) -> None:
     deadline = time.monotonic() + seconds
     while not condition():
@@ -46,19 +54,25 @@ def wait_for(condition, seconds: float, what: str) -> None:
         time.sleep(0.5)
 
 
-def test_load_adds_a_replica_and_a_stream_on_the_removed_one_finishes_whole(server):
-    assert serving(server) == 1
-    (first,) = running(server)
-    body = {"prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True}
-    # Three times the one replica's slots: Ray's total of ongoing requests over its target asks for a second.
+def start_load(server, requests: int, body: dict) -> tuple[list, list[threading.Thread]]:
+    """`requests` completions at once, each on a thread: (their answers as they come, the threads)."""
     answers = []
 
     def post():
         answers.append(httpx.post(server.url + "/v1/completions", json=body, timeout=300))
 
-    load = [threading.Thread(target=post) for _ in range(3 * SLOTS)]
+    load = [threading.Thread(target=post) for _ in range(requests)]
     for thread in load:
         thread.start()
+    return answers, load
+
+
+def test_load_adds_a_replica_and_a_stream_on_the_removed_one_finishes_whole(server):
+    assert serving(server) == 1
+    (first,) = running(server)
+    body = {"prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True}
+    # Three times the one replica's slots: Ray's total of ongoing requests over its target asks for a second.
+    answers, load = start_load(server, 3 * SLOTS, body)
     wait_for(lambda: serving(server) == 2, 120, "the load did not add a replica")
     (second,) = set(running(server)) - {first}
 
@@ -76,7 +90,7 @@ def test_load_adds_a_replica_and_a_stream_on_the_removed_one_finishes_whole(serv
             thread.join()
         assert [answer.status_code for answer in answers] == [200] * len(load)
         # The load is gone; the scale-down starts while the stream still runs on the replica it removes.
-        wait_for(lambda: "Removing 1 replica" in server.output(), 60, "the idle replica was not removed")
+        wait_for(lambda: "Removing 1 replica" in log(server), 60, "the idle replica was not removed")
         assert running(server)[second] == 1  # draining, still posting
         events = [line.removeprefix("data: ") for line in lines if line.startswith("data:")]
     assert events[-1] == "[DONE]"
@@ -85,3 +99,27 @@ def test_load_adds_a_replica_and_a_stream_on_the_removed_one_finishes_whole(serv
     assert chunks[-1]["usage"]["completion_tokens"] == LONG_TOKENS
     wait_for(lambda: serving(server) == 1, 30, "the drained replica did not leave")
     assert set(running(server)) == {first}  # the stream's replica went
+
+
+def test_a_replica_that_fails_to_start_takes_no_traffic_and_is_replaced(tmp_path):
+    from carpool.models.catalog import resolve
+
+    model = tmp_path / Path(resolve(None)).name
+    shutil.copy(resolve(None), model)
+    server = LiveServer("--model", str(model), *AUTOSCALED)
+    try:
+        (first,) = running(server)
+        away = model.rename(model.with_suffix(".away"))  # the first replica has it mapped; a new one cannot load it
+        body = {"prompt": "Once upon a time", "max_tokens": 300, "ignore_eos": True}
+        answers, load = start_load(server, 4 * SLOTS, body)
+        wait_for(lambda: FAILED_START in log(server), 120, "no replica was started and failed")
+        for _ in range(6):  # Serve retries it meanwhile; none joins, and the load keeps being answered by the first
+            assert set(running(server)) == {first} and serving(server) == 1
+            time.sleep(0.5)
+        away.rename(model)
+        wait_for(lambda: serving(server) == 2, 120, "no replica replaced the one that failed")
+        for thread in load:
+            thread.join()
+        assert [answer.status_code for answer in answers] == [200] * len(load)
+    finally:
+        server.stop()

@@ -2,6 +2,8 @@
 would call it), and the autoscaled router's retries and sums."""
 
 import asyncio
+import threading
+import time
 import types
 
 import pytest
@@ -164,3 +166,39 @@ def test_the_autoscaled_router_sums_the_boards_reports():
     total = router.snapshot()
     assert (total.num_running, total.num_blocks, total.kv_cache_usage) == (3, 200, 0.25)
     assert router.metrics_texts() == {"a": "a-text", "b": "b-text"} and router.live_replicas == 2
+
+
+# The replica's constructor: Serve routes to a replica once it returns ------------------------------------------
+
+
+class SlowEngine:
+    """An AsyncEngine's start-up as the replica sees it: `ready` set by the engine thread after the warm-up, or
+    `error` set when the warm-up fails."""
+
+    def __init__(self, fails: bool):
+        self.fails, self.ready, self.error = fails, threading.Event(), None
+
+    def add_step_listener(self, listener):
+        pass
+
+    def start(self):
+        def warm_up():
+            time.sleep(0.3)
+            if self.fails:
+                self.error = RuntimeError("warm-up failed")
+            else:
+                self.ready.set()
+
+        threading.Thread(target=warm_up).start()
+
+
+def test_the_replica_returns_only_once_warm_and_raises_when_its_engine_fails(monkeypatch):
+    pytest.importorskip("ray.serve", reason="needs `make scale`")
+    from carpool.server.replicas import replica
+
+    monkeypatch.setattr(replica, "AsyncEngine", lambda config, warmup: SlowEngine(fails=False))
+    started = time.monotonic()
+    assert replica.EngineReplica(None, "m").engine.ready.is_set() and time.monotonic() - started >= 0.3
+    monkeypatch.setattr(replica, "AsyncEngine", lambda config, warmup: SlowEngine(fails=True))
+    with pytest.raises(RuntimeError, match="failed to start.*warm-up failed"):
+        replica.EngineReplica(None, "m")
