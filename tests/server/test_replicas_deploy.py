@@ -71,3 +71,17 @@ def test_serve_replicas_hands_the_compression_model_and_the_cascades_to_the_app(
         serve.serve_replicas(args, configs)
     compression_model, cascades = built.value.args
     assert compression_model == served and list(cascades) == ["c"]
+
+
+def test_replicas_min_max_in_the_config_file_deploys_one_autoscaled_deployment_per_model():
+    from carpool.deploy.application import build_app
+
+    ingress = build_app({"replicas": "1:3", "model": ["smollm2-135m"], "no_warmup": True})._bound_deployment
+    ((name, (engine,)),) = ingress.init_args[1].items()  # {served name: [its replica deployments]}
+    engine = engine._bound_deployment
+    scaling = engine._deployment_config.autoscaling_config
+    assert engine.name == f"engine-{name}" and (scaling.min_replicas, scaling.max_replicas) == (1, 3)
+    assert scaling.policy.policy_function == "carpool.server.replicas.autoscaling:policy"
+    assert engine._deployment_config.graceful_shutdown_timeout_s >= 600  # the drain: streams finish first
+    with pytest.raises(SystemExit):  # argparse names --replicas on stderr
+        build_app({"replicas": "3:1"})

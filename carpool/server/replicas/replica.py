@@ -131,7 +131,8 @@ def autoscaled_deployment(config: EngineConfig, model_name: str, count: ReplicaC
     busy, and nothing waiting, is what one replica is for). Scale-up after 2 s of demand above it (a replica takes
     its load and warm-up time to help, so waiting longer only adds to that); scale-down after `down_delay` s of
     demand below, so a lull between bursts keeps its replicas warm. Metrics every second over a 5 s window: Ray's
-    10 s default would add up to 10 s to every reaction."""
+    10 s default would add up to 10 s to every reaction. (`metrics_interval_s` warns that it is deprecated in favour
+    of two environment variables, which Ray 2.60 reads nowhere yet: it is still the knob that works.)"""
     autoscaling = {
         "min_replicas": count.min,
         "max_replicas": count.max,
