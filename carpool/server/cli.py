@@ -21,7 +21,7 @@ from carpool.server.assembly import (
     model_configs,
     open_stores,
 )
-from carpool.server.replicas.counts import replicas_arg
+from carpool.server.replicas.counts import replicas_arg, scale_down_delay
 
 
 def add_serve_parser(subparsers) -> None:
@@ -110,7 +110,7 @@ def add_serve_parser(subparsers) -> None:
     parser.add_argument(
         "--scale-down-delay",
         type=float,
-        default=60.0,
+        default=None,
         metavar="SECONDS",
         help="with --replicas MIN:MAX: how long the load must stay low before a replica is drained and removed "
         "(default: 60)",
@@ -188,6 +188,7 @@ def serve(args: argparse.Namespace, configs: dict) -> int:
     checked_extensions(args, configs)
     if args.hourly_price is not None and args.hourly_price <= 0:
         raise ValueError(f"--hourly-price must be positive, got {args.hourly_price}")
+    scale_down_delay(args)
     if args.replicas:
         from carpool.server.replicas.serve import serve_replicas
 

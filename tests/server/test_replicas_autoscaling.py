@@ -9,7 +9,7 @@ import types
 import pytest
 
 from carpool.server.replicas.autoscaling import BATCH_ONGOING, LIVE_ONGOING, desired_replicas, policy
-from carpool.server.replicas.counts import ReplicaCount, parse_replicas
+from carpool.server.replicas.counts import ReplicaCount, parse_replicas, scale_down_delay
 
 SLOTS = 4  # target ongoing requests per replica
 
@@ -31,6 +31,20 @@ def test_a_bad_replicas_flag_is_an_argparse_error_naming_it(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--replicas", "3:1"])
     assert "argument --replicas: MIN:MAX with MIN <= MAX" in capsys.readouterr().err
+
+
+def test_scale_down_delay_is_refused_where_it_would_do_nothing():
+    from carpool.cli import build_parser
+
+    def delay(*flags):
+        return scale_down_delay(build_parser().parse_args(["serve", *flags]))
+
+    assert delay("--replicas", "1:2") == 60 and delay("--replicas", "1:2", "--scale-down-delay", "5") == 5
+    for fixed in ((), ("--replicas", "2"), ("--replicas", "2:2")):
+        with pytest.raises(ValueError, match="--scale-down-delay: only with --replicas MIN:MAX"):
+            delay(*fixed, "--scale-down-delay", "5")
+    with pytest.raises(ValueError, match="--scale-down-delay: must be 0 or more"):
+        delay("--replicas", "1:2", "--scale-down-delay", "-1")
 
 
 def test_live_load_scales_up_as_rays_default_policy_would():

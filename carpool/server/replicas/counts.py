@@ -34,6 +34,22 @@ def parse_replicas(text: str | int) -> ReplicaCount:
     return ReplicaCount(low, high)
 
 
+DEFAULT_SCALE_DOWN_DELAY = 60.0
+
+
+def scale_down_delay(args) -> float:
+    """--scale-down-delay, checked against --replicas: ValueError naming it when set without MIN:MAX (it would do
+    nothing) or negative."""
+    delay = args.scale_down_delay
+    if delay is None:
+        return DEFAULT_SCALE_DOWN_DELAY
+    if not (args.replicas and args.replicas.autoscaled):
+        raise ValueError("--scale-down-delay: only with --replicas MIN:MAX (a fixed count never scales down)")
+    if delay < 0:
+        raise ValueError(f"--scale-down-delay: must be 0 or more seconds, got {delay}")
+    return delay
+
+
 def replicas_arg(text: str) -> ReplicaCount:
     """parse_replicas for argparse, which reports an ArgumentTypeError's own words (`argument --replicas: ...`)."""
     try:
