@@ -15,7 +15,7 @@ from live_server import LiveServer
 pytest.importorskip("ray.serve", reason="needs `make scale`")
 
 SLOTS = 2  # --max-num-seqs: the autoscaler's target of ongoing requests per replica
-LONG_TOKENS = 1000
+LONG_TOKENS = 3000  # >= 15 s at one thread (~200 tokens/s alone): past the scale-down, ~10 s after the load ends
 FAILED_START = "model: no such file or directory"  # the new replica's constructor, in Ray's log
 
 
