@@ -21,7 +21,7 @@ from carpool.server.assembly import (
     model_configs,
     open_stores,
 )
-from carpool.server.replicas.counts import replicas_arg, scale_down_delay
+from carpool.server.replicas.counts import capacity_plan, replicas_arg, scale_down_delay
 
 
 def add_serve_parser(subparsers) -> None:
@@ -116,6 +116,14 @@ def add_serve_parser(subparsers) -> None:
         "(default: 60)",
     )
     parser.add_argument(
+        "--capacity-plan",
+        default=None,
+        metavar="FILE",
+        help="with --replicas MIN:MAX: `carpool capacity plan --format json` output; the autoscaler keeps at least "
+        "its replicas, each started ahead by the plan's replica start time (re-plan on a timer: the file is read "
+        "again when it changes)",
+    )
+    parser.add_argument(
         "--routing",
         default="prefix",
         choices=["prefix", "least-loaded", "round-robin"],
@@ -188,7 +196,7 @@ def serve(args: argparse.Namespace, configs: dict) -> int:
     checked_extensions(args, configs)
     if args.hourly_price is not None and args.hourly_price <= 0:
         raise ValueError(f"--hourly-price must be positive, got {args.hourly_price}")
-    scale_down_delay(args)
+    scale_down_delay(args), capacity_plan(args)
     if args.replicas:
         from carpool.server.replicas.serve import serve_replicas
 

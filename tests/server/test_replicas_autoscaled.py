@@ -123,3 +123,17 @@ def test_a_replica_that_fails_to_start_takes_no_traffic_and_is_replaced(tmp_path
         assert [answer.status_code for answer in answers] == [200] * len(load)
     finally:
         server.stop()
+
+
+def test_a_capacity_plan_starts_its_replicas_before_any_load(tmp_path):
+    # The plan wants 2 replicas this minute and the next ten: Ray's controller runs PlannedPolicy with the file.
+    now = time.time() // 60 * 60
+    plan = tmp_path / "plan.json"
+    minutes = [{"at": now + 60 * i, "replicas": 2} for i in range(-1, 10)]
+    plan.write_text(json.dumps({"minutes": minutes, "replica_start_seconds": 45}))
+    server = LiveServer(*AUTOSCALED, "--capacity-plan", str(plan))
+    try:
+        wait_for(lambda: serving(server) == 2, 120, "the plan's second replica did not start")
+        assert list(running(server).values()) == [0, 0]  # no load asked for it
+    finally:
+        server.stop()

@@ -2,14 +2,23 @@
 would call it), and the autoscaled router's retries and sums."""
 
 import asyncio
+import json
+import os
 import threading
 import time
 import types
 
 import pytest
 
-from carpool.server.replicas.autoscaling import BATCH_ONGOING, LIVE_ONGOING, desired_replicas, policy
-from carpool.server.replicas.counts import ReplicaCount, parse_replicas, scale_down_delay
+from carpool.server.replicas.autoscaling import (
+    BATCH_ONGOING,
+    LIVE_ONGOING,
+    PlannedPolicy,
+    desired_replicas,
+    plan_floor,
+    policy,
+)
+from carpool.server.replicas.counts import ReplicaCount, capacity_plan, parse_replicas, scale_down_delay
 
 SLOTS = 4  # target ongoing requests per replica
 
@@ -216,3 +225,89 @@ def test_the_replica_returns_only_once_warm_and_raises_when_its_engine_fails(mon
     monkeypatch.setattr(replica, "AsyncEngine", lambda config, warmup: SlowEngine(fails=True))
     with pytest.raises(RuntimeError, match="failed to start.*warm-up failed"):
         replica.EngineReplica(None, "m")
+
+
+# Predictive pre-warm: a capacity plan's replicas as a floor -------------------------------------------------------
+
+T = 1_800_000_000.0  # a minute boundary
+
+
+def plan_file(path, minutes, lead=45.0):
+    path.write_text(
+        json.dumps({"minutes": [{"at": at, "replicas": n} for at, n in minutes], "replica_start_seconds": lead})
+    )
+    return str(path)
+
+
+def test_the_plan_floor_starts_each_minutes_replicas_ahead_by_the_start_time():
+    document = {"minutes": [{"at": T, "replicas": 1}, {"at": T + 60, "replicas": 3}], "replica_start_seconds": 45.0}
+    assert plan_floor(document, T + 14) == 1 and plan_floor(document, T + 15) == 3  # 45 s before 3 are needed
+    assert plan_floor(document, T + 119) == 3 and plan_floor(document, T + 120) == 0  # past the plan: no floor
+    assert plan_floor(document, T - 46) == 0
+
+
+def test_the_planned_policy_keeps_the_floor_and_follows_a_new_plan(tmp_path):
+    path = plan_file(tmp_path / "plan.json", [(T, 3)])
+    planned = PlannedPolicy(path)
+    idle = context(total=0, batch_by_replica={}, current=1)
+    idle.current_time = T + 10
+    assert planned(idle)[0] == 3  # no load, but the plan wants 3 up
+    busy = context(total=20, batch_by_replica={}, current=1)
+    busy.current_time = T + 10
+    assert planned(busy)[0] == 5  # load above the floor: the load's answer
+    plan_file(tmp_path / "plan.json", [(T, 1)])
+    os.utime(path, (T, T))  # a re-plan (its own mtime, whatever the clock's resolution)
+    assert planned(idle)[0] == 1
+    (tmp_path / "plan.json").write_text("{half a re-plan")
+    os.utime(path, (T + 1, T + 1))
+    assert planned(idle)[0] == 1  # the last good plan stands
+
+
+def test_rays_controller_makes_the_planned_policy_with_the_deployments_kwargs(tmp_path):
+    pytest.importorskip("ray.serve", reason="needs `make scale`")
+    from ray.serve._private.autoscaling_state import _resolve_policy_callable
+    from ray.serve.config import AutoscalingPolicy
+
+    from carpool.server.replicas.replica import PLANNED_POLICY
+
+    path = plan_file(tmp_path / "plan.json", [(T, 2)])
+    made = _resolve_policy_callable(AutoscalingPolicy(policy_function=PLANNED_POLICY, policy_kwargs={"plan": path}))
+    assert type(made).__name__ == "PlannedPolicy" and made.path == path
+
+
+def test_capacity_plan_is_checked_before_anything_starts(tmp_path):
+    from carpool.cli import build_parser
+
+    def plan(*flags):
+        return capacity_plan(build_parser().parse_args(["serve", *flags]))
+
+    good = plan_file(tmp_path / "plan.json", [(T, 2)])
+    assert plan("--replicas", "1:3") is None
+    assert plan("--replicas", "1:3", "--capacity-plan", os.path.relpath(good)) == good
+    with pytest.raises(ValueError, match="--capacity-plan: only with --replicas MIN:MAX"):
+        plan("--replicas", "3", "--capacity-plan", good)
+    (tmp_path / "bad.json").write_text('{"minutes": [{"at": 1}]}')
+    for bad in (tmp_path / "bad.json", tmp_path / "missing.json"):
+        with pytest.raises(ValueError, match="--capacity-plan: .* is not a `carpool capacity plan --format json`"):
+            plan("--replicas", "1:3", "--capacity-plan", str(bad))
+
+
+def test_a_plan_from_carpool_capacity_plan_prewarms_ahead_of_its_peak(tmp_path, capsys):
+    from carpool.cli import main
+    from tests.economics.test_capacity import DAY, NINE, PHASES, synthetic_ledger
+
+    synthetic_ledger(tmp_path / "carpool.db")
+    bench = tmp_path / "run.json"
+    bench.write_text(json.dumps({"phases": PHASES.as_dict()}))
+    argv = ["capacity", "plan", "--db", str(tmp_path / "carpool.db"), "--bench", str(bench)]
+    argv += ["--at", str(NINE + 3 * DAY - 15 * 60), "--smooth-minutes", "0", "--target-utilization", "0.5"]
+    assert main([*argv, "--replica-start-seconds", "45", "--format", "json"]) == 0
+    (tmp_path / "plan.json").write_text(capsys.readouterr().out)
+    document = json.loads((tmp_path / "plan.json").read_text())
+    (start,) = [a["at"] for a in document["actions"] if a["action"].startswith("start")]
+    planned = PlannedPolicy(str(tmp_path / "plan.json"))
+    idle = context(total=0, batch_by_replica={}, current=1)
+    idle.current_time = start - 1
+    assert planned(idle)[0] == 1
+    idle.current_time = start
+    assert planned(idle)[0] == 2  # the second replica starts 45 s before the peak's minute

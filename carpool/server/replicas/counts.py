@@ -2,6 +2,7 @@
 two): parsed without Ray, so a bad value fails before anything starts."""
 
 import argparse
+import os
 from dataclasses import dataclass
 
 
@@ -48,6 +49,19 @@ def scale_down_delay(args) -> float:
     if delay < 0:
         raise ValueError(f"--scale-down-delay: must be 0 or more seconds, got {delay}")
     return delay
+
+
+def capacity_plan(args) -> str | None:
+    """--capacity-plan as an absolute path (Ray's controller reads it), checked: ValueError naming it without
+    --replicas MIN:MAX, or when the file is not a plan."""
+    from carpool.server.replicas.autoscaling import read_plan
+
+    if args.capacity_plan is None:
+        return None
+    if not (args.replicas and args.replicas.autoscaled):
+        raise ValueError("--capacity-plan: only with --replicas MIN:MAX (the plan sets a floor for the autoscaler)")
+    read_plan(args.capacity_plan)
+    return os.path.abspath(args.capacity_plan)
 
 
 def replicas_arg(text: str) -> ReplicaCount:

@@ -25,6 +25,7 @@ from carpool.server.replicas.board import BoardPoster, open_board
 from carpool.server.replicas.counts import ReplicaCount
 
 AUTOSCALING_POLICY = "carpool.server.replicas.autoscaling:policy"
+PLANNED_POLICY = "carpool.server.replicas.autoscaling:PlannedPolicy"
 # A replica Serve removes finishes its streams first: Serve stops routing to it and waits while it has ongoing
 # requests, checking every DRAIN_CHECK_SECONDS, for up to DRAIN_SECONDS (a 4,000-token answer at 1 thread, ~20
 # tokens/s on 2 cores, with room to spare) before it stops the actor anyway.
@@ -126,13 +127,16 @@ def replica_deployment(config: EngineConfig, model_name: str, index: int, warmup
     return deployment.bind(_threaded(config), model_name, warmup)
 
 
-def autoscaled_deployment(config: EngineConfig, model_name: str, count: ReplicaCount, warmup: bool, down_delay: float):
+def autoscaled_deployment(
+    config: EngineConfig, model_name: str, count: ReplicaCount, warmup: bool, down_delay: float, plan: str | None
+):
     """The bound deployment of a model's MIN:MAX replicas. Target: the replica's slots (a replica with every slot
     busy, and nothing waiting, is what one replica is for). Scale-up after 2 s of demand above it (a replica takes
     its load and warm-up time to help, so waiting longer only adds to that); scale-down after `down_delay` s of
     demand below, so a lull between bursts keeps its replicas warm. Metrics every second over a 5 s window: Ray's
     10 s default would add up to 10 s to every reaction. (`metrics_interval_s` warns that it is deprecated in favour
-    of two environment variables, which Ray 2.60 reads nowhere yet: it is still the knob that works.)"""
+    of two environment variables, which Ray 2.60 reads nowhere yet: it is still the knob that works.) `plan`: a
+    capacity plan file whose replicas are a floor (autoscaling.PlannedPolicy)."""
     autoscaling = {
         "min_replicas": count.min,
         "max_replicas": count.max,
@@ -142,7 +146,11 @@ def autoscaled_deployment(config: EngineConfig, model_name: str, count: ReplicaC
         "downscale_delay_s": down_delay,
         "metrics_interval_s": 1.0,
         "look_back_period_s": 5.0,
-        "policy": {"policy_function": AUTOSCALING_POLICY},
+        "policy": (
+            {"policy_function": PLANNED_POLICY, "policy_kwargs": {"plan": plan}}
+            if plan
+            else {"policy_function": AUTOSCALING_POLICY}
+        ),
     }
     deployment = serve.deployment(
         EngineReplica,

@@ -7,7 +7,7 @@ import os
 import sys
 
 from carpool.engine.config import EngineConfig
-from carpool.server.replicas.counts import ReplicaCount, scale_down_delay
+from carpool.server.replicas.counts import ReplicaCount, capacity_plan, scale_down_delay
 
 SCALE_HINT = "run `make scale` (pip install -r requirements-scale.txt)"
 
@@ -42,10 +42,11 @@ def replica_deployments(configs: dict[str, EngineConfig], args: argparse.Namespa
     MIN:MAX (each named by `app_names`, in that order)."""
     from carpool.server.replicas.replica import autoscaled_deployment, replica_deployment
 
-    count, warmup, down_delay = args.replicas, not args.no_warmup, scale_down_delay(args)
+    count, warmup, down_delay, plan = args.replicas, not args.no_warmup, scale_down_delay(args), capacity_plan(args)
     if count.autoscaled:
         return {
-            name: [autoscaled_deployment(config, name, count, warmup, down_delay)] for name, config in configs.items()
+            name: [autoscaled_deployment(config, name, count, warmup, down_delay, plan)]
+            for name, config in configs.items()
         }
     return {
         name: [replica_deployment(config, name, i, warmup) for i in range(count.min)]
