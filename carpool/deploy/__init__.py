@@ -1,6 +1,7 @@
 """carpool as a Ray Serve application, for a cluster: the ingress (the OpenAI-compatible app, with its gate, tiers,
 Batch API and /metrics) as one deployment behind Serve's HTTP proxy, and N engine replicas per model as their own
-deployments (`carpool serve --replicas N` runs the same pieces with the ingress in its own process).
+deployments, or one autoscaled deployment per model for `replicas: "MIN:MAX"` (`carpool serve --replicas` runs the
+same pieces with the ingress in its own process).
 
     serve run carpool/deploy/serve.yaml            # the config file: flags, replicas, the Ray address
     serve run carpool.deploy:app                   # defaults: SmolLM2, 2 replicas x 1 thread, prefix routing

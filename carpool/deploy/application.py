@@ -2,7 +2,7 @@
 
 from ray import serve
 
-from carpool.server.replicas.replica import replica_deployment
+from carpool.server.replicas.serve import replica_deployments
 
 DEFAULTS = {"replicas": 2, "num_threads": 1}
 
@@ -45,31 +45,18 @@ def parse_serve_flags(flags: list[str]):
 )
 @serve.ingress()
 class Ingress:
-    """The carpool app (carpool.server.app) over ReplicaRouters to this application's engine replicas."""
+    """The carpool app (carpool.server.app) over a router to each model's engine replicas (serve.make_router)."""
 
     async def __init__(self, flags: list[str], replicas: dict[str, list]):
-        from carpool.engine.door import RequestDoor
         from carpool.server.assembly import build_app, open_stores
-        from carpool.server.replicas.router import ReplicaRouter
-        from carpool.server.replicas.routing import make_routing
-        from carpool.server.replicas.serve import wire_metrics
+        from carpool.server.replicas.serve import make_router, wire_metrics
 
         args, configs = parse_serve_flags(flags)
         self._stores = open_stores(args, configs)
         routers = {}
         for name, config in configs.items():
             handles = replicas[name]
-            limits = await handles[0].limits.remote()
-            routers[name] = ReplicaRouter(
-                name,
-                handles,
-                RequestDoor.for_model_files(
-                    config.model, limits["max_model_len"], limits["max_request_tokens"], config.cache_min_tokens
-                ),
-                config,
-                make_routing(args.routing, limits["block_size"]),
-                limits["max_num_seqs"],
-            )
+            routers[name] = make_router(name, config, handles, await handles[0].limits.remote(), args)
         self._asgi = build_app(args, configs, routers, self._stores)
         wire_metrics(self._asgi, routers)
 
@@ -83,11 +70,5 @@ def build_app(args: dict):
 
     flags = serve_flags(args)
     parsed, configs = parse_serve_flags(flags)
-    if parsed.replicas < 1:
-        raise ValueError(f"replicas: must be at least 1, got {parsed.replicas}")
     checked_extensions(parsed, configs)  # a bad --cascades file or --compression-model fails before any deploy
-    replicas = {
-        name: [replica_deployment(config, name, i, warmup=not parsed.no_warmup) for i in range(parsed.replicas)]
-        for name, config in configs.items()
-    }
-    return Ingress.bind(flags, replicas)
+    return Ingress.bind(flags, replica_deployments(configs, parsed))

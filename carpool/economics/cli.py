@@ -197,6 +197,7 @@ def _capacity_plan(args: argparse.Namespace) -> int:
         document = {
             "minutes": [{**vars(m), "live": vars(m.live), "batch": vars(m.batch)} for m in planned],
             "actions": [{"at": when, "action": what} for when, what in steps],
+            "replica_start_seconds": args.replica_start_seconds,  # `carpool serve --capacity-plan` starts ahead by it
         }
         print(json.dumps(document, indent=2))
     else:

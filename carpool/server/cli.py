@@ -21,6 +21,7 @@ from carpool.server.assembly import (
     model_configs,
     open_stores,
 )
+from carpool.server.replicas.counts import capacity_plan, replicas_arg, scale_down_delay
 
 
 def add_serve_parser(subparsers) -> None:
@@ -99,10 +100,28 @@ def add_serve_parser(subparsers) -> None:
     )
     parser.add_argument(
         "--replicas",
-        type=int,
-        default=0,
-        help="serve each model from N engine replicas on Ray Serve behind this one endpoint (needs "
-        "`make scale`; --num-threads is then each replica's; default: one engine in-process)",
+        type=replicas_arg,
+        default=None,
+        metavar="N|MIN:MAX",
+        help="serve each model from N engine replicas on Ray Serve behind this one endpoint, or from MIN to MAX "
+        "that Ray Serve's autoscaler adds and drains on load (needs `make scale`; --num-threads is then each "
+        "replica's; default: one engine in-process)",
+    )
+    parser.add_argument(
+        "--scale-down-delay",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="with --replicas MIN:MAX: how long the load must stay low before a replica is drained and removed "
+        "(default: 60)",
+    )
+    parser.add_argument(
+        "--capacity-plan",
+        default=None,
+        metavar="FILE",
+        help="with --replicas MIN:MAX: `carpool capacity plan --format json` output; the autoscaler keeps at least "
+        "its replicas, each started ahead by the plan's replica start time (re-plan on a timer: the file is read "
+        "again when it changes)",
     )
     parser.add_argument(
         "--routing",
@@ -177,6 +196,7 @@ def serve(args: argparse.Namespace, configs: dict) -> int:
     checked_extensions(args, configs)
     if args.hourly_price is not None and args.hourly_price <= 0:
         raise ValueError(f"--hourly-price must be positive, got {args.hourly_price}")
+    scale_down_delay(args), capacity_plan(args)
     if args.replicas:
         from carpool.server.replicas.serve import serve_replicas
 

@@ -81,6 +81,7 @@ def test_the_command_prints_the_plan_as_json(tmp_path, capsys):
     assert main([*argv, "--smooth-minutes", "0", "--target-utilization", "0.5", "--format", "json"]) == 0
     document = json.loads(capsys.readouterr().out)
     assert max(minute["replicas"] for minute in document["minutes"]) == 2
+    assert document["replica_start_seconds"] == 60.0  # what `carpool serve --capacity-plan` starts ahead by
     assert [action["action"].split(":")[0] for action in document["actions"]] == ["start 1 replica(s)"] + [
         "release 1 replica(s)"
     ]

@@ -6,6 +6,7 @@ import pytest
 
 pytest.importorskip("ray.serve", reason="needs `make scale`")
 from carpool.deploy.application import parse_serve_flags, serve_flags
+from carpool.server.replicas.counts import ReplicaCount
 
 
 def test_config_args_become_serve_flags():
@@ -13,7 +14,7 @@ def test_config_args_become_serve_flags():
         {"num_threads": 2, "model": ["smollm2-135m"], "no_warmup": True, "db": None, "routing": "round-robin"}
     )
     args, configs = parse_serve_flags(flags)
-    assert (args.replicas, args.routing, args.no_warmup) == (2, "round-robin", True)
+    assert (args.replicas, args.routing, args.no_warmup) == (ReplicaCount(2, 2), "round-robin", True)
     assert [config.num_threads for config in configs.values()] == [2]
 
 
@@ -70,3 +71,29 @@ def test_serve_replicas_hands_the_compression_model_and_the_cascades_to_the_app(
         serve.serve_replicas(args, configs)
     compression_model, cascades = built.value.args
     assert compression_model == served and list(cascades) == ["c"]
+
+
+def autoscaled_engine(args: dict):
+    """The name served and the engine deployment `build_app(args)` binds to the ingress."""
+    from carpool.deploy.application import build_app
+
+    ingress = build_app({"model": ["smollm2-135m"], "no_warmup": True, **args})._bound_deployment
+    ((name, (engine,)),) = ingress.init_args[1].items()  # {served name: [its replica deployments]}
+    return name, engine._bound_deployment
+
+
+def test_replicas_min_max_in_the_config_file_deploys_one_autoscaled_deployment_per_model(tmp_path):
+    from carpool.deploy.application import build_app
+
+    name, engine = autoscaled_engine({"replicas": "1:3"})
+    scaling = engine._deployment_config.autoscaling_config
+    assert engine.name == f"engine-{name}" and (scaling.min_replicas, scaling.max_replicas) == (1, 3)
+    assert scaling.policy.policy_function == "carpool.server.replicas.autoscaling:policy"
+    assert engine._deployment_config.graceful_shutdown_timeout_s >= 600  # the drain: streams finish first
+    with pytest.raises(SystemExit):  # argparse names --replicas on stderr
+        build_app({"replicas": "3:1"})
+    plan = tmp_path / "plan.json"
+    plan.write_text('{"minutes": [{"at": 0, "replicas": 2}], "replica_start_seconds": 45}')
+    config = autoscaled_engine({"replicas": "1:3", "capacity_plan": str(plan)})[1]._deployment_config
+    policy = config.autoscaling_config.policy
+    assert policy.policy_function.endswith(":PlannedPolicy") and policy.policy_kwargs == {"plan": str(plan)}

@@ -50,7 +50,7 @@ def merge_replica_metrics(registry: CollectorRegistry, replica_texts: dict[str, 
     return generate_latest(_Families(list(families.values())))
 
 
-def register_router_metrics(registry: CollectorRegistry) -> tuple[Counter, Gauge]:
+def register_router_metrics(registry: CollectorRegistry) -> tuple[Counter, Gauge, Gauge]:
     routed = Counter(
         "carpool:replica_requests",
         "Engine requests the router sent to each replica (a retry after a replica failed counts again).",
@@ -63,4 +63,10 @@ def register_router_metrics(registry: CollectorRegistry) -> tuple[Counter, Gauge
         ["model_name", "replica"],
         registry=registry,
     )
-    return routed, up
+    replicas = Gauge(
+        "carpool:replicas",
+        "Replicas of the model serving now (autoscaled: those reporting in the last 3 s; fixed: those answering).",
+        ["model_name"],
+        registry=registry,
+    )
+    return routed, up, replicas

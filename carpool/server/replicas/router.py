@@ -1,5 +1,7 @@
 """The ingress's engine: what the app asks of an AsyncEngine (the door, generate, abort, snapshot, lifecycle),
-answered by routing each request to one engine replica on Ray Serve.
+answered by routing each request to one engine replica on Ray Serve. `EngineRouter` is what both modes share;
+`ReplicaRouter` routes over a fixed count of replicas itself (carpool.server.replicas.routing), AutoscaledRouter
+(autoscaled.py) leaves the choice to Ray Serve's router over an autoscaled deployment.
 
 Failure: a replica that dies (its process killed, its node lost) fails its streams with Ray's actor error. A
 request that has shown its client nothing yet, and any Batch API line, is sent again to another replica (the
@@ -35,35 +37,26 @@ class ReplicaFailed(RuntimeError):
     """A replica died under a request that could not be sent again: retry it (another replica will take it)."""
 
 
-class ReplicaRouter:
-    def __init__(
-        self,
-        model_name: str,
-        handles: list,
-        door: RequestDoor,
-        config: EngineConfig,
-        routing: Routing,
-        slots_per_replica: int,
-    ):
-        self.model_name, self.replicas, self.routing = model_name, handles, routing
+class EngineRouter:
+    """The AsyncEngine interface over replicas, and the retry rules. A mode supplies where a request goes
+    (`_send`), what a finished or failed attempt means to it (`_done`, `_failed`), its replicas' last snapshots and
+    metrics texts, and `_poll`, which keeps them current."""
+
+    def __init__(self, model_name: str, door: RequestDoor, config: EngineConfig, attempts: int):
+        self.model_name, self.attempts = model_name, attempts  # attempts: an interactive request's, at most
         self.door = self.engine = door  # Serving compiles grammars on `engine.engine`, as with an AsyncEngine
         self.tokenizer, self.max_model_len = door.tokenizer, door.max_model_len
-        self.config = dataclasses.replace(config, max_num_seqs=slots_per_replica * len(handles))
-        self.loads = [ReplicaLoad(slots=slots_per_replica) for _ in handles]
-        self.snapshots: list[EngineSnapshot | None] = [None] * len(handles)
-        self.pids: list[int | None] = [None] * len(handles)
-        self.ready = threading.Event()  # every replica has reported itself warmed up once
+        self.config = config
+        self.ready = threading.Event()  # the replicas have reported themselves warmed up
         self._loop: asyncio.AbstractEventLoop | None = None
         self._poller: asyncio.Task | None = None
-        self._routed: Counter | None = None
-        self._up: Gauge | None = None
 
     # The AsyncEngine interface the app uses -----------------------------------------------------------
 
     @property
     def error(self) -> BaseException | None:
         """Set while no replica answers (after start-up): /health is then a 503."""
-        if self.ready.is_set() and not any(load.healthy for load in self.loads):
+        if self.ready.is_set() and self.live_replicas == 0:
             return RuntimeError("no replica is reachable (Ray is restarting them)")
         return None
 
@@ -84,7 +77,7 @@ class ReplicaRouter:
 
     def snapshot(self) -> EngineSnapshot:
         """Every replica's last report, summed (KV usage: the share of all their blocks in use)."""
-        known = [s for s in self.snapshots if s is not None]
+        known = self._snapshots()
         blocks = sum(s.num_blocks for s in known)
         free = sum(s.num_free_blocks for s in known)
         return EngineSnapshot(
@@ -103,18 +96,13 @@ class ReplicaRouter:
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         wire = _without_compiled_grammar(request)
+        batch = request.tier == BATCH_TIER
         retry_until = asyncio.get_running_loop().time() + BATCH_RETRY_SECONDS
-        tried: set[int] = set()
+        tried: list = []
         while True:
-            index = self._choose(request, tried)
-            tried.add(index)
-            shown = False
-            load = self.loads[index]
-            load.in_flight += 1
-            if self._routed is not None:
-                self._routed.labels(self.model_name, str(index)).inc()
-            stream = self.replicas[index].options(stream=True).generate.remote(wire)
-            finished = False
+            replica, stream = self._send(request, wire, tried)
+            tried.append(replica)
+            shown = finished = False
             try:
                 async for output in stream:
                     shown = True
@@ -124,25 +112,93 @@ class ReplicaRouter:
             except RayTaskError as error:  # the engine raised: the replica is fine, the request failed
                 raise RuntimeError(str(error.cause if error.cause is not None else error)) from None
             except RayActorError as error:
-                self._mark_down(index)
-                batch = request.tier == BATCH_TIER
+                self._failed(replica)
                 if shown and not batch:
                     raise ReplicaFailed(
-                        f"replica {index} of {self.model_name!r} failed mid-response; retry the "
+                        f"replica {replica} of {self.model_name!r} failed mid-response; retry the "
                         f"request ({type(error).__name__})"
                     ) from None
-                if not batch and len(tried) >= len(self.replicas):
+                if not batch and len(tried) >= self.attempts:
                     raise ReplicaFailed(f"no replica of {self.model_name!r} could take the request; retry it") from None
                 if batch and asyncio.get_running_loop().time() > retry_until:
                     raise ReplicaFailed(
                         f"no replica of {self.model_name!r} came back in {BATCH_RETRY_SECONDS:.0f} s"
                     ) from None
-                if batch and not any(other.healthy for other in self.loads):
+                if batch and self.live_replicas == 0:
                     await asyncio.sleep(POLL_SECONDS)
             finally:
-                load.in_flight -= 1
+                self._done(replica)
                 if not finished:
                     stream.cancel()
+
+    # What a mode supplies -----------------------------------------------------------------------------
+
+    @property
+    def live_replicas(self) -> int:
+        raise NotImplementedError
+
+    def _send(self, request: EngineRequest, wire: EngineRequest, tried: list) -> tuple:
+        """(the replica's key, its output stream) for one attempt; `tried`: the keys of earlier attempts."""
+        raise NotImplementedError
+
+    def _done(self, replica) -> None:
+        """An attempt ended (finished, failed or abandoned)."""
+
+    def _failed(self, replica) -> None:
+        """The replica died under an attempt."""
+
+    def _snapshots(self) -> list[EngineSnapshot]:
+        raise NotImplementedError
+
+    def metrics_texts(self) -> dict[str, str]:
+        """{replica: its /metrics text}; called from a worker thread."""
+        raise NotImplementedError
+
+    async def _poll(self) -> None:
+        raise NotImplementedError
+
+
+class ReplicaRouter(EngineRouter):
+    """A fixed count of replicas, each addressed by its own handle and chosen by `routing`."""
+
+    def __init__(
+        self,
+        model_name: str,
+        handles: list,
+        door: RequestDoor,
+        config: EngineConfig,
+        routing: Routing,
+        slots_per_replica: int,
+    ):
+        super().__init__(
+            model_name, door, dataclasses.replace(config, max_num_seqs=slots_per_replica * len(handles)), len(handles)
+        )
+        self.replicas, self.routing = handles, routing
+        self.loads = [ReplicaLoad(slots=slots_per_replica) for _ in handles]
+        self.snapshots: list[EngineSnapshot | None] = [None] * len(handles)
+        self.pids: list[int | None] = [None] * len(handles)
+        self._routed: Counter | None = None
+        self._up: Gauge | None = None
+
+    @property
+    def live_replicas(self) -> int:
+        return sum(load.healthy for load in self.loads)
+
+    def _send(self, request: EngineRequest, wire: EngineRequest, tried: list) -> tuple:
+        index = self._choose(request, set(tried))
+        self.loads[index].in_flight += 1
+        if self._routed is not None:
+            self._routed.labels(self.model_name, str(index)).inc()
+        return index, self.replicas[index].options(stream=True).generate.remote(wire)
+
+    def _done(self, replica: int) -> None:
+        self.loads[replica].in_flight -= 1
+
+    def _failed(self, replica: int) -> None:
+        self._mark_down(replica)
+
+    def _snapshots(self) -> list[EngineSnapshot]:
+        return [s for s in self.snapshots if s is not None]
 
     # Routing and health -------------------------------------------------------------------------------
 
@@ -163,7 +219,7 @@ class ReplicaRouter:
                 self._up.labels(self.model_name, str(index)).set(0)
 
     async def _call(self, index: int, method: str):
-        return await asyncio.wait_for(_awaited(getattr(self.replicas[index], method).remote()), CALL_TIMEOUT)
+        return await asyncio.wait_for(awaited(getattr(self.replicas[index], method).remote()), CALL_TIMEOUT)
 
     async def _poll(self) -> None:
         while True:
@@ -189,15 +245,16 @@ class ReplicaRouter:
 
     # Metrics ------------------------------------------------------------------------------------------
 
-    def register_metrics(self, routed: Counter, up: Gauge) -> None:
+    def register_metrics(self, routed: Counter, up: Gauge, replicas: Gauge) -> None:
         self._routed, self._up = routed, up
+        replicas.labels(self.model_name).set_function(lambda: self.live_replicas)
         for index in range(len(self.replicas)):
             routed.labels(self.model_name, str(index))
             up.labels(self.model_name, str(index)).set(1)
 
     def metrics_texts(self) -> dict[str, str]:
-        """{replica: its /metrics text}, fetched through the event loop (called from a worker thread); a
-        replica that does not answer is left out."""
+        """Fetched through the event loop (called from a worker thread); a replica that does not answer is left
+        out."""
         return asyncio.run_coroutine_threadsafe(self._metrics_texts(), self._loop).result(CALL_TIMEOUT + 1)
 
     async def _metrics_texts(self) -> dict[str, str]:
@@ -207,7 +264,7 @@ class ReplicaRouter:
         return {str(i): text for i, text in enumerate(texts) if isinstance(text, str)}
 
 
-async def _awaited(response):
+async def awaited(response):
     return await response
 
 
