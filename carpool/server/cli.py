@@ -196,7 +196,8 @@ def serve(args: argparse.Namespace, configs: dict) -> int:
     checked_extensions(args, configs)
     if args.hourly_price is not None and args.hourly_price <= 0:
         raise ValueError(f"--hourly-price must be positive, got {args.hourly_price}")
-    scale_down_delay(args), capacity_plan(args)
+    scale_down_delay(args)  # checked before anything starts: each raises a ValueError naming its flag
+    capacity_plan(args)
     if args.replicas:
         from carpool.server.replicas.serve import serve_replicas
 
