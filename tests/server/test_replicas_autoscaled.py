@@ -71,8 +71,10 @@ def test_load_adds_a_replica_and_a_stream_on_the_removed_one_finishes_whole(serv
     assert serving(server) == 1
     (first,) = running(server)
     body = {"prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True}
-    # Three times the one replica's slots: Ray's total of ongoing requests over its target asks for a second.
-    answers, load = start_load(server, 3 * SLOTS, body)
+    # Five times the one replica's slots: Ray's total of ongoing requests over its target asks for a second. Five
+    # waves, so the load outlasts Ray's decision on a faster machine too (on this 2-core VM: the second replica
+    # seen at 7.2 s with 2 of 6 answers done, the last of 6 at 12.3 s; the 3,000-token stream then ran 52 s).
+    answers, load = start_load(server, 5 * SLOTS, body)
     wait_for(lambda: serving(server) == 2, 120, "the load did not add a replica")
     (second,) = set(running(server)) - {first}
 
