@@ -12,7 +12,6 @@ import pytest
 
 from carpool.server.replicas.autoscaling import (
     BATCH_ONGOING,
-    LIVE_ONGOING,
     PlannedPolicy,
     desired_replicas,
     plan_floor,
@@ -83,10 +82,7 @@ def context(total, batch_by_replica, current=2, min_replicas=1):
         current_num_replicas=current,
         target_num_replicas=current,
         total_num_requests=total,
-        aggregated_metrics={
-            BATCH_ONGOING: batch_by_replica,
-            LIVE_ONGOING: {replica: 0.0 for replica in batch_by_replica},
-        },
+        aggregated_metrics={BATCH_ONGOING: batch_by_replica},
         capacity_adjusted_min_replicas=min_replicas,
         config=types.SimpleNamespace(get_target_ongoing_requests=lambda: SLOTS),
     )
@@ -117,7 +113,7 @@ def test_the_policy_runs_under_rays_own_wrapper():
         running_replicas=["a"],
         total_num_requests=12.0,
         total_queued_requests=0.0,
-        aggregated_metrics={BATCH_ONGOING: {"a": 0.0}, LIVE_ONGOING: {"a": 12.0}},
+        aggregated_metrics={BATCH_ONGOING: {"a": 0.0}},
         raw_metrics={},
         capacity_adjusted_min_replicas=1,
         capacity_adjusted_max_replicas=3,

@@ -3,7 +3,7 @@ tick, then applies its own delays, scaling factors and the MIN/MAX bounds to the
 any of that), and drains what it removes.
 
 Demand is Ray's own request-based measure, ongoing requests over the per-replica target (the replica's slots), with
-one difference: the Batch API's lines are counted apart (each replica reports its live and batch requests through
+one difference: the Batch API's lines are counted apart (each replica reports its batch requests through
 `record_autoscaling_stats`), because they wait for spare capacity rather than asking for more. While live demand
 fills MIN replicas or more, it alone sets the count: a batch backlog never buys replicas in a peak (its lines take
 the slots live traffic leaves). In a valley (live demand below MIN replicas) the backlog counts like live work, so
@@ -23,7 +23,6 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-LIVE_ONGOING = "carpool_live_ongoing"
 BATCH_ONGOING = "carpool_batch_ongoing"
 
 

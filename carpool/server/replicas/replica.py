@@ -11,7 +11,6 @@ constructor waits for the engine's warm-up (raising, so Serve replaces the repli
 
 import dataclasses
 import os
-from collections import Counter
 
 from ray import serve
 
@@ -20,7 +19,7 @@ from carpool.engine.config import EngineConfig
 from carpool.engine.request import EngineRequest
 from carpool.engine.tiers import BATCH_TIER
 from carpool.server.metrics import ServerMetrics
-from carpool.server.replicas.autoscaling import BATCH_ONGOING, LIVE_ONGOING
+from carpool.server.replicas.autoscaling import BATCH_ONGOING
 from carpool.server.replicas.board import BoardPoster, open_board
 from carpool.server.replicas.counts import ReplicaCount
 
@@ -41,7 +40,8 @@ class EngineReplica:
         self.engine = AsyncEngine(config, warmup=warmup)
         self.metrics = ServerMetrics([model_name])
         self.engine.add_step_listener(self.metrics.models[model_name].on_step)
-        self.ongoing: Counter[str] = Counter()  # generate() calls open, by live/batch: the autoscaler's inputs
+        # Batch API lines open here: the autoscaler's input (live demand is Ray's own count less these).
+        self.batch_ongoing = 0
         self.engine.start()
         while not self.engine.ready.wait(0.2):
             if self.engine.error is not None:
@@ -58,17 +58,17 @@ class EngineReplica:
         if structured is not None:  # compiled grammars do not cross processes: the ingress sends the spec
             params = dataclasses.replace(request.params, structured=self.engine.engine.grammars.bind(structured))
             request = dataclasses.replace(request, params=params)
-        kind = BATCH_ONGOING if request.tier == BATCH_TIER else LIVE_ONGOING
-        self.ongoing[kind] += 1
+        batch = request.tier == BATCH_TIER
+        self.batch_ongoing += batch
         try:
             async for output in self.engine.generate(request):
                 yield output
         finally:
-            self.ongoing[kind] -= 1
+            self.batch_ongoing -= batch
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Ray Serve's custom autoscaling metrics hook (read by carpool.server.replicas.autoscaling.policy)."""
-        return {LIVE_ONGOING: self.ongoing[LIVE_ONGOING], BATCH_ONGOING: self.ongoing[BATCH_ONGOING]}
+        return {BATCH_ONGOING: self.batch_ongoing}
 
     def limits(self) -> dict:
         engine = self.engine.engine
