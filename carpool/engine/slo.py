@@ -202,6 +202,7 @@ class SloController:
         # seconds when that target sized the budget (the gaps its tokens end are measured against it).
         self._step_tier: int | None = None
         self._step_target: float | None = None
+        self._context_per_seq = 0.0  # the last planned step's, for live_capacity between steps
 
     def plan(self, running: list, waiting: list, now: float, max_tokens: int, max_seqs: int) -> StepLimits:
         """The next step's limits, at most max_tokens and max_seqs (the flags, read by the caller every step)."""
@@ -217,6 +218,7 @@ class SloController:
         target = factor * open_loop
         decodes = [s for s in running if s.num_tokens - s.num_computed_tokens == 1]
         context_per_seq = sum(s.num_tokens for s in running) / len(running) if running else 0.0
+        self._context_per_seq = context_per_seq or self._context_per_seq
         # A block of the budget is held for lower tiers' prompts, or a steady stream of the governing tier's
         # prompts would take every token of a small budget, step after step.
         lower_prompt = any(s.priority > tier and s.num_tokens - s.num_computed_tokens > 1 for s in running + waiting)
@@ -237,6 +239,24 @@ class SloController:
         if limits.reason == "ttft":
             self._step_target = None  # a step raised past the ITL target on purpose says nothing about it
         return limits
+
+    def live_capacity(self, max_seqs: int) -> int | None:
+        """The sequences one step can decode within the tightest ITL SLO, with a block of prompt beside them (so
+        new requests still start) at the recent context per sequence and the closed loop's factor: how many live
+        requests this engine carries at its SLO. The autoscaler's per-replica target
+        (carpool.server.replicas.autoscaling): the slots alone (64) let ten SmolLM2 chats on one 1-thread replica
+        count as a valley while each of their tokens waited 135-560 ms (docs/benchmarks/journal.md, 19:13 UTC).
+        At most `max_seqs` (the slots); None without an ITL SLO."""
+        if not self.itl:
+            return None
+        tightest = min(self.itl.values())
+        open_loop = tightest - self.gap - ERROR_SIGMAS * self.model.error_std
+        target = self.tail.factor(TAIL_AIM * tightest, open_loop) * open_loop
+        c = self.model.coefficients()
+        per_seq = c["token"] + c["sequence"] + c["context_token"] * self._context_per_seq
+        room = target - c["step"] - self.min_chunk * c["token"]
+        fits = int(room / per_seq) if per_seq > 0 else max_seqs
+        return max(1, min(max_seqs, fits))
 
     def _tokens_fitting(self, target: float, seqs: int, context: float) -> int:
         """The most tokens a step of seqs sequences reading context KV tokens may carry within target seconds

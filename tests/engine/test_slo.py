@@ -14,7 +14,7 @@ from carpool.engine.config import EngineConfig
 from carpool.engine.sampling_params import SamplingParams
 from carpool.engine.scheduler import Scheduler
 from carpool.engine.sequence import Sequence
-from carpool.engine.slo import StepTimeModel
+from carpool.engine.slo import ERROR_SIGMAS, StepTimeModel
 from carpool.engine.tiers import BY_NAME
 from carpool.server.assembly import model_configs
 from carpool.server.dashboard.data import DashboardData
@@ -282,3 +282,22 @@ def test_the_cap_never_holds_a_higher_tier_behind_a_lower_one():
     running = {seq.request_id for seq in s.running}
     assert "default" in running  # it outranks the flex request in the lower tiers' slot
     assert "flex-2" not in running  # the cap still holds the tier below
+
+
+def test_live_capacity_is_the_decode_batch_whose_step_fits_the_tightest_itl_slo():
+    assert scheduler().slo is None
+    wide, tight = scheduler(itl_ms={"priority": 60, "default": 200}), scheduler(itl_ms={"priority": 30})
+    for s in (wide, tight):
+        teach_slow_steps(s)
+
+    def step_seconds(s, seqs):  # seqs decodes and a block of prompt, with the margin the controller keeps
+        return s.slo.model.predict(seqs + 16, seqs, 0) + ERROR_SIGMAS * s.slo.model.error_std
+
+    for s, slo in ((wide, 0.060), (tight, 0.030)):
+        capacity = s.slo.live_capacity(500)
+        assert step_seconds(s, capacity) <= slo < step_seconds(s, capacity + 1)
+    # On the slow machine (5 ms + 0.4 ms a token) about 80 and 20 requests; the slots bound it.
+    assert tight.slo.live_capacity(500) < wide.slo.live_capacity(500) and wide.slo.live_capacity(16) == 16
+    hopeless = scheduler(itl_ms={"priority": 4})
+    teach_slow_steps(hopeless)
+    assert hopeless.slo.live_capacity(500) == 1  # no step meets 4 ms: one request a replica, never zero

@@ -12,6 +12,7 @@ import pytest
 
 from carpool.server.replicas.autoscaling import (
     BATCH_ONGOING,
+    LIVE_CAPACITY,
     PlannedPolicy,
     desired_replicas,
     plan_floor,
@@ -76,13 +77,13 @@ def test_idle_scales_down():
     assert desired_replicas(live_ongoing=0, batch_ongoing=0, target_ongoing=SLOTS, min_replicas=2) == 0  # to MIN
 
 
-def context(total, batch_by_replica, current=2, min_replicas=1):
+def context(total, batch_by_replica, current=2, min_replicas=1, capacity_by_replica=None):
     """What Ray's controller hands the policy, with the fields it reads."""
     return types.SimpleNamespace(
         current_num_replicas=current,
         target_num_replicas=current,
         total_num_requests=total,
-        aggregated_metrics={BATCH_ONGOING: batch_by_replica},
+        aggregated_metrics={BATCH_ONGOING: batch_by_replica, LIVE_CAPACITY: capacity_by_replica or {}},
         capacity_adjusted_min_replicas=min_replicas,
         config=types.SimpleNamespace(get_target_ongoing_requests=lambda: SLOTS),
     )
@@ -94,6 +95,14 @@ def test_the_policy_reads_rays_total_and_the_replicas_batch_counts():
     assert policy(context(total=48, batch_by_replica={"a": 20.0, "b": 20.0})) == (2, {})  # live 8: batch waits
     assert policy(context(total=4, batch_by_replica={}))[0] == 1  # no report yet: all counted as live
     assert policy(context(total=4, batch_by_replica={}, current=0)) == (0, {})  # starting: Ray's own target
+
+
+def test_under_an_itl_slo_the_replicas_live_capacity_is_the_target_not_their_slots():
+    # Ten chats on replicas that each carry 4 within the SLO: three replicas, where the slots (64) say one is idle.
+    many_slots = {"a": 4.0, "b": 4.0}
+    assert policy(context(total=10, batch_by_replica={}, capacity_by_replica=many_slots))[0] == 2.5
+    # The batch lines still wait in a peak, and the capacities are averaged (a busier replica fits fewer).
+    assert policy(context(total=30, batch_by_replica={"a": 20.0}, capacity_by_replica={"a": 3.0, "b": 7.0}))[0] == 2
 
 
 def test_the_policy_runs_under_rays_own_wrapper():

@@ -2,8 +2,11 @@
 tick, then applies its own delays, scaling factors and the MIN/MAX bounds to the answer (we do not re-implement
 any of that), and drains what it removes.
 
-Demand is Ray's own request-based measure, ongoing requests over the per-replica target (the replica's slots), with
-one difference: the Batch API's lines are counted apart (each replica reports its batch requests through
+Demand is Ray's own request-based measure, ongoing requests over a per-replica target, with two differences. The
+target is what a replica carries at its SLO: each replica with an ITL SLO (`--slo-itl-ms`) reports its SLO
+controller's live capacity (the decode batch whose step fits the tightest ITL SLO, carpool.engine.slo), and the
+policy takes their mean; without an SLO it is Ray's configured target, the replica's slots. And the Batch API's
+lines are counted apart (each replica reports its batch requests through
 `record_autoscaling_stats`), because they wait for spare capacity rather than asking for more. While live demand
 fills MIN replicas or more, it alone sets the count: a batch backlog never buys replicas in a peak (its lines take
 the slots live traffic leaves). In a valley (live demand below MIN replicas) the backlog counts like live work, so
@@ -24,6 +27,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 BATCH_ONGOING = "carpool_batch_ongoing"
+LIVE_CAPACITY = "carpool_live_capacity"
 
 
 def desired_replicas(live_ongoing: float, batch_ongoing: float, target_ongoing: float, min_replicas: int) -> float:
@@ -42,7 +46,8 @@ def policy(ctx) -> tuple[float, dict[str, Any]]:
     # Ray's total (the handles' count, queued ones included) less the batch lines the replicas report; a replica
     # that has not reported yet leaves its batch lines counted as live, which errs towards capacity.
     live = max(0.0, ctx.total_num_requests - batch)
-    target = ctx.config.get_target_ongoing_requests()
+    capacities = list((ctx.aggregated_metrics or {}).get(LIVE_CAPACITY, {}).values())
+    target = sum(capacities) / len(capacities) if capacities else ctx.config.get_target_ongoing_requests()
     return desired_replicas(live, batch, target, ctx.capacity_adjusted_min_replicas), {}
 
 

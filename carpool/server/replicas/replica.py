@@ -19,7 +19,7 @@ from carpool.engine.config import EngineConfig
 from carpool.engine.request import EngineRequest
 from carpool.engine.tiers import BATCH_TIER
 from carpool.server.metrics import ServerMetrics
-from carpool.server.replicas.autoscaling import BATCH_ONGOING
+from carpool.server.replicas.autoscaling import BATCH_ONGOING, LIVE_CAPACITY
 from carpool.server.replicas.board import BoardPoster, open_board
 from carpool.server.replicas.counts import ReplicaCount
 
@@ -67,8 +67,11 @@ class EngineReplica:
             self.batch_ongoing -= batch
 
     def record_autoscaling_stats(self) -> dict[str, float]:
-        """Ray Serve's custom autoscaling metrics hook (read by carpool.server.replicas.autoscaling.policy)."""
-        return {BATCH_ONGOING: self.batch_ongoing}
+        """Ray Serve's custom autoscaling metrics hook (read by carpool.server.replicas.autoscaling.policy): the
+        Batch API lines open here and, under an ITL SLO, the live requests this replica carries within it."""
+        engine = self.engine.engine
+        capacity = engine.scheduler.slo.live_capacity(engine.config.max_num_seqs) if engine.scheduler.slo else None
+        return {BATCH_ONGOING: self.batch_ongoing, **({} if capacity is None else {LIVE_CAPACITY: capacity})}
 
     def limits(self) -> dict:
         engine = self.engine.engine
@@ -131,7 +134,8 @@ def autoscaled_deployment(
     config: EngineConfig, model_name: str, count: ReplicaCount, warmup: bool, down_delay: float, plan: str | None
 ):
     """The bound deployment of a model's MIN:MAX replicas. Target: the replica's slots (a replica with every slot
-    busy, and nothing waiting, is what one replica is for). Scale-up after 2 s of demand above it (a replica takes
+    busy, and nothing waiting, is what one replica is for); under an ITL SLO the policy reads the replicas' own
+    live capacity instead. Scale-up after 2 s of demand above it (a replica takes
     its load and warm-up time to help, so waiting longer only adds to that); scale-down after `down_delay` s of
     demand below, so a lull between bursts keeps its replicas warm. Metrics every second over a 5 s window: Ray's
     10 s default would add up to 10 s to every reaction. (`metrics_interval_s` warns that it is deprecated in favour
