@@ -248,6 +248,11 @@ def test_the_plan_floor_starts_each_minutes_replicas_ahead_by_the_start_time():
     document = {"minutes": [{"at": T, "replicas": 1}, {"at": T + 60, "replicas": 3}], "replica_start_seconds": 45.0}
     assert plan_floor(document, T + 14) == 1 and plan_floor(document, T + 15) == 3  # 45 s before 3 are needed
     assert plan_floor(document, T + 119) == 3 and plan_floor(document, T + 120) == 0  # past the plan: no floor
+    # The trace bench's compressed day: "minutes" of 20 s.
+    compressed = {"minutes": [{"at": T, "replicas": 1}, {"at": T + 20, "replicas": 3}], "minute_seconds": 20.0}
+    compressed["replica_start_seconds"] = 5.0
+    assert plan_floor(compressed, T + 14) == 1 and plan_floor(compressed, T + 15) == 3
+    assert plan_floor(compressed, T + 39) == 3 and plan_floor(compressed, T + 40) == 0
     assert plan_floor(document, T - 46) == 0
 
 

@@ -53,9 +53,10 @@ def policy(ctx) -> tuple[float, dict[str, Any]]:
 
 def plan_floor(document: dict, at: float) -> int:
     """The replicas a capacity plan wants up at `at`: each minute's count from `replica_start_seconds` before the
-    minute (a replica loads and warms up before it takes traffic) to its end; 0 outside the plan."""
-    lead = document.get("replica_start_seconds", 0.0)
-    return max((m["replicas"] for m in document["minutes"] if m["at"] - lead <= at < m["at"] + 60), default=0)
+    minute (a replica loads and warms up before it takes traffic) to its end; 0 outside the plan. A plan's minutes
+    are 60 s unless it says `minute_seconds` (the trace bench's compressed day: a "minute" of 20 s)."""
+    lead, length = document.get("replica_start_seconds", 0.0), document.get("minute_seconds", 60.0)
+    return max((m["replicas"] for m in document["minutes"] if m["at"] - lead <= at < m["at"] + length), default=0)
 
 
 def read_plan(path: str) -> dict:
@@ -64,6 +65,8 @@ def read_plan(path: str) -> dict:
         document = json.loads(Path(path).read_text(encoding="utf-8"))
         for minute in document["minutes"]:
             float(minute["at"]), int(minute["replicas"])
+        if float(document.get("minute_seconds", 60.0)) <= 0:
+            raise ValueError(f"minute_seconds must be positive, got {document['minute_seconds']!r}")
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise ValueError(
             f"--capacity-plan: {path} is not a `carpool capacity plan --format json` file: {error!r}"
