@@ -291,6 +291,9 @@ class LLMEngine:
             if reason:
                 seq.finish_reason = reason
                 seq.times.finished = now
+                if self.scheduler.slo:
+                    computed_prompt = seq.num_prompt_tokens - seq.num_cached_prompt_tokens
+                    self.scheduler.slo.observe_finished(seq.priority, computed_prompt, seq.num_output_tokens)
                 self.scheduler.remove(seq)
                 del self.seqs[seq.request_id]
             else:  # slots reserved for drafts that were rejected, or never proposed, go back

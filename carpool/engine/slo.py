@@ -46,7 +46,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from carpool.engine.tiers import BY_NAME, BY_PRIORITY, TIER_NAMES
+from carpool.engine.tiers import BATCH_TIER, BY_NAME, BY_PRIORITY, TIER_NAMES
 
 # Features are scaled to similar magnitudes so one ridge weight means the same for each coefficient.
 FEATURE_SCALES = np.array([1.0, 100.0, 10.0, 10_000.0])  # step, tokens, sequences, context tokens
@@ -71,6 +71,8 @@ TAIL_UPDATE_GAPS = 50  # gaps between re-estimates (five steps of a 10-user peak
 # fixed 64-token steps were 0.67x the throughput of 512) when the tail is something no budget can fix; 1.5 lets
 # an open-loop target that is too careful grow, but not unboundedly while no step fills the budget.
 TARGET_FACTOR_RANGE = (0.5, 1.5)
+FINISHED_WEIGHT = 0.05  # live_capacity's mean over finished requests: the last ~20 of them
+BATCH_PRIORITY = BY_NAME[BATCH_TIER].priority
 
 
 def check_slos(name: str, slos) -> dict[str, float]:
@@ -203,6 +205,7 @@ class SloController:
         self._step_tier: int | None = None
         self._step_target: float | None = None
         self._context_per_seq = 0.0  # the last planned step's, for live_capacity between steps
+        self._prompt_per_output: float | None = None  # live requests' computed prompt tokens per output token (EW)
 
     def plan(self, running: list, waiting: list, now: float, max_tokens: int, max_seqs: int) -> StepLimits:
         """The next step's limits, at most max_tokens and max_seqs (the flags, read by the caller every step)."""
@@ -241,22 +244,37 @@ class SloController:
         return limits
 
     def live_capacity(self, max_seqs: int) -> int | None:
-        """The sequences one step can decode within the tightest ITL SLO, with a block of prompt beside them (so
-        new requests still start) at the recent context per sequence and the closed loop's factor: how many live
-        requests this engine carries at its SLO. The autoscaler's per-replica target
-        (carpool.server.replicas.autoscaling): the slots alone (64) let ten SmolLM2 chats on one 1-thread replica
-        count as a valley while each of their tokens waited 135-560 ms (docs/benchmarks/journal.md, 19:13 UTC).
-        At most `max_seqs` (the slots); None without an ITL SLO."""
+        """How many live requests this engine carries within the tightest ITL SLO: the decode batch whose step,
+        with a block of prompt beside it (so new requests still start), fits the SLO's step-time target at the
+        recent context per sequence and the closed loop's factor, where each request also brings its prompt: a
+        request of P computed prompt tokens and O output tokens is 1 + P / O tokens a step over its O decode steps
+        (EW means of the live tiers' finished requests). Without the prompt's share the trace's 500-token chats
+        with 64-token answers counted as one token a step each, a tenth of their work. The autoscaler's per-replica
+        target (carpool.server.replicas.autoscaling): the slots alone (64) let ten SmolLM2 chats on one 1-thread
+        replica count as a valley while each of their tokens waited 135-560 ms (docs/benchmarks/journal.md, 19:13
+        UTC). At most `max_seqs` (the slots), at least 1; None without an ITL SLO."""
         if not self.itl:
             return None
         tightest = min(self.itl.values())
         open_loop = tightest - self.gap - ERROR_SIGMAS * self.model.error_std
         target = self.tail.factor(TAIL_AIM * tightest, open_loop) * open_loop
         c = self.model.coefficients()
-        per_seq = c["token"] + c["sequence"] + c["context_token"] * self._context_per_seq
+        tokens_per_step = 1.0 + (self._prompt_per_output or 0.0)
+        per_seq = c["token"] * tokens_per_step + c["sequence"] + c["context_token"] * self._context_per_seq
         room = target - c["step"] - self.min_chunk * c["token"]
         fits = int(room / per_seq) if per_seq > 0 else max_seqs
         return max(1, min(max_seqs, fits))
+
+    def observe_finished(self, priority: int, computed_prompt_tokens: int, output_tokens: int) -> None:
+        """A request of tier `priority` finished having computed these prompt tokens (cache hits excluded) and
+        made these output tokens; the live tiers' (not the Batch API's) feed live_capacity."""
+        if priority == BATCH_PRIORITY or output_tokens <= 0:
+            return
+        ratio = computed_prompt_tokens / output_tokens
+        previous = self._prompt_per_output
+        self._prompt_per_output = (
+            ratio if previous is None else (1 - FINISHED_WEIGHT) * previous + FINISHED_WEIGHT * ratio
+        )
 
     def _tokens_fitting(self, target: float, seqs: int, context: float) -> int:
         """The most tokens a step of seqs sequences reading context KV tokens may carry within target seconds

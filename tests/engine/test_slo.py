@@ -167,6 +167,9 @@ def test_the_engine_sizes_steps_from_its_own_timings_and_exports_them():
         budgets.append((engine.last_step.limits, engine.last_step.num_tokens))
         metrics.models["m"].on_step(engine.last_step, [])
     assert engine.scheduler.slo.model.error_weight > 0  # it learnt from the steps it ran
+    # ...and the two live requests' computed prompt tokens per output token, for live_capacity (a mean, EW).
+    prompts = [len(engine.tokenizer.encode(text)) for text in ("Hi there", "Summarize this. " * 30)]
+    assert min(prompts) / 3 < engine.scheduler.slo._prompt_per_output < max(prompts) / 3
     # ...and measured the gaps the ITL SLO is about: the priority chat's, between its consecutive tokens.
     chat_gaps = np.diff(chat_token_times)
     assert list(engine.scheduler.slo.tail.gaps) == pytest.approx(chat_gaps)
@@ -301,3 +304,20 @@ def test_live_capacity_is_the_decode_batch_whose_step_fits_the_tightest_itl_slo(
     hopeless = scheduler(itl_ms={"priority": 4})
     teach_slow_steps(hopeless)
     assert hopeless.slo.live_capacity(500) == 1  # no step meets 4 ms: one request a replica, never zero
+
+
+def test_live_capacity_counts_each_live_requests_prompt_over_its_decode_steps():
+    s = scheduler(itl_ms={"priority": 60})
+    teach_slow_steps(s)
+    decode_only = s.slo.live_capacity(500)
+    for _ in range(50):
+        s.slo.observe_finished(BATCH, 4000, 10)  # the Batch API's lines are not live demand
+    assert s.slo.live_capacity(500) == decode_only
+    for _ in range(200):
+        s.slo.observe_finished(PRIORITY, 448, 64)  # chats of 448 computed prompt tokens and 64 answer tokens
+    # Each brings 1 + 448 / 64 = 8 tokens a step: about an eighth as many fit (the per-sequence cost is small here).
+    chats = s.slo.live_capacity(500)
+    c = s.slo.model.coefficients()
+    per_request = 8 * c["token"] + c["sequence"]
+    assert chats == pytest.approx(decode_only * (c["token"] + c["sequence"]) / per_request, abs=1)
+    assert chats < decode_only / 5
