@@ -1,7 +1,7 @@
 """`carpool bench trace`: a compressed day replayed against servers in turn, SLO controller vs fixed step sizes.
 
-The day: a Batch API job (every line `ignore_eos`, more lines than any configuration finishes) is submitted at
-the start and fills whatever the interactive traffic leaves; priority chat users (closed loop, streaming,
+The day: a Batch API job (every line `ignore_eos`, by default more lines than any configuration finishes) is
+submitted at the start (or at `--batch-at` SLICE, a nightly job) and fills whatever the interactive traffic leaves; priority chat users (closed loop, streaming,
 `ignore_eos`, each one request at a time) rise to a peak and leave, so the second half is the valley the
 batch fills. Time is scaled: a "minute" of the day is one slice of `--slice-seconds` (20 s by default), and
 the user count changes only at slice boundaries.
@@ -128,6 +128,14 @@ def add_parser(modes) -> None:
     parser.add_argument("--batch-max-tokens", type=int, default=128, help="output tokens per batch line")
     parser.add_argument("--batch-lines", type=int, default=3000, help="lines in the batch job (default: 3000)")
     parser.add_argument(
+        "--batch-at",
+        type=int,
+        default=0,
+        metavar="SLICE",
+        help="the slice the batch job is submitted at (default: 0, with the first users; after the peak: a "
+        "nightly job)",
+    )
+    parser.add_argument(
         "--hourly-price",
         type=float,
         default=0.10,
@@ -203,6 +211,8 @@ def main(args: argparse.Namespace) -> int:
     for name in ("slice_seconds", "chat_max_tokens", "batch_max_tokens", "batch_lines", "hourly_price"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive")
+    if not 0 <= args.batch_at < len(users):
+        raise ValueError(f"--batch-at: a slice of the trace, 0 to {len(users) - 1}, got {args.batch_at}")
     runs = []
     for config in configs:
         print(f"== {config.name}: {' '.join(config.serve_flags) or config.url}", flush=True)
@@ -297,7 +307,8 @@ async def replay(
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
         await chat_request(client, model, next_prompt(), 4, [], 0.0)  # the first request pays one-time costs
-        batch_id = await submit_batch(client, model, next_prompt, args.batch_lines, args.batch_max_tokens)
+        batch_file = await upload_batch(client, model, next_prompt, args.batch_lines, args.batch_max_tokens)
+        batch_id = None
         start = time.monotonic()
         if on_start:
             on_start(time.time())
@@ -322,17 +333,25 @@ async def replay(
                     errors.append(repr(error))
                     await asyncio.sleep(0.5)
 
+        async def batch_job():
+            nonlocal batch_id
+            await asyncio.sleep(args.batch_at * args.slice_seconds)
+            batch_id = await create_batch(client, batch_file)
+
         async def sampler():
             while not stop.is_set():
                 samples.append((time.monotonic() - start, await scrape(client)))
                 await asyncio.sleep(SAMPLE_SECONDS)
 
         tasks = [asyncio.create_task(user(n)) for n in range(max(users))] + [asyncio.create_task(sampler())]
+        tasks.append(asyncio.create_task(batch_job()))
         await asyncio.sleep(len(users) * args.slice_seconds)
         samples.append((time.monotonic() - start, await scrape(client)))
         stop.set()
-        batch_completed = (await client.get(f"/v1/batches/{batch_id}")).json()["request_counts"]["completed"]
-        await client.post(f"/v1/batches/{batch_id}/cancel")
+        batch_completed = None
+        if batch_id is not None:
+            batch_completed = (await client.get(f"/v1/batches/{batch_id}")).json()["request_counts"]["completed"]
+            await client.post(f"/v1/batches/{batch_id}/cancel")
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -371,7 +390,8 @@ async def chat_request(
             last = now
 
 
-async def submit_batch(client: httpx.AsyncClient, model: str, next_prompt, lines: int, max_tokens: int) -> str:
+async def upload_batch(client: httpx.AsyncClient, model: str, next_prompt, lines: int, max_tokens: int) -> str:
+    """The batch job's input file, uploaded ahead (the upload is no part of the trace); its file id."""
     data = "".join(
         json.dumps(
             {
@@ -392,9 +412,17 @@ async def submit_batch(client: httpx.AsyncClient, model: str, next_prompt, lines
     ).encode()
     uploaded = await client.post("/v1/files", files={"file": ("trace.jsonl", data)}, data={"purpose": "batch"})
     uploaded.raise_for_status()
+    return uploaded.json()["id"]
+
+
+async def submit_batch(client: httpx.AsyncClient, model: str, next_prompt, lines: int, max_tokens: int) -> str:
+    """A batch job of `lines` chat requests, uploaded and created; its id."""
+    return await create_batch(client, await upload_batch(client, model, next_prompt, lines, max_tokens))
+
+
+async def create_batch(client: httpx.AsyncClient, file_id: str) -> str:
     batch = await client.post(
-        "/v1/batches",
-        json={"input_file_id": uploaded.json()["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"},
+        "/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"}
     )
     batch.raise_for_status()
     return batch.json()["id"]

@@ -206,3 +206,9 @@ def test_each_slice_gets_its_ttft_and_serving_replicas_and_the_run_its_replica_s
 def test_it_sums_the_serving_replicas_of_every_model():
     text = 'carpool:replicas{model_name="a"} 2.0\ncarpool:replicas{model_name="b"} 1.0\n'
     assert metric_values(text)["replicas"] == 3.0
+
+
+def test_the_batch_job_slice_is_checked_before_any_server_starts():
+    args = bench_args("--users", "2,10,0", "--batch-at", "3", "--config", "a=--max-num-seqs 8")
+    with pytest.raises(ValueError, match="--batch-at: a slice of the trace, 0 to 2, got 3"):
+        args.func(args)
