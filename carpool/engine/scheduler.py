@@ -82,6 +82,7 @@ class Scheduler:
         # same way, so a preemption can never be undone by its victim on the next step.
         rank = {s: (self.effective_priority(s, now), s.times.arrival, s.seq_id) for s in self.running + self.waiting}
         self.running.sort(key=rank.__getitem__)
+        shed = self._shed_background(batch, rank)
         # A background tier's decodes sit out any step that computes a foreground tier's prompt.
         foreground_prompt = any(
             s.priority < BACKGROUND_PRIORITY and s.num_tokens - s.num_computed_tokens > 1
@@ -107,13 +108,13 @@ class Scheduler:
             self._schedule_running(seq, batch, rank)
         # Prompt work, running chunks and new admissions alike, in rank order: a priority request's prompt is
         # never queued behind the chunks of a batch-tier prompt that happened to start first.
-        admitting = not batch.preempted
+        admitting = len(batch.preempted) == shed  # a preemption for blocks stops admissions; shedding does not
         for seq in sorted(prompts, key=rank.__getitem__):
             if self._budget(batch) <= 0:
                 break
             if seq.status is SequenceStatus.RUNNING:
                 self._schedule_running(seq, batch, rank)
-                admitting = admitting and not batch.preempted
+                admitting = admitting and len(batch.preempted) == shed
                 continue
             if not admitting or seq in batch.preempted:
                 continue
@@ -132,6 +133,26 @@ class Scheduler:
             if seq.status is SequenceStatus.RUNNING:
                 pending.update(self.block_manager.uncomputed_prompt_hashes(seq))
         return batch
+
+    def _shed_background(self, batch: ScheduledBatch, rank: dict) -> int:
+        """Under an ITL or TTFT SLO, running background (Batch API) sequences beyond the SLO's sequence cap step
+        aside, worst-ranked first: the seed's "shrink batches for the interactive surge". Without it the cap only
+        stopped admissions, so a surge that found a replica running 64 Batch lines waited on 64-sequence steps
+        until they finished (128 tokens each: ~19 s of 150 ms steps on one thread). Their computed blocks stay in
+        the prefix cache, so coming back recomputes at most a partial block. Live tiers are never shed: they have
+        users waiting on each token. How many were shed."""
+        if self.limits.reason not in ("itl", "ttft"):
+            return 0
+        # The protected tier's waiting requests go past the cap: their slots count as taken.
+        arriving = sum(1 for s in self.waiting if s.priority <= self.limits.exempt_priority)
+        shed = 0
+        while len(self.running) + arriving > self.limits.max_seqs:
+            background = [s for s in self.running if s.priority >= BACKGROUND_PRIORITY]
+            if not background:
+                break
+            self._preempt(max(background, key=rank.__getitem__), batch)
+            shed += 1
+        return shed
 
     def _capped(self, seq: Sequence, rank: dict) -> bool:
         """Whether the SLO cap keeps waiting seq out. Never behind a running sequence of a lower (aged) tier:

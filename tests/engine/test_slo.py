@@ -123,6 +123,30 @@ def test_the_cap_holds_back_lower_tiers_but_admits_the_protected_one():
     assert "chat-2" in {seq.request_id for seq in s.running}  # past the cap: it is the tier the cap protects
 
 
+def test_a_surge_sheds_running_batch_lines_beyond_the_cap_but_never_a_live_tier():
+    s = scheduler(itl_ms={"priority": 1})  # no step meets 1 ms: the cap falls to its floor
+    teach_slow_steps(s)
+    for i in range(6):
+        s.add(request(f"batch-{i}", BATCH, length=40, max_tokens=500))
+    s.add(request("flex", FLEX, length=40, max_tokens=500))
+    for _ in range(4):
+        step(s)
+    assert len(s.running) == 7  # no live tier with an ITL SLO yet: throughput steps, everyone runs
+    s.add(request("chat", PRIORITY))
+    batch = step(s)
+    # The cap (one chat, one slot for lower tiers) sheds the Batch lines, worst first, in the chat's own step;
+    # the flex request is a live tier's and stays, past the cap, until it finishes.
+    assert {seq.request_id for seq in s.running} == {"chat", "flex"}
+    assert "chat" in {seq.request_id for seq in batch.seqs} and len(batch.preempted) == 6
+    assert all(seq.status.name == "WAITING" and seq.num_computed_tokens == 0 for seq in s.waiting)
+    for _ in range(3):
+        step(s)
+    assert {seq.request_id for seq in s.running} == {"chat", "flex"}  # they wait while the chat decodes
+    s.remove(next(seq for seq in s.running if seq.request_id == "chat"))
+    step(s)
+    assert sum(seq.priority == BATCH for seq in s.running) == 6  # the surge over: back, their blocks from cache
+
+
 def test_a_flex_request_is_still_served_under_sustained_priority_load():
     s = scheduler(itl_ms={"priority": 1}, aging=0.01)
     teach_slow_steps(s)
