@@ -27,6 +27,7 @@ from carpool.bench.serve import latency_summary
 from carpool.bench.sessions import Session
 from carpool.engine.sampling_params import SamplingParams
 from carpool.engine.slo import SloController, StepLimits
+from carpool.engine.step_shape import attention_pairs
 from carpool.engine.tiers import BY_NAME, DEFAULT_TIER
 from carpool.server.replicas.routing import PrefixAffinity, ReplicaLoad, make_routing
 
@@ -105,12 +106,6 @@ class StepModel:
         fitted_steps = (predicted > 0) & (times > 0)
         noise = float(np.std(np.log(times[fitted_steps] / predicted[fitted_steps]))) if fitted_steps.any() else 0.0
         return cls(*(float(c) for c in coefficients), noise=noise)
-
-
-def attention_pairs(chunk: int, computed: int) -> int:
-    """Query-key pairs a prompt chunk of `chunk` tokens computes after `computed` tokens of its sequence: each of
-    its queries sees the earlier tokens and the chunk's own up to itself."""
-    return chunk * computed + chunk * (chunk + 1) // 2
 
 
 @dataclass
@@ -500,6 +495,18 @@ def poisson_arrivals(count: int, rate: float, seed: int = 0) -> list[float]:
     return times
 
 
+def step_row(stats) -> tuple[int, int, int, int, float]:
+    """A step's StepStats as StepModel.fit reads it: (prompt tokens, decoding sequences, KV tokens the decodes
+    read, prompt chunks' query-key pairs, seconds)."""
+    return (
+        stats.num_prefill_tokens,
+        stats.num_decode_tokens,
+        stats.decode_context_tokens,
+        stats.prefill_pairs,
+        stats.duration,
+    )
+
+
 def measure_step_model(config, **shapes) -> StepModel:
     """A StepModel fitted to real steps of carpool's engine under `config` (an EngineConfig): `measured_steps`."""
     return StepModel.fit(measured_steps(config, **shapes))
@@ -537,30 +544,11 @@ def measured_steps(
         while engine.has_unfinished_requests():
             engine.last_step = None  # a step that scheduled nothing leaves it as it was
             engine.step()
-            shape, stats = scheduled.pop(), engine.last_step
-            if stats is None or not stats.num_tokens:
-                continue
-            # Each scheduled sequence's tokens computed before the step (a prompt admitted by it: its cache hit)
-            # and new in it: prompt chunks compute query-key pairs, decodes read their context.
-            context = pairs = 0
-            for computed, new, prompt in shape:
-                if computed < prompt:
-                    pairs += attention_pairs(new, computed)
-                else:
-                    context += computed
-            steps.append((stats.num_prefill_tokens, stats.num_decode_tokens, context, pairs, stats.duration))
-
-    scheduled: list[list[tuple[int, int, int]]] = []
-    schedule = engine.scheduler.schedule
-
-    def schedule_and_record():  # the batch's shape as scheduled, before the step's forward moves it on
-        batch = schedule()
-        shape = [(s.num_computed_tokens, n, s.num_prompt_tokens) for s, n in zip(batch.seqs, batch.num_new_tokens)]
-        scheduled.append(shape)
-        return batch
+            stats = engine.last_step
+            if stats is not None and stats.num_tokens:
+                steps.append(step_row(stats))
 
     warm_up(engine)  # as a server does before its first request: first-call costs are no step's
-    engine.scheduler.schedule = schedule_and_record
     for length in prompt_lengths:
         run([tokens(length)], 1)
     prefix = tokens(max(contexts))

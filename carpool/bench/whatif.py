@@ -38,6 +38,7 @@ from carpool.economics.prices import PriceSheet, load_price_sheet
 from carpool.economics.reports import parse_time
 from carpool.engine.tiers import BATCH_TIER, TIER_NAMES
 from carpool.server.assembly import slo_flag
+from carpool.server.step_log import read_steps
 
 BATCH_WINDOW_SECONDS = 24 * 3600  # the Batch API's completion window
 FIVE_MINUTES = 300
@@ -423,6 +424,13 @@ def add_parser(cost_commands) -> None:
         metavar="BASE,PER_PREFILL_TOKEN,PER_DECODE_SEQ[,PER_CONTEXT_TOKEN[,PER_PREFILL_STEP[,PER_PREFILL_PAIR[,NOISE]]]]",
         help="a step model in seconds instead of fitting one to this machine (carpool bench simulate's)",
     )
+    parser.add_argument(
+        "--steps",
+        default=None,
+        metavar="FILE",
+        help="fit the step model on the steps the recorded traffic took (`carpool serve --step-log FILE`, the "
+        "served model's steps in the --since/--until window) instead of on a fresh engine here",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch threads of the fitted step model")
     parser.add_argument(
         "--fit-model",
@@ -493,7 +501,15 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(
             f"--db: no row in that window has an arrival time ({left_out} written before the ledger kept it)"
         )
-    step = StepModel.parse(args.step) if args.step else _fitted(args.fit_model or fit_target(rows[0].model), args)
+    if args.step and args.steps:
+        raise ValueError("--step and --steps: give one of them")
+    if args.steps:
+        logged = read_steps(args.steps, rows[0].model, args.since, args.until)
+        if len(logged) < 4:
+            raise ValueError(f"--steps: {len(logged)} steps of {rows[0].model} in {args.steps} in that window; need 4")
+        step = StepModel.fit(logged)
+    else:
+        step = StepModel.parse(args.step) if args.step else _fitted(args.fit_model or fit_target(rows[0].model), args)
     cheap = args.router[0] or args.cascade[0]
     cheap_step = None
     if cheap is not None:

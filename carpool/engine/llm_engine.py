@@ -22,6 +22,7 @@ from carpool.engine.spec_decode import SpecStepStats, Speculator
 from carpool.engine.spec_decode.draft_model import DraftModelDrafter
 from carpool.engine.spec_decode.ngram import NgramDrafter
 from carpool.engine.spec_decode.rejection_sampler import sample_verified
+from carpool.engine.step_shape import step_shape
 from carpool.engine.structured.masks import prefetch_grammar_masks
 from carpool.engine.tiers import DEFAULT_TIER
 from carpool.models import Tokenizer, load_model
@@ -41,6 +42,10 @@ class StepStats:
     duration: float
     spec: SpecStepStats | None = None  # None: the engine does not speculate
     limits: StepLimits | None = None  # the token budget and sequence cap it ran under, and why
+    # What its attention computed (carpool.engine.step_shape): the KV tokens its decodes read, and the query-key
+    # pairs of its prompt chunks; with the counts above, a step-time model's inputs (`carpool serve --step-log`).
+    decode_context_tokens: int = 0
+    prefill_pairs: int = 0
 
 
 class LLMEngine:
@@ -237,6 +242,9 @@ class LLMEngine:
             return []
         if self.speculator:
             self.speculator.propose(batch)
+        shape = step_shape(
+            [(seq.num_computed_tokens, n, seq.num_prompt_tokens) for seq, n in zip(batch.seqs, batch.num_new_tokens)]
+        )
         forward_start = time.monotonic()
         prefetch_grammar_masks(batch.seqs, batch.num_new_tokens, self.model_config.vocab_size)
         logits, sampling = self.runner.run(batch)
@@ -253,7 +261,7 @@ class LLMEngine:
         )
         outputs = self._postprocess(batch, dict(zip(map(id, sampling), sampled)))
         end = time.monotonic()
-        self._record_step(batch, num_decode_tokens, spec, end - start)
+        self._record_step(batch, num_decode_tokens, spec, end - start, shape)
         if self.scheduler.slo:
             self.scheduler.slo.observe(
                 batch.num_tokens, len(batch.seqs), context_tokens, start, end, self.scheduler.has_work()
@@ -336,7 +344,9 @@ class LLMEngine:
             times=dataclasses.replace(seq.times),  # a snapshot: the server reads it on another thread
         )
 
-    def _record_step(self, batch: ScheduledBatch, decode: int, spec: SpecStepStats | None, duration: float) -> None:
+    def _record_step(
+        self, batch: ScheduledBatch, decode: int, spec: SpecStepStats | None, duration: float, shape: tuple[int, int]
+    ) -> None:
         self.last_step = StepStats(
             num_tokens=batch.num_tokens,
             num_seqs=len(batch.seqs),
@@ -346,4 +356,6 @@ class LLMEngine:
             duration=duration,
             spec=spec,
             limits=self.scheduler.limits,
+            decode_context_tokens=shape[0],
+            prefill_pairs=shape[1],
         )

@@ -116,6 +116,13 @@ def add_serve_parser(subparsers) -> None:
         "(default: 60)",
     )
     parser.add_argument(
+        "--step-log",
+        default=None,
+        metavar="FILE",
+        help="append every engine step's shape and time to FILE (JSON lines), for `carpool cost whatif --steps` "
+        "to fit its step model on the steps this traffic took (one process; not with --replicas)",
+    )
+    parser.add_argument(
         "--capacity-plan",
         default=None,
         metavar="FILE",
@@ -191,6 +198,16 @@ def add_serve_parser(subparsers) -> None:
     parser.set_defaults(func=lambda args: serve(args, model_configs(args)))
 
 
+def log_steps(engines: dict, path: str):
+    """--step-log: each in-process engine's steps appended to `path` (carpool.server.step_log)."""
+    from carpool.server.step_log import StepLog
+
+    step_log = StepLog(path)
+    for name, engine in engines.items():
+        engine.add_step_listener(step_log.listener(name))
+    return step_log
+
+
 def serve(args: argparse.Namespace, configs: dict) -> int:
     # Checked before any model loads: a bad file or a step naming an unserved model fails at once.
     checked_extensions(args, configs)
@@ -198,6 +215,8 @@ def serve(args: argparse.Namespace, configs: dict) -> int:
         raise ValueError(f"--hourly-price must be positive, got {args.hourly_price}")
     scale_down_delay(args)  # checked before anything starts: each raises a ValueError naming its flag
     capacity_plan(args)
+    if args.step_log and args.replicas:
+        raise ValueError("--step-log: not with --replicas (each replica's engine steps in a process of its own)")
     if args.replicas:
         from carpool.server.replicas.serve import serve_replicas
 
@@ -215,6 +234,7 @@ def serve(args: argparse.Namespace, configs: dict) -> int:
         for name, config in configs.items()
     }
     app = build_app(args, configs, engines, stores, meter_phases(engines))
+    step_log = log_steps(engines, args.step_log) if args.step_log else None
     if args.hourly_price is not None:
         check_prices_after_warmup(engines, args.prices, args.hourly_price)
     # The engine loop and HTTP share the GIL; at Python's default 5 ms switch interval a thread that wants it can
@@ -246,4 +266,6 @@ def serve(args: argparse.Namespace, configs: dict) -> int:
         server.should_exit = True
         http.join()
         stores.close()
+        if step_log:
+            step_log.close()
     return 0 if server.started else 1

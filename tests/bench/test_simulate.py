@@ -8,7 +8,8 @@ import statistics
 import pytest
 
 from carpool.bench.sessions import Session, Turn
-from carpool.bench.simulate import Job, ReplicaSpec, StepModel, attention_pairs, poisson_arrivals, replay, simulate
+from carpool.bench.simulate import Job, ReplicaSpec, StepModel, poisson_arrivals, replay, simulate
+from carpool.engine.step_shape import attention_pairs
 
 STEP = StepModel(base=0.010, per_prefill_token=0.0001, per_decode_seq=0.002)
 WITH_CONTEXT = StepModel(base=0.010, per_prefill_token=0.0001, per_decode_seq=0.002, per_context_token=0.00001)
