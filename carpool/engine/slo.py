@@ -46,7 +46,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from carpool.engine.tiers import BATCH_TIER, BY_NAME, BY_PRIORITY, TIER_NAMES
+from carpool.engine.tiers import BACKGROUND_PRIORITY, BY_NAME, BY_PRIORITY, TIER_NAMES
 
 # Features are scaled to similar magnitudes so one ridge weight means the same for each coefficient.
 FEATURE_SCALES = np.array([1.0, 100.0, 10.0, 10_000.0])  # step, tokens, sequences, context tokens
@@ -72,7 +72,6 @@ TAIL_UPDATE_GAPS = 50  # gaps between re-estimates (five steps of a 10-user peak
 # an open-loop target that is too careful grow, but not unboundedly while no step fills the budget.
 TARGET_FACTOR_RANGE = (0.5, 1.5)
 FINISHED_WEIGHT = 0.05  # live_capacity's mean over finished requests: the last ~20 of them
-BATCH_PRIORITY = BY_NAME[BATCH_TIER].priority
 
 
 def check_slos(name: str, slos) -> dict[str, float]:
@@ -268,7 +267,7 @@ class SloController:
     def observe_finished(self, priority: int, computed_prompt_tokens: int, output_tokens: int) -> None:
         """A request of tier `priority` finished having computed these prompt tokens (cache hits excluded) and
         made these output tokens; the live tiers' (not the Batch API's) feed live_capacity."""
-        if priority == BATCH_PRIORITY or output_tokens <= 0:
+        if priority >= BACKGROUND_PRIORITY or output_tokens <= 0:
             return
         ratio = computed_prompt_tokens / output_tokens
         previous = self._prompt_per_output
