@@ -24,6 +24,9 @@ ray/serve/autoscaling_policy.py and ray/serve/_private/autoscaling_state.py (Ray
   a replica removed is, of those starting, the newest (it carries nothing), else the newest up one, which takes no
   new requests and finishes those it holds (Serve's graceful shutdown) before it stops. A replica costs from the
   decision that starts it until it stops.
+
+The pre-warmed run's plan is yesterday's day: the reactive run's most replicas wanted in each slice, its floor
+applied by `PlannedPolicy` itself (the policy's answer or the floor, whichever is more, through Ray's rules).
 """
 
 import heapq
@@ -121,6 +124,8 @@ class DayResult:
     tokens: list[int] = field(default_factory=list)  # per slice, output tokens of every tier
     priority_tokens: list[int] = field(default_factory=list)
     batch_done: list[int] = field(default_factory=list)  # per slice, Batch lines completed
+    # Per slice, the live capacity each replica reported at the control loop's ticks (what the policy divides by).
+    capacity: list[list[int]] = field(default_factory=list)
     sent: int = 0
     finished: int = 0
     held: int = 0  # requests still on a replica (up or draining) at the day's end
@@ -171,10 +176,16 @@ class DayResult:
                     "output_tokens_per_s": self.tokens[index] / slice_s,
                     "priority_tokens_per_s": self.priority_tokens[index] / slice_s,
                     "batch_lines_completed": self.batch_done[index],
+                    "live_capacity": sum(self.capacity[index]) / len(self.capacity[index])
+                    if self.capacity[index]
+                    else None,
                 }
             )
         seconds = self.replica_seconds(0.0, self.traffic.seconds)
-        judged = [s for s in slices if s["within_slo"] is not None]
+        capacities = [c for reported in self.capacity for c in reported]
+        # Slices with users, as the trace's summary judges them (a slice after the last user has only the tail of
+        # requests sent before it).
+        judged = [s for s in slices if s["users"] and s["within_slo"] is not None]
         return {
             "name": self.scaling.name,
             "min_replicas": self.scaling.min_replicas,
@@ -187,6 +198,7 @@ class DayResult:
             "slices_judged": len(judged),
             "batch_lines_completed": sum(self.batch_done),
             "output_tokens": sum(self.tokens),
+            "mean_live_capacity": sum(capacities) / len(capacities) if capacities else None,
             "prefix_hit_rate": self.sim.cached_tokens / self.sim.prompt_tokens if self.sim.prompt_tokens else 0.0,
             "requests_sent": self.sent,
             "requests_finished": self.finished,
@@ -205,10 +217,9 @@ def power_of_two(serving: list[int], ongoing: list[int], rng: random.Random) -> 
 
 def plan_from(result: DayResult, lead_seconds: float) -> dict:
     """Yesterday's day as a pre-warm plan: the most replicas `result`'s autoscaler wanted in each slice (what the
-    minute's demand asked for; the replicas taking traffic lag it by the start time, so a plan of those asked for
+    minute's demand asked for; the replicas taking traffic lag it by the start time, and a plan of those asked for
     the peak's replicas a minute late), in the shape of `carpool capacity plan --format json` with the slice as its
-    minute. `lead_seconds`: how long before a minute
-    its count is raised (the plan's replica_start_seconds)."""
+    minute. `lead_seconds`: how long before a minute its count is raised (the plan's replica_start_seconds)."""
     slice_s = result.traffic.slice_seconds
     return {
         "minutes": [
@@ -243,6 +254,7 @@ class _Day:
         self.result.itl, self.result.ttft = [[] for _ in range(slices)], [[] for _ in range(slices)]
         self.result.tokens, self.result.priority_tokens = [0] * slices, [0] * slices
         self.result.batch_done = [0] * slices
+        self.result.capacity = [[] for _ in range(slices)]
         self.nodes: list[_Replica] = []
         self.ongoing: list[int] = []  # per replica: requests it holds (Ray's ongoing count)
         self.batch_ongoing: list[int] = []
@@ -263,8 +275,7 @@ class _Day:
             self._up(self._add(0.0), 0.0)  # the trace starts on a healthy server: its first replicas are warm
         for index in range(len(self.traffic.users)):
             self._push(index * self.traffic.slice_seconds, "slice", index)
-        if self.scaling.autoscaled:
-            self._push(self.scaling.metrics_interval_s, "tick", None)
+        self._push(self.scaling.metrics_interval_s, "tick", None)  # fixed replicas report too (nothing acts on it)
         for _ in range(min(self.traffic.batch_lines, self.scaling.max_replicas * self.spec.max_num_seqs)):
             self._send(0.0, BATCH, -1)
         end = self.traffic.seconds
@@ -368,6 +379,10 @@ class _Day:
             slo = self.nodes[index].slo
             capacity = slo.live_capacity(self.spec.max_num_seqs) if slo is not None else None
             sample[index] = (self.ongoing[index], self.batch_ongoing[index], capacity)
+        slot = min(int(now // self.traffic.slice_seconds), len(self.traffic.users) - 1)
+        self.result.capacity[slot] += [c for _, _, c in sample.values() if c is not None]
+        if not scaling.autoscaled:
+            return
         self.samples.append((now, sample))
         while self.samples[0][0] <= now - scaling.look_back_period_s:
             self.samples.popleft()
@@ -588,14 +603,13 @@ def comparison_table(runs: list[dict], slo_itl_ms: float, slo_ttft_ms: float) ->
     def ms(value):
         return "-" if value is None else f"{value:.0f}"
 
-    lines = [
-        f"{'configuration':<22}{'replica-min':>12}{'$':>8}{'slices in SLO':>15}{'batch lines':>13}{'out tok':>10}",
-    ]
+    header = f"{'configuration':<22}{'replica-min':>12}{'$':>8}{'slices in SLO':>15}{'batch lines':>13}{'out tok':>10}"
+    lines = [header + f"{'live capacity':>15}"]
     for run in runs:
         lines.append(
             f"{run['name']:<22}{run['replica_minutes']:>12.1f}{run['usd']:>8.3f}"
             f"{run['slices_within_slo']:>11}/{run['slices_judged']:<3}{run['batch_lines_completed']:>13}"
-            f"{run['output_tokens']:>10}"
+            f"{run['output_tokens']:>10}{ms(run['mean_live_capacity']):>15}"
         )
     lines.append(f"per slice: mean replicas, priority ITL p99 / TTFT p99 ms (SLO {slo_itl_ms:g} / {slo_ttft_ms:g})")
     lines.append(f"{'min':>3}{'users':>6}" + "".join(f"  {run['name']:>26}" for run in runs))
@@ -630,6 +644,7 @@ def plot(runs: list[dict], report: dict, path: Path) -> None:
             label=run["name"],
         )
     itl.axhline(report["slo_itl_ms"], linestyle="--", color="k", label=f"SLO {report['slo_itl_ms']:g} ms")
+    replicas.set_ylim(bottom=0)
     replicas.set(ylabel="replicas (mean in slice)", title=f"the trace's day at K={report['scale']} (simulated)")
     itl.set(
         ylabel="priority ITL p99, ms (log)",
