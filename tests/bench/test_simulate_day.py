@@ -2,7 +2,8 @@
 carpool's policy, drained replicas that finish their requests, the SLO-sized target, and the pre-warm plan meeting
 the SLO where the reactive autoscaler misses it. A hand step model, no model load: a step of N decoding priority
 streams takes 20 + 4N ms (plus 0.1 ms a prompt token), so one replica misses a 100 ms ITL SLO with 30 users
-(140 ms steps) and two meet it (15 each: ~80 ms); a replica carries ~14 streams within it, far below its 64 slots."""
+(140 ms steps) and two meet it (15 each: ~80 ms); a replica reports a live capacity of ~16 streams in the peak,
+far below its 64 slots."""
 
 import json
 import random
