@@ -12,7 +12,7 @@ from carpool.bench import (
     replicas,
     reproducible,
     serve,
-    simulate,
+    simulate_day,
     soak,
     spec,
     structured,
@@ -30,7 +30,7 @@ MODES = (
     trace.add_parser,
     compression.add_parser,
     replicas.add_parser,
-    simulate.add_parser,
+    simulate_day.add_parser,  # `carpool bench simulate`, with its --day
     soak.add_parser,
     cache_ttl.add_parser,
     ledger_replay.add_parser,

@@ -440,48 +440,67 @@ def _capped(seq: _Seq, limits: StepLimits, running: list[_Seq]) -> bool:
 
 
 def _finish_step(nodes, loads, payload, now, work, followers, events, order, result: SimResult) -> None:
-    index, decoding, chunks, (tokens, seqs, read, started) = payload
+    index = payload[0]
     node = nodes[index]
-    node.busy = False
-    emitted = list(decoding)
-    for seq, chunk in chunks:
-        seq.to_prefill -= chunk
-        written, pinned = node.insert(seq.job, seq.job.prompt_tokens - seq.to_prefill, now)
+    writes, emitted, finished = _advance_step(node, payload, now)
+    for seq, written, pinned in writes:
         if seq.session < 0:
             for counts, blocks in ((result.cache_writes_by_job, written), (result.pin_writes_by_job, pinned)):
                 if blocks:
                     counts[seq.turn] = counts.get(seq.turn, 0) + blocks * node.spec.block_size
-        if seq.to_prefill == 0:  # the prompt's last chunk samples the first token
-            if not seq.job.internal:
-                result.ttft.append(now - seq.job.arrival)
-                result.ttft_by_tier.setdefault(seq.job.tier, []).append(now - seq.job.arrival)
-                if seq.session < 0:
-                    result.ttft_by_job[seq.turn] = now - seq.job.arrival
-            emitted.append(seq)
-    for seq in emitted:
-        if seq.last_token_at is not None and node.slo is not None:
-            node.slo.observe_gap(seq.priority, now - seq.last_token_at)
-        if seq.last_token_at is not None and not seq.job.internal:
-            result.itl.append(now - seq.last_token_at)
-            result.itl_by_tier.setdefault(seq.job.tier, []).append(now - seq.last_token_at)
-        seq.last_token_at = now
-        seq.first_token_at = seq.first_token_at or now
-        seq.produced += 1
+    for seq, gap in emitted:
         result.output_tokens += 1
-        if seq.produced >= max(seq.job.output_tokens, 1):
-            node.running.remove(seq)
-            loads[index].in_flight -= 1
+        if seq.job.internal:
+            continue
+        if gap is None:  # the prompt's last chunk sampled the first token
+            result.ttft.append(now - seq.job.arrival)
+            result.ttft_by_tier.setdefault(seq.job.tier, []).append(now - seq.job.arrival)
             if seq.session < 0:
-                result.finished_by_job[seq.turn] = now
-                for follower in followers.get(seq.turn, ()):
-                    heapq.heappush(events, (now, next(order), "arrive", (-1, follower)))
-            elif seq.turn + 1 < len(work[seq.session].turns):
-                heapq.heappush(events, (now, next(order), "arrive", (seq.session, seq.turn + 1)))
-    if node.slo is not None:
-        node.slo.observe(tokens, seqs, read, started, now, bool(node.running or node.waiting))
+                result.ttft_by_job[seq.turn] = now - seq.job.arrival
+        else:
+            result.itl.append(gap)
+            result.itl_by_tier.setdefault(seq.job.tier, []).append(gap)
+    for seq in finished:
+        loads[index].in_flight -= 1
+        if seq.session < 0:
+            result.finished_by_job[seq.turn] = now
+            for follower in followers.get(seq.turn, ()):
+                heapq.heappush(events, (now, next(order), "arrive", (-1, follower)))
+        elif seq.turn + 1 < len(work[seq.session].turns):
+            heapq.heappush(events, (now, next(order), "arrive", (seq.session, seq.turn + 1)))
     used = sum(math.ceil(s.job.prompt_tokens / node.spec.block_size) for s in node.running)
     loads[index].kv_usage = min(1.0, used / node.spec.num_blocks)
     _start_step(node, index, now, events, order, result)
+
+
+def _advance_step(node: _Replica, payload, now: float) -> tuple[list, list, list]:
+    """A step of `node` ends at `now`: its prompt chunks computed and cached, a token for each sequence it decoded
+    or finished the prompt of, finished sequences out of the replica, the SLO controller fed. Returns what its
+    caller records: the cache writes of each chunk (seq, blocks written outside and under its breakpoint), each
+    token emitted (seq, seconds since its previous token, None for a first token) and the sequences finished."""
+    _, decoding, chunks, (tokens, seqs, read, started) = payload
+    node.busy = False
+    writes, emitted, finished = [], [], []
+    ready = list(decoding)
+    for seq, chunk in chunks:
+        seq.to_prefill -= chunk
+        writes.append((seq, *node.insert(seq.job, seq.job.prompt_tokens - seq.to_prefill, now)))
+        if seq.to_prefill == 0:  # the prompt's last chunk samples the first token
+            ready.append(seq)
+    for seq in ready:
+        gap = None if seq.last_token_at is None else now - seq.last_token_at
+        if gap is not None and node.slo is not None:
+            node.slo.observe_gap(seq.priority, gap)
+        emitted.append((seq, gap))
+        seq.last_token_at = now
+        seq.first_token_at = seq.first_token_at or now
+        seq.produced += 1
+        if seq.produced >= max(seq.job.output_tokens, 1):
+            node.running.remove(seq)
+            finished.append(seq)
+    if node.slo is not None:
+        node.slo.observe(tokens, seqs, read, started, now, bool(node.running or node.waiting))
+    return writes, emitted, finished
 
 
 def poisson_arrivals(count: int, rate: float, seed: int = 0) -> list[float]:
@@ -561,7 +580,8 @@ def measured_steps(
     return steps
 
 
-def add_parser(modes) -> None:
+def add_parser(modes):
+    """The `simulate` mode's parser (carpool.bench.simulate_day adds `--day` to it)."""
     parser = modes.add_parser(
         "simulate",
         help="predict TTFT/ITL, hit rate and cost per 1M tokens for 1-64 "
@@ -595,8 +615,11 @@ def add_parser(modes) -> None:
     parser.add_argument("--hourly-price", type=float, default=0.10, help="dollars an hour a replica costs")
     parser.add_argument("--max-tokens", type=int, default=16, help="output tokens a request")
     parser.add_argument("--num-kv-blocks", type=int, default=ReplicaSpec.num_blocks, help="each replica's KV pool")
-    parser.add_argument("--out", default="bench-results/simulate.json", help="where the JSON results go")
+    parser.add_argument(
+        "--out", default=None, help="where the JSON results go (default: bench-results/simulate.json, -day.json)"
+    )
     parser.set_defaults(func=main)
+    return parser
 
 
 def main(args) -> int:
@@ -634,7 +657,7 @@ def main(args) -> int:
                 f"{row['itl_p50_s'] * 1e3:5.1f} ms  ${row['usd_per_1m_tokens']:.3f}/1M tokens",
                 flush=True,
             )
-    out = Path(args.out)
+    out = Path(args.out or "bench-results/simulate.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"step_model": vars(step), "rate_per_replica": args.rate, "rows": rows}, indent=2) + "\n")
     print(f"step model {step}; wrote {out}")
