@@ -21,6 +21,7 @@ from carpool.server.replicas.autoscaling import (
 from carpool.server.replicas.counts import ReplicaCount, capacity_plan, parse_replicas, scale_down_delay
 
 SLOTS = 4  # target ongoing requests per replica
+UPSCALE_DELAY, TICK = 2.0, 1.0  # Ray's, as carpool deploys an autoscaled model
 
 
 def test_replicas_is_a_count_or_a_range():
@@ -85,7 +86,9 @@ def context(total, batch_by_replica, current=2, min_replicas=1, capacity_by_repl
         total_num_requests=total,
         aggregated_metrics={BATCH_ONGOING: batch_by_replica, LIVE_CAPACITY: capacity_by_replica or {}},
         capacity_adjusted_min_replicas=min_replicas,
-        config=types.SimpleNamespace(get_target_ongoing_requests=lambda: SLOTS),
+        config=types.SimpleNamespace(
+            get_target_ongoing_requests=lambda: SLOTS, upscale_delay_s=UPSCALE_DELAY, metrics_interval_s=TICK
+        ),
     )
 
 
@@ -265,6 +268,12 @@ def test_the_planned_policy_keeps_the_floor_and_follows_a_new_plan(tmp_path):
     busy = context(total=20, batch_by_replica={}, current=1)
     busy.current_time = T + 10
     assert planned(busy)[0] == 5  # load above the floor: the load's answer
+    # The floor is read 3 s ahead (Ray's upscale delay and a tick), on top of the plan's own 45 s lead.
+    early = context(total=0, batch_by_replica={}, current=1)
+    early.current_time = T - 45 - 3
+    assert planned(early)[0] == 3
+    early.current_time -= 0.1
+    assert planned(early)[0] == 0  # before it: the load's answer (none)
     plan_file(tmp_path / "plan.json", [(T, 1)])
     os.utime(path, (T, T))  # a re-plan (its own mtime, whatever the clock's resolution)
     assert planned(idle)[0] == 1
@@ -317,7 +326,8 @@ def test_a_plan_from_carpool_capacity_plan_prewarms_ahead_of_its_peak(tmp_path, 
     (start,) = [a["at"] for a in document["actions"] if a["action"].startswith("start")]
     planned = PlannedPolicy(str(tmp_path / "plan.json"))
     idle = context(total=0, batch_by_replica={}, current=1)
-    idle.current_time = start - 1
+    # The second replica starts 45 s before the peak's minute: the policy asks Ray's delay and a tick before that.
+    idle.current_time = start - UPSCALE_DELAY - TICK - 0.1
     assert planned(idle)[0] == 1
-    idle.current_time = start
-    assert planned(idle)[0] == 2  # the second replica starts 45 s before the peak's minute
+    idle.current_time = start - UPSCALE_DELAY - TICK
+    assert planned(idle)[0] == 2

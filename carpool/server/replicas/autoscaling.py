@@ -14,7 +14,8 @@ it takes the spare replicas up to MAX and is worked off while the interactive ti
 
 With `--capacity-plan FILE` (`carpool capacity plan --format json`, re-run by a timer to keep it current) the
 policy is `PlannedPolicy`: the same answer, but never below the plan's replicas for the minute ahead, each minute's
-count raised `replica_start_seconds` before it begins, so a forecast peak finds its replicas loaded and warm.
+count raised `replica_start_seconds` (and Ray's upscale delay and metrics tick) before it begins, so a forecast peak
+finds its replicas loaded and warm.
 """
 
 import json
@@ -84,7 +85,11 @@ class PlannedPolicy:
 
     def __call__(self, ctx) -> tuple[float, dict[str, Any]]:
         desired, state = policy(ctx)
-        return max(desired, plan_floor(self._plan(), ctx.current_time or time.time())), state
+        # The floor is read that far ahead: Ray acts on it only after its upscale delay and a metrics tick, and
+        # the plan's start time is the replica's own (load and warm-up). Without it the simulated day's pre-warmed
+        # replicas came up 2-3 s into the minute they were planned for (carpool bench simulate --day).
+        ahead = ctx.config.upscale_delay_s + ctx.config.metrics_interval_s
+        return max(desired, plan_floor(self._plan(), (ctx.current_time or time.time()) + ahead)), state
 
     def _plan(self) -> dict:
         try:
