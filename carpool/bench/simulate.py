@@ -28,7 +28,7 @@ from carpool.bench.sessions import Session
 from carpool.engine.sampling_params import SamplingParams
 from carpool.engine.slo import SloController, StepLimits
 from carpool.engine.step_shape import attention_pairs
-from carpool.engine.tiers import BY_NAME, DEFAULT_TIER
+from carpool.engine.tiers import BACKGROUND_PRIORITY, BY_NAME, DEFAULT_TIER
 from carpool.server.replicas.routing import PrefixAffinity, ReplicaLoad, make_routing
 
 
@@ -199,6 +199,7 @@ class _Seq:
     replica: int = -1
     admitted: bool = False
     to_prefill: int = 0  # prompt tokens still to compute
+    computed_prompt: int = 0  # of the prompt, the tokens it computed at admission (not cache hits)
     produced: int = 0
     last_token_at: float | None = None
     first_token_at: float | None = None
@@ -371,11 +372,13 @@ def _start_step(node: _Replica, index: int, now: float, events, order, result: S
     if node.busy or not (node.waiting or node.running):
         return
     spec = node.spec
-    decoding = [seq for seq in node.running if seq.to_prefill == 0]
     limits = None
     if node.slo is not None:
         waiting = [entry[-1] for entry in node.waiting]
         limits = node.slo.plan(node.running, waiting, now, spec.max_num_batched_tokens, spec.max_num_seqs)
+        if limits.reason in ("itl", "ttft"):
+            _shed_background(node, limits, order)
+    decoding = [seq for seq in node.running if seq.to_prefill == 0]
     budget = (limits.max_tokens if limits else spec.max_num_batched_tokens) - len(decoding)
     # The SLO controller's held block: tokens of the budget only a tier below the governing one may use, while one
     # of its prompts can (the scheduler's hold), so a stream of priority prompts cannot take every token.
@@ -409,11 +412,18 @@ def _start_step(node: _Replica, index: int, now: float, events, order, result: S
             continue  # what is left is held for a lower tier's prompt
         node.waiting.remove(entry)
         seq.admitted = True
+        if seq.produced:  # shed for a surge: back with its blocks from the cache, its partial block recomputed
+            seq.to_prefill = max(1, (seq.job.prompt_tokens + seq.produced) % spec.block_size)
+            node.running.append(seq)
+            take(seq)
+            continue
         cached = node.cached_tokens(seq.job, now)  # at admission: what earlier chunks have cached by now
-        result.prompt_tokens += seq.job.prompt_tokens
-        result.cached_tokens += cached
-        if seq.session < 0:
-            result.cached_by_job[seq.turn] = cached
+        if not seq.computed_prompt:  # its first admission (not again after a shed)
+            seq.computed_prompt = seq.job.prompt_tokens - cached
+            result.prompt_tokens += seq.job.prompt_tokens
+            result.cached_tokens += cached
+            if seq.session < 0:
+                result.cached_by_job[seq.turn] = cached
         seq.to_prefill = seq.job.prompt_tokens - cached
         node.running.append(seq)
         take(seq)
@@ -429,6 +439,21 @@ def _start_step(node: _Replica, index: int, now: float, events, order, result: S
     read = sum(s.num_computed_tokens for s in decoding) + sum(s.num_computed_tokens for s, _ in chunks) + tokens
     shape = (tokens, len(decoding) + len(chunks), read, now)
     heapq.heappush(events, (now + duration, next(order), "step", (index, decoding, chunks, shape)))
+
+
+def _shed_background(node: _Replica, limits: StepLimits, order) -> None:
+    """The scheduler's surge rule (Scheduler._shed_background): running background (Batch API) sequences beyond
+    the SLO's cap, counting the protected tier's waiting ones, go back to waiting, worst first."""
+    arriving = sum(1 for entry in node.waiting if entry[-1].priority <= limits.exempt_priority)
+    while len(node.running) + arriving > limits.max_seqs:
+        background = [seq for seq in node.running if seq.priority >= BACKGROUND_PRIORITY]
+        if not background:
+            return
+        seq = max(background, key=lambda s: (s.priority, s.job.arrival))
+        node.running.remove(seq)
+        if not seq.produced:  # mid-prompt: it starts again from what its chunks cached
+            seq.admitted, seq.to_prefill = False, 0
+        heapq.heappush(node.waiting, (seq.priority, seq.job.arrival, next(order), seq))
 
 
 def _capped(seq: _Seq, limits: StepLimits, running: list[_Seq]) -> bool:
@@ -498,6 +523,8 @@ def _advance_step(node: _Replica, payload, now: float) -> tuple[list, list, list
         if seq.produced >= max(seq.job.output_tokens, 1):
             node.running.remove(seq)
             finished.append(seq)
+            if node.slo is not None:
+                node.slo.observe_finished(seq.priority, seq.computed_prompt, seq.produced)
     if node.slo is not None:
         node.slo.observe(tokens, seqs, read, started, now, bool(node.running or node.waiting))
     return writes, emitted, finished

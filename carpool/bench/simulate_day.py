@@ -75,6 +75,7 @@ class DayTraffic:
     chat_max_tokens: int = 64
     batch_lines: int = 0
     batch_max_tokens: int = 128
+    batch_at: int = 0  # the slice the Batch job arrives at (`carpool bench trace --batch-at`)
 
     @property
     def seconds(self) -> float:
@@ -276,8 +277,7 @@ class _Day:
         for index in range(len(self.traffic.users)):
             self._push(index * self.traffic.slice_seconds, "slice", index)
         self._push(self.scaling.metrics_interval_s, "tick", None)  # fixed replicas report too (nothing acts on it)
-        for _ in range(min(self.traffic.batch_lines, self.scaling.max_replicas * self.spec.max_num_seqs)):
-            self._send(0.0, BATCH, -1)
+        self._push(self.traffic.batch_at * self.traffic.slice_seconds, "batch", None)
         end = self.traffic.seconds
         while self.events and self.events[0][0] < end:
             now, _, kind, payload = heapq.heappop(self.events)
@@ -292,6 +292,9 @@ class _Day:
                 for user in range(self.users_now):
                     if user not in self.busy:
                         self._send(now, PRIORITY, user)
+            elif kind == "batch":
+                for _ in range(min(self.traffic.batch_lines, self.scaling.max_replicas * self.spec.max_num_seqs)):
+                    self._send(now, BATCH, -1)
             elif kind == "tick":
                 self._tick(now)
                 self._push(now + self.scaling.metrics_interval_s, "tick", None)
@@ -399,7 +402,11 @@ class _Day:
             target_num_replicas=self.target,
             total_num_requests=sum(sum(r[0] for r in w.values()) for w in windows) / len(windows),
             aggregated_metrics={BATCH_ONGOING: batch, **({LIVE_CAPACITY: capacity} if capacity else {})},
-            config=SimpleNamespace(get_target_ongoing_requests=lambda: self.spec.max_num_seqs),
+            config=SimpleNamespace(
+                get_target_ongoing_requests=lambda: self.spec.max_num_seqs,
+                upscale_delay_s=self.scaling.upscale_delay_s,
+                metrics_interval_s=self.scaling.metrics_interval_s,
+            ),
             capacity_adjusted_min_replicas=scaling.min_replicas,
             current_time=now,
         )
@@ -453,13 +460,11 @@ def configurations(minimum: int, maximum: int, start_seconds: float, down_delay:
 def run_configurations(
     traffic: DayTraffic, scalings: list[Scaling], step: StepModel, spec: ReplicaSpec, seed: int = 0
 ) -> list[DayResult]:
-    """Each configuration's day, then the last one (autoscaled) again with its own day as the pre-warm plan. The
-    plan's lead is the time from a floor's first tick to a replica taking traffic: one control-loop tick, Ray's
-    upscale delay (the floor is an answer like any other) and the start time; with the start time alone its
-    replicas came up 2-3 s into the minute they were for."""
+    """Each configuration's day, then the last one (autoscaled) again with its own day as the pre-warm plan, whose
+    lead is the replica's start time (PlannedPolicy reads the floor Ray's upscale delay and a tick further ahead)."""
     results = [run_day(traffic, scaling, step, spec, seed) for scaling in scalings]
     reactive = scalings[-1]
-    lead = reactive.metrics_interval_s + reactive.upscale_delay_s + reactive.replica_start_seconds
+    lead = reactive.replica_start_seconds
     planned = Scaling(
         f"{reactive.name}+plan",
         reactive.min_replicas,
@@ -514,6 +519,7 @@ def add_arguments(parser) -> None:
     day.add_argument("--chat-max-tokens", type=int, default=64, help="output tokens per chat request")
     day.add_argument("--batch-max-tokens", type=int, default=128, help="output tokens per batch line")
     day.add_argument("--batch-lines", type=int, default=3000, help="batch lines at K=1, x K (default: 3000)")
+    day.add_argument("--batch-at", type=int, default=0, metavar="SLICE", help="the slice the batch job arrives at")
     day.add_argument("--slo-itl-ms", type=float, default=100.0, help="priority ITL SLO, each replica's (default 100)")
     day.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="priority TTFT p99 a slice must meet")
     day.add_argument("--max-num-seqs", type=int, default=64, help="each replica's slots (default: 64)")
@@ -563,7 +569,10 @@ def main(args) -> int:
         chat_max_tokens=args.chat_max_tokens,
         batch_lines=args.batch_lines * scale,
         batch_max_tokens=args.batch_max_tokens,
+        batch_at=args.batch_at,
     )
+    if not 0 <= args.batch_at < len(users):
+        raise ValueError(f"--batch-at: a slice of the day, 0 to {len(users) - 1}, got {args.batch_at}")
     scalings = configurations(scale, 2 * scale, args.replica_start_seconds, args.scale_down_delay)
     results = run_configurations(traffic, scalings, step, spec, args.seed)
     runs = [r.report(args.slo_itl_ms, args.slo_ttft_ms, args.hourly_price) for r in results]
@@ -581,6 +590,7 @@ def main(args) -> int:
         "replica_start_seconds": args.replica_start_seconds,
         "scale_down_delay": args.scale_down_delay,
         "batch_lines": traffic.batch_lines,
+        "batch_at": traffic.batch_at,
         "plan": results[-1].scaling.plan,
         "runs": runs,
         "seconds_taken": time.monotonic() - began,

@@ -72,6 +72,10 @@ TAIL_UPDATE_GAPS = 50  # gaps between re-estimates (five steps of a 10-user peak
 # an open-loop target that is too careful grow, but not unboundedly while no step fills the budget.
 TARGET_FACTOR_RANGE = (0.5, 1.5)
 FINISHED_WEIGHT = 0.05  # live_capacity's mean over finished requests: the last ~20 of them
+# Steps before live_capacity is said: the model's error spread still holds the warm-up's first-call steps until
+# they decay (0.98^300 = 0.2%); before that the compressed day's first autoscaled replica reported a capacity of 1-2
+# for two users and Ray added a second replica within the first slice (2026-12-06 21:00).
+CAPACITY_MIN_STEPS = 300
 
 
 def check_slos(name: str, slos) -> dict[str, float]:
@@ -205,6 +209,7 @@ class SloController:
         self._step_target: float | None = None
         self._context_per_seq = 0.0  # the last planned step's, for live_capacity between steps
         self._prompt_per_output: float | None = None  # live requests' computed prompt tokens per output token (EW)
+        self.steps_observed = 0
 
     def plan(self, running: list, waiting: list, now: float, max_tokens: int, max_seqs: int) -> StepLimits:
         """The next step's limits, at most max_tokens and max_seqs (the flags, read by the caller every step)."""
@@ -251,8 +256,9 @@ class SloController:
         with 64-token answers counted as one token a step each, a tenth of their work. The autoscaler's per-replica
         target (carpool.server.replicas.autoscaling): the slots alone (64) let ten SmolLM2 chats on one 1-thread
         replica count as a valley while each of their tokens waited 135-560 ms (docs/benchmarks/journal.md, 19:13
-        UTC). At most `max_seqs` (the slots), at least 1; None without an ITL SLO."""
-        if not self.itl:
+        UTC). At most `max_seqs` (the slots), at least 1; None without an ITL SLO, or before CAPACITY_MIN_STEPS
+        steps (the autoscaler then sizes by the slots)."""
+        if not self.itl or self.steps_observed < CAPACITY_MIN_STEPS:
             return None
         tightest = min(self.itl.values())
         open_loop = tightest - self.gap - ERROR_SIGMAS * self.model.error_std
@@ -337,6 +343,7 @@ class SloController:
     def observe(self, tokens: int, seqs: int, context: int, start: float, end: float, work_left: bool) -> None:
         """One step's shape and its start and end (monotonic seconds); work_left: the engine steps again at once."""
         self.model.observe(tokens, seqs, context, end - start)
+        self.steps_observed += 1
         if self._busy_since is not None:
             self.gap = 0.9 * self.gap + 0.1 * max(0.0, start - self._busy_since)
         self._busy_since = end if work_left else None

@@ -36,10 +36,10 @@ def scheduler(itl_ms=None, ttft_ms=None, max_seqs=16, budget=512, aging=30.0):
     return Scheduler(config, BlockManager(1024, 16, False))
 
 
-def teach_slow_steps(s: Scheduler) -> None:
+def teach_slow_steps(s: Scheduler, repeats: int = 4) -> None:
     """Feed the controller steps of mixed shapes that took FIXED + PER_TOKEN * tokens."""
     now = time.monotonic()
-    for tokens in (1, 8, 64, 512, 4, 256, 32, 128) * 4:
+    for tokens in (1, 8, 64, 512, 4, 256, 32, 128) * repeats:
         seqs = min(tokens, 4)
         s.slo.observe(tokens, seqs, 100 * seqs, now, now + FIXED + PER_TOKEN * tokens, work_left=False)
 
@@ -314,8 +314,10 @@ def test_the_cap_never_holds_a_higher_tier_behind_a_lower_one():
 def test_live_capacity_is_the_decode_batch_whose_step_fits_the_tightest_itl_slo():
     assert scheduler().slo is None
     wide, tight = scheduler(itl_ms={"priority": 60, "default": 200}), scheduler(itl_ms={"priority": 30})
+    teach_slow_steps(wide)
+    assert wide.slo.live_capacity(500) is None  # 32 steps: not yet said (the autoscaler sizes by the slots)
     for s in (wide, tight):
-        teach_slow_steps(s)
+        teach_slow_steps(s, repeats=40)
 
     def step_seconds(s, seqs):  # seqs decodes and a block of prompt, with the margin the controller keeps
         return s.slo.model.predict(seqs + 16, seqs, 0) + ERROR_SIGMAS * s.slo.model.error_std
@@ -326,13 +328,13 @@ def test_live_capacity_is_the_decode_batch_whose_step_fits_the_tightest_itl_slo(
     # On the slow machine (5 ms + 0.4 ms a token) about 80 and 20 requests; the slots bound it.
     assert tight.slo.live_capacity(500) < wide.slo.live_capacity(500) and wide.slo.live_capacity(16) == 16
     hopeless = scheduler(itl_ms={"priority": 4})
-    teach_slow_steps(hopeless)
+    teach_slow_steps(hopeless, repeats=40)
     assert hopeless.slo.live_capacity(500) == 1  # no step meets 4 ms: one request a replica, never zero
 
 
 def test_live_capacity_counts_each_live_requests_prompt_over_its_decode_steps():
     s = scheduler(itl_ms={"priority": 60})
-    teach_slow_steps(s)
+    teach_slow_steps(s, repeats=40)
     decode_only = s.slo.live_capacity(500)
     for _ in range(50):
         s.slo.observe_finished(BATCH, 4000, 10)  # the Batch API's lines are not live demand
