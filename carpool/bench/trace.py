@@ -1,10 +1,10 @@
 """`carpool bench trace`: a compressed day replayed against servers in turn, SLO controller vs fixed step sizes.
 
 The day: a Batch API job (every line `ignore_eos`, by default more lines than any configuration finishes) is
-submitted at the start (or at `--batch-at` SLICE, a nightly job) and fills whatever the interactive traffic leaves; priority chat users (closed loop, streaming,
-`ignore_eos`, each one request at a time) rise to a peak and leave, so the second half is the valley the
-batch fills. Time is scaled: a "minute" of the day is one slice of `--slice-seconds` (20 s by default), and
-the user count changes only at slice boundaries.
+submitted at the start (or at `--batch-at` SLICE, a nightly job) and fills whatever the interactive traffic
+leaves; priority chat users (closed loop, streaming, `ignore_eos`, each one request at a time) rise to a peak and
+leave, so the second half is the valley the batch fills. Time is scaled: a "minute" of the day is one slice of
+`--slice-seconds` (20 s by default), and the user count changes only at slice boundaries.
 
 Per slice: priority ITL p99 (client side, the gap between text chunks: what a user sees) against the SLO,
 output tokens per second of every tier (from the server's `carpool:generation_tokens` counter), and the
@@ -552,7 +552,8 @@ def format_slice(s: SliceReport) -> str:
     replicas = "" if s.replicas is None else f"replicas {s.replicas:4.2f}  "
     return (
         f"  min {s.index:>2} users {s.users:>2}  {replicas}ITL p50 {ms(s.itl_p50_ms):>4} p99 {ms(s.itl_p99_ms):>5} "
-        f"ms TTFT p50 {ms(s.ttft_p50_ms):>5} p99 {ms(s.ttft_p99_ms):>5} ms {verdict:<9} out {s.output_tokens_per_s:6.1f} tok/s (priority {s.priority_tokens_per_s:5.1f})  "
+        f"ms TTFT p50 {ms(s.ttft_p50_ms):>5} p99 {ms(s.ttft_p99_ms):>5} ms {verdict:<9} "
+        f"out {s.output_tokens_per_s:6.1f} tok/s (priority {s.priority_tokens_per_s:5.1f})  "
         f"{cost}/1M  step budget {budget}{controller}"
     )
 
