@@ -5,9 +5,9 @@ scheduling and SLO controller over a measured step model).
 
 The day, as the trace runs it: priority chat users, closed loop (a user's next request is sent when its previous
 one ends), their count per slice of `slice_seconds`; a Batch API job submitted at the start (or at `--batch-at`),
-by default with more lines than any configuration finishes, of which the Batch API keeps at most as many in flight as the server's router has
-slots (carpool.server.batch.service): MAX x max_num_seqs (fixed: its replicas', autoscaled: MAX's,
-carpool.server.replicas.autoscaled). Requests land on replicas as Ray Serve's router places them
+by default with more lines than any configuration finishes, of which the Batch API keeps at most as many in
+flight as the server's router has slots (carpool.server.batch.service): MAX x max_num_seqs (fixed: its
+replicas', autoscaled: MAX's, carpool.server.replicas.autoscaled). Requests land on replicas as Ray Serve's router places them
 (power of two choices on ongoing requests, among the replicas that are up and not draining).
 
 The autoscaler is carpool's policy (carpool.server.replicas.autoscaling: `policy`, and `PlannedPolicy` with a plan
