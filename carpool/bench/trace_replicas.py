@@ -4,8 +4,8 @@ Four servers, in turn, every replica one thread under the SLO controller (`--slo
 `--large` step as its ceilings): fixed MIN, fixed MAX, autoscaled MIN:MAX (Ray Serve's autoscaler with carpool's
 policy: replicas sized by their live capacity at the SLO, Batch lines taking the valleys) and the same with a
 pre-warm plan. The plan is yesterday's day: the serving replicas the autoscaled run sampled in each slice (their
-mean, rounded up), as `carpool capacity plan --format json` writes it (its minutes the trace's slices, `minute_seconds`), each
-slice's replicas started `--replica-start-seconds` ahead. It is written when the pre-warmed run's trace starts, at
+mean, rounded up), as `carpool capacity plan --format json` writes it (its minutes the trace's slices,
+`minute_seconds`), each slice's replicas started `--replica-start-seconds` ahead. It is written when the pre-warmed run's trace starts, at
 that run's clock; the server re-reads it (autoscaling.PlannedPolicy), having started with an empty one.
 """
 

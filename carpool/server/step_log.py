@@ -15,6 +15,7 @@ from pathlib import Path
 from carpool.engine.llm_engine import StepStats
 
 FLUSH_STEPS = 200  # about 10 s of steps at a 50 ms cadence; a crash loses at most these
+FIT_FIELDS = ("prefill_tokens", "decode_seqs", "context_tokens", "prefill_pairs", "seconds")  # StepModel.fit's order
 
 
 class StepLog:
@@ -69,8 +70,7 @@ def read_steps(path: str, model: str, since: float | None = None, until: float |
                     continue
                 try:
                     row = json.loads(line)
-                    at, fields = row["time"], [row[k] for k in ("prefill_tokens", "decode_seqs", "context_tokens")]
-                    fields += [row["prefill_pairs"], row["seconds"]]
+                    at, fields = row["time"], tuple(row[k] for k in FIT_FIELDS)
                 except (ValueError, KeyError, TypeError) as error:
                     if number > 1 and not line.endswith("\n"):  # the last line of a server still writing
                         break
@@ -78,7 +78,7 @@ def read_steps(path: str, model: str, since: float | None = None, until: float |
                         f"--steps: {path} line {number} is not a `carpool serve --step-log` line: {error!r}"
                     ) from None
                 if row["model"] == model and (since is None or at >= since) and (until is None or at < until):
-                    steps.append(tuple(fields))
+                    steps.append(fields)
     except OSError as error:
         raise ValueError(f"--steps: cannot read {path}: {error}") from None
     return steps

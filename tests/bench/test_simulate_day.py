@@ -123,3 +123,19 @@ def test_the_day_runs_from_the_command_line_and_writes_the_four_configurations(t
     assert report["users"] == [2, 4] and report["plan"]["minute_seconds"] == 5.0
     assert (tmp_path / "day.png").stat().st_size > 0
     assert "autoscaled-1:2+plan" in capsys.readouterr().out
+
+
+def test_a_nightly_batch_job_arrives_at_its_slice():
+    # `--batch-at 1`: the job's lines are sent when slice 1 begins, none run in slice 0.
+    traffic = DayTraffic(
+        users=(2, 0, 0),
+        slice_seconds=10.0,
+        prompts=(32,),
+        chat_max_tokens=16,
+        batch_lines=40,
+        batch_at=1,
+        batch_max_tokens=8,
+    )
+    report = run_day(traffic, Scaling("fixed", 1, 1), STEP, SLO).report(100.0, 2000.0, 0.10)
+    assert report["slices"][0]["batch_lines_completed"] == 0
+    assert report["slices"][1]["batch_lines_completed"] > 0 and report["batch_lines_completed"] == 40
