@@ -27,7 +27,7 @@ from carpool.bench.serve import latency_summary
 from carpool.bench.sessions import Session
 from carpool.engine.sampling_params import SamplingParams
 from carpool.engine.slo import SloController, StepLimits
-from carpool.engine.step_shape import attention_pairs
+from carpool.engine.step_shape import attention_pairs, fit_row
 from carpool.engine.tiers import BACKGROUND_PRIORITY, BY_NAME, DEFAULT_TIER
 from carpool.server.replicas.routing import PrefixAffinity, ReplicaLoad, make_routing
 
@@ -541,18 +541,6 @@ def poisson_arrivals(count: int, rate: float, seed: int = 0) -> list[float]:
     return times
 
 
-def step_row(stats) -> tuple[int, int, int, int, float]:
-    """A step's StepStats as StepModel.fit reads it: (prompt tokens, decoding sequences, KV tokens the decodes
-    read, prompt chunks' query-key pairs, seconds)."""
-    return (
-        stats.num_prefill_tokens,
-        stats.num_decode_tokens,
-        stats.decode_context_tokens,
-        stats.prefill_pairs,
-        stats.duration,
-    )
-
-
 def measure_step_model(config, **shapes) -> StepModel:
     """A StepModel fitted to real steps of carpool's engine under `config` (an EngineConfig): `measured_steps`."""
     return StepModel.fit(measured_steps(config, **shapes))
@@ -592,7 +580,7 @@ def measured_steps(
             engine.step()
             stats = engine.last_step
             if stats is not None and stats.num_tokens:
-                steps.append(step_row(stats))
+                steps.append(fit_row(stats))
 
     warm_up(engine)  # as a server does before its first request: first-call costs are no step's
     for length in prompt_lengths:

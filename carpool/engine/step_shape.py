@@ -18,3 +18,18 @@ def step_shape(scheduled: list[tuple[int, int, int]]) -> tuple[int, int]:
         else:
             context += computed
     return context, pairs
+
+
+FIT_FIELDS = ("prefill_tokens", "decode_seqs", "context_tokens", "prefill_pairs", "seconds")
+
+
+def fit_row(stats) -> tuple[int, int, int, int, float]:
+    """A step's StepStats (carpool.engine.llm_engine) as StepModel.fit reads it, in FIT_FIELDS' order: prompt
+    tokens, decoding sequences, KV tokens the decodes read, prompt chunks' query-key pairs, seconds."""
+    return (
+        stats.num_prefill_tokens,
+        stats.num_decode_tokens,
+        stats.decode_context_tokens,
+        stats.prefill_pairs,
+        stats.duration,
+    )

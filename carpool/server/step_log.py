@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 
 from carpool.engine.llm_engine import StepStats
+from carpool.engine.step_shape import FIT_FIELDS, fit_row
 
 FLUSH_STEPS = 200  # about 10 s of steps at a 50 ms cadence; a crash loses at most these
-FIT_FIELDS = ("prefill_tokens", "decode_seqs", "context_tokens", "prefill_pairs", "seconds")  # StepModel.fit's order
 
 
 class StepLog:
@@ -47,15 +47,7 @@ class StepLog:
 
 
 def step_line(model: str, stats: StepStats) -> dict:
-    return {
-        "time": time.time(),
-        "model": model,
-        "prefill_tokens": stats.num_prefill_tokens,
-        "decode_seqs": stats.num_decode_tokens,
-        "context_tokens": stats.decode_context_tokens,
-        "prefill_pairs": stats.prefill_pairs,
-        "seconds": stats.duration,
-    }
+    return {"time": time.time(), "model": model, **dict(zip(FIT_FIELDS, fit_row(stats)))}
 
 
 def read_steps(path: str, model: str, since: float | None = None, until: float | None = None) -> list[tuple]:
