@@ -25,7 +25,9 @@ import numpy as np
 
 from carpool.bench.serve import latency_summary
 from carpool.bench.sessions import Session
+from carpool.engine.config import EngineConfig
 from carpool.engine.sampling_params import SamplingParams
+from carpool.engine.scheduler import aged_priority
 from carpool.engine.slo import SloController, StepLimits
 from carpool.engine.step_shape import attention_pairs, fit_row
 from carpool.engine.tiers import BACKGROUND_PRIORITY, BY_NAME, DEFAULT_TIER
@@ -121,6 +123,9 @@ class ReplicaSpec:
     # Seconds from a request's arrival to when the engine can schedule it that no step explains (`carpool cost
     # whatif` fits it to the recorded rows' own times to first token).
     admission_seconds: float = 0.0
+    # The scheduler's aging (carpool.engine.scheduler.aged_priority), the engine's defaults.
+    priority_aging_seconds: float = EngineConfig.priority_aging_seconds
+    max_priority_boost: int = EngineConfig.max_priority_boost
 
 
 @dataclass(frozen=True)
@@ -309,27 +314,38 @@ def simulate(
 
 
 def replay(
-    jobs: list[Job], replicas: int, routing: str, step: StepModel, spec: ReplicaSpec, others: tuple[Pool, ...] = ()
+    jobs: list[Job],
+    replicas: int,
+    routing: str,
+    step: StepModel,
+    spec: ReplicaSpec,
+    others: tuple[Pool, ...] = (),
+    draw: int = 0,
 ) -> SimResult:
     """Run recorded requests, each at its own arrival time, on `replicas` replicas routed by `routing`; a job of
-    `model` k > 0 on the replicas of others[k - 1] (a cheaper model a router or a cascade sends it to)."""
+    `model` k > 0 on the replicas of others[k - 1] (a cheaper model a router or a cascade sends it to). `draw`
+    picks the steps' spread around the plane (the same draw, the same times): `carpool cost whatif` pools several."""
     pools = (Pool(replicas, step), *others)
     if min(pool.replicas for pool in pools) < 1:
         raise ValueError("replicas must be at least 1")
     if any(not 0 <= job.model < len(pools) for job in jobs):
         raise ValueError(f"jobs: a job's model must index the {len(pools)} pools")
     starts = [(job.arrival, (-1, index)) for index, job in enumerate(jobs) if job.after is None]
-    return _run(jobs, starts, pools, routing, spec)
+    return _run(jobs, starts, pools, routing, spec, draw)
 
 
-def _run(work: list, starts: list, pools: tuple[Pool, ...], routing: str, spec: ReplicaSpec) -> SimResult:
+def _run(
+    work: list, starts: list, pools: tuple[Pool, ...], routing: str, spec: ReplicaSpec, draw: int = 0
+) -> SimResult:
     """`work`: sessions (a start's payload is (session, turn)) or jobs (payload (-1, job index)). Each pool's
-    replicas are routed among by a router of their own."""
+    replicas are routed among by a router of their own; replica i of the run's n draws its steps from seed
+    draw * n + i."""
     members = []  # per pool, its replicas' indexes in `nodes`
     nodes: list[_Replica] = []
+    count = sum(pool.replicas for pool in pools)
     for pool in pools:
         members.append(list(range(len(nodes), len(nodes) + pool.replicas)))
-        nodes += [_Replica(spec, pool.step, seed=len(nodes) + i) for i in range(pool.replicas)]
+        nodes += [_Replica(spec, pool.step, seed=draw * count + len(nodes) + i) for i in range(pool.replicas)]
     routers = [make_routing(routing, spec.block_size) for _ in pools]
     loads = [ReplicaLoad(slots=spec.max_num_seqs) for _ in nodes]
     result = SimResult(len(nodes), routing)
@@ -378,7 +394,23 @@ def _start_step(node: _Replica, index: int, now: float, events, order, result: S
         limits = node.slo.plan(node.running, waiting, now, spec.max_num_batched_tokens, spec.max_num_seqs)
         if limits.reason in ("itl", "ttft"):
             _shed_background(node, limits, order)
-    decoding = [seq for seq in node.running if seq.to_prefill == 0]
+
+    def rank(seq: _Seq) -> tuple[float, float]:
+        """The scheduler's order: aged tier, then arrival."""
+        waited = now - seq.job.arrival
+        return aged_priority(
+            seq.priority, waited, spec.priority_aging_seconds, spec.max_priority_boost
+        ), seq.job.arrival
+
+    # A background tier's decodes sit out any step that computes a foreground tier's prompt, as in the engine.
+    foreground_prompt = any(s.priority < BACKGROUND_PRIORITY and s.to_prefill for s in node.running) or any(
+        entry[-1].priority < BACKGROUND_PRIORITY for entry in node.waiting
+    )
+    decoding = [
+        seq
+        for seq in node.running
+        if seq.to_prefill == 0 and not (foreground_prompt and seq.priority >= BACKGROUND_PRIORITY)
+    ]
     budget = (limits.max_tokens if limits else spec.max_num_batched_tokens) - len(decoding)
     # The SLO controller's held block: tokens of the budget only a tier below the governing one may use, while one
     # of its prompts can (the scheduler's hold), so a stream of priority prompts cannot take every token.
@@ -399,18 +431,25 @@ def _start_step(node: _Replica, index: int, now: float, events, order, result: S
             if seq.priority > exempt:
                 held = max(0, held - chunk)
 
-    for seq in node.running:  # prompts already started go on first, then new ones while the budget lasts
-        if seq.to_prefill and budget > 0:
-            take(seq)
-    for entry in sorted(node.waiting):  # tier, then arrival
-        seq = entry[-1]
-        if len(node.running) >= spec.max_num_seqs or budget <= 0:
+    # Prompt work, running prompts' next chunks and waiting requests alike, in rank order, as the scheduler does:
+    # taking running chunks first left a help-line turn behind every remaining chunk of a document that started
+    # first (512-token chunks of ~370 ms each on 2 cores, 2026-12-07).
+    running = {id(seq) for seq in node.running}
+    entries = {id(entry[-1]): entry for entry in node.waiting}
+    prompts = [seq for seq in node.running if seq.to_prefill] + [entry[-1] for entry in node.waiting]
+    for seq in sorted(prompts, key=rank):
+        if budget <= 0:
             break
-        if limits and _capped(seq, limits, node.running):
+        if id(seq) in running:
+            take(seq)
+            continue
+        if len(node.running) >= spec.max_num_seqs:
+            continue
+        if limits and _capped(seq, limits, node.running, rank):
             continue  # the cap: only a lower tier than the governing one, which waits for the batch to shrink
         if budget - (held if seq.priority <= exempt else 0) <= 0:
             continue  # what is left is held for a lower tier's prompt
-        node.waiting.remove(entry)
+        node.waiting.remove(entries[id(seq)])
         seq.admitted = True
         if seq.produced:  # shed for a surge: back with its blocks from the cache, its partial block recomputed
             seq.to_prefill = max(1, (seq.job.prompt_tokens + seq.produced) % spec.block_size)
@@ -456,12 +495,12 @@ def _shed_background(node: _Replica, limits: StepLimits, order) -> None:
         heapq.heappush(node.waiting, (seq.priority, seq.job.arrival, next(order), seq))
 
 
-def _capped(seq: _Seq, limits: StepLimits, running: list[_Seq]) -> bool:
-    """The scheduler's cap (Scheduler._capped, without aging): a lower tier than the governing one is not admitted
-    while the batch is at the cap, unless a running sequence is of a lower tier still."""
+def _capped(seq: _Seq, limits: StepLimits, running: list[_Seq], rank) -> bool:
+    """The scheduler's cap (Scheduler._capped): a lower tier than the governing one is not admitted while the batch
+    is at the cap, unless a running sequence ranks lower (aged tier) still."""
     if len(running) < limits.max_seqs or seq.priority <= limits.exempt_priority:
         return False
-    return not any(r.priority > seq.priority for r in running)
+    return not any(rank(r)[0] > rank(seq)[0] for r in running)
 
 
 def _finish_step(nodes, loads, payload, now, work, followers, events, order, result: SimResult) -> None:

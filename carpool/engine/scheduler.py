@@ -1,8 +1,9 @@
 """Iteration-level scheduling: which sequences run this step, and how many tokens each.
 
 Each step has a token budget (`max_num_batched_tokens`). Running decodes are served first (one token each),
-so a long prompt never freezes other streams; then running prompts continue in chunks; then waiting requests
-are admitted, best tier first and first-come-first-served within a tier. When blocks or sequence slots run
+so a long prompt never freezes other streams; then prompt work, running prompts' next chunks and waiting
+requests' admissions alike, in rank order: best aged tier first (`aged_priority`), first-come-first-served within
+a tier. When blocks or sequence slots run
 out, the running sequence with the worst (tier, arrival) is preempted by recompute and goes back to the
 waiting queue with its original arrival, so it keeps its place. With SLOs set, a controller (carpool.engine.slo)
 sizes each step's token budget and caps admissions below `max_num_seqs` from measured step times.
@@ -16,6 +17,13 @@ from carpool.engine.config import EngineConfig
 from carpool.engine.sequence import Sequence, SequenceStatus
 from carpool.engine.slo import SloController, StepLimits
 from carpool.engine.tiers import BACKGROUND_PRIORITY
+
+
+def aged_priority(priority: int, waited: float, aging_seconds: float, max_boost: int) -> float:
+    """A request's tier after waiting `waited` seconds: one tier better per `aging_seconds`, at most `max_boost`
+    tiers (EngineConfig's priority_aging_seconds and max_priority_boost), so no tier starves behind a steady stream
+    of higher ones."""
+    return priority - min(waited / aging_seconds, max_boost)
 
 
 @dataclass
@@ -65,10 +73,6 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def effective_priority(self, seq: Sequence, now: float) -> float:
-        boost = min((now - seq.times.arrival) / self.config.priority_aging_seconds, self.config.max_priority_boost)
-        return seq.priority - boost
-
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         self.block_manager.expire_pins()  # lapsed TTL pins become ordinary cache before anything is evicted
@@ -80,7 +84,11 @@ class Scheduler:
         )
         # One ordering for everything: aged tier, then arrival. Waiting and running requests are ranked the
         # same way, so a preemption can never be undone by its victim on the next step.
-        rank = {s: (self.effective_priority(s, now), s.times.arrival, s.seq_id) for s in self.running + self.waiting}
+        aging = (self.config.priority_aging_seconds, self.config.max_priority_boost)
+        rank = {
+            s: (aged_priority(s.priority, now - s.times.arrival, *aging), s.times.arrival, s.seq_id)
+            for s in self.running + self.waiting
+        }
         self.running.sort(key=rank.__getitem__)
         shed = self._shed_background(batch, rank)
         # A background tier's decodes sit out any step that computes a foreground tier's prompt.

@@ -216,3 +216,27 @@ def test_under_slo_steps_a_surge_sheds_the_running_batch_lines_and_they_finish_a
     assert max(gaps) < 0.1 and slow.seconds(0, 49) > 0.15, gaps
     assert len(governed.finished_by_job) == 49 and governed.prompt_tokens == 49 * 40
     assert max(governed.finished_by_job[i] for i in range(48)) > governed.finished_by_job[48]
+
+
+def test_prompt_work_runs_in_the_schedulers_rank_order_not_running_chunks_first():
+    """As the engine's scheduler: a priority prompt arriving while a default-tier document is being chunked in
+    takes the next step's budget; it is not queued behind the document's remaining chunks."""
+    slow = StepModel(base=0.010, per_prefill_token=0.001, per_decode_seq=0.010)
+    jobs = [Job(0.0, 1024, (), 2, "default"), Job(0.1, 64, (), 2, "priority")]
+    result = replay(jobs, 1, "prefix", slow, ReplicaSpec(max_num_batched_tokens=64))
+    # 74 ms chunks of the document: the priority prompt goes in the step starting at 148 ms, first token at 222.
+    assert result.ttft_by_job[1] == pytest.approx(0.222 - 0.1)
+    # The document: two chunks, the priority prompt's step, 63 tokens beside its decode (83 ms), 13 chunks of 64
+    # and the last token (11 ms), where running chunks first gave it 16 x 74 ms and the priority prompt waited.
+    assert result.ttft_by_job[0] == pytest.approx(2 * 0.074 + 0.074 + 0.083 + 13 * 0.074 + 0.011)
+
+
+def test_a_waiting_request_ages_past_a_younger_one_of_a_better_tier():
+    """The scheduler's aging: one tier a priority_aging_seconds waited (two at most). With one slot held for a
+    minute, the default request that waited 60 s goes before the priority one that waited 29 s."""
+    step = StepModel(base=0.010, per_prefill_token=0.0, per_decode_seq=0.010)
+    jobs = [Job(0.0, 16, (), 3000, "priority"), Job(0.001, 16, (), 2, "default"), Job(31.0, 16, (), 2, "priority")]
+    aged = replay(jobs, 1, "prefix", step, ReplicaSpec(max_num_seqs=1))
+    assert aged.finished_by_job[1] < aged.finished_by_job[2]
+    unaged = replay(jobs, 1, "prefix", step, ReplicaSpec(max_num_seqs=1, priority_aging_seconds=1e9))
+    assert unaged.finished_by_job[2] < unaged.finished_by_job[1]
