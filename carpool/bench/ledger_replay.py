@@ -177,8 +177,8 @@ def add_parser(modes) -> None:
         help="send the ledger's recorded traffic (prompts rebuilt from its block-hash chains) to a running server, "
         "to check carpool cost whatif's predictions",
     )
-    parser.add_argument("--url", required=True, help="the server to replay against")
-    parser.add_argument("--db", required=True, help="the ledger whose rows are replayed")
+    parser.add_argument("--url", default=None, help="the server to replay against")
+    parser.add_argument("--db", default=None, help="the ledger whose rows are replayed")
     parser.add_argument("--since", type=parse_time, default=None, help="unix seconds or ISO 8601 (UTC), inclusive")
     parser.add_argument("--until", type=parse_time, default=None, help="unix seconds or ISO 8601 (UTC), exclusive")
     parser.add_argument("--model", default=None, help="the recorded model's rows (default: the busiest)")
@@ -192,6 +192,12 @@ def add_parser(modes) -> None:
         default=None,
         metavar="WHATIF_JSON:SCENARIO",
         help="a `carpool cost whatif` report and the scenario this server runs: each figure predicted against real",
+    )
+    parser.add_argument(
+        "--report",
+        default=None,
+        metavar="FILE",
+        help="with --compare: hold a saved report of an earlier replay against the prediction, sending nothing",
     )
     parser.add_argument("--out", default="bench-results/ledger-replay.json", help="the JSON report")
     parser.set_defaults(func=main)
@@ -209,6 +215,13 @@ def main(args: argparse.Namespace) -> int:
     if args.speed <= 0:
         raise ValueError(f"--speed must be positive, got {args.speed}")
     expected = _scenario(args.compare) if args.compare else None  # a wrong name fails before the replay
+    if args.report:
+        if expected is None:
+            raise ValueError("--report: give --compare WHATIF_JSON:SCENARIO to hold the saved report against")
+        _print_comparison(compare(expected, json.loads(Path(args.report).read_text())))
+        return 0
+    if not (args.url and args.db):
+        raise ValueError("--url and --db: the server to replay against and the ledger to replay (or --report)")
     rows, left_out = recorded_rows(args.db, args.model, args.since, args.until)
     live = [row for row in rows if row.job.tier != BATCH_TIER]
     if not live:
@@ -220,14 +233,18 @@ def main(args: argparse.Namespace) -> int:
         document["server_latency"] = server_ttft(args.server_db, began)
     if expected is not None:
         document["comparison"] = compare(expected, document)
-        for name, row in document["comparison"].items():
-            error = "-" if row["error"] is None else f"{row['error']:+.0%}"
-            print(
-                f"{name:<24} predicted {row['predicted']:.4g}  real {row['real']:.4g}  {error:>6}  {'held' * row['held']}"
-            )
+        _print_comparison(document["comparison"])
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(document, indent=2) + "\n")
     print(json.dumps({key: document[key] for key in ("requests", "errors", "seconds", "hit_rate")}))
     print(f"wrote {out}")
     return 0
+
+
+def _print_comparison(comparison: dict) -> None:
+    for name, row in comparison.items():
+        error = "-" if row["error"] is None else f"{row['error']:+.0%}"
+        print(
+            f"{name:<24} predicted {row['predicted']:.4g}  real {row['real']:.4g}  {error:>6}  {'held' * row['held']}"
+        )

@@ -5,11 +5,14 @@ same rows to a real server to hold the predictions against: the shared prefix is
 
 import json
 import os
+import statistics
 
 import pytest
 from live_server import LiveServer
 
 from carpool.bench import ledger_replay, whatif
+from carpool.bench.serve import latency_summary
+from carpool.bench.simulate import ReplicaSpec, StepModel, replay
 from carpool.cli import build_parser
 from carpool.economics.contract import block_chain_text
 from carpool.economics.db import open_database
@@ -189,6 +192,55 @@ def test_the_time_to_first_token_no_step_explains_is_fitted_to_the_recorded_rows
     assert by_name["no prefix cache"]["latency"]["default"]["ttft_p50_s"] == pytest.approx(0.074 + 0.030)
 
 
+def test_steps_of_another_token_budget_chunk_the_prompt_as_the_engine_would(tmp_path):
+    ledger(tmp_path / "carpool.db", [(0, "a", 64, [f"block-{i}".encode().ljust(8, b".") for i in range(4)])])
+    (tmp_path / "prices.toml").write_text(SHEET)
+    out = tmp_path / "whatif.json"
+    args = build_parser().parse_args(
+        ["cost", "whatif", "--db", str(tmp_path / "carpool.db"), "--hourly-price", "3.6", "--step", STEP]
+        + ["--prices", str(tmp_path / "prices.toml"), "--step-tokens", "32,512", "--out", str(out)]
+    )
+    assert whatif.main(args) == 0
+    by_name = {row["scenario"]: row for row in json.loads(out.read_text())["scenarios"]}
+    assert set(by_name) == {"today", "no prefix cache", "steps of 32 tokens"}  # 512 is today's budget
+    # Today the 64-token prompt is one 74 ms step; at 32 tokens a step, two of 42 ms. Its one decode: 20 ms.
+    assert by_name["today"]["latency"]["default"]["ttft_p50_s"] == pytest.approx(0.074)
+    small = by_name["steps of 32 tokens"]
+    assert small["latency"]["default"]["ttft_p50_s"] == pytest.approx(0.084)
+    assert small["latency"]["default"]["itl_p50_s"] == pytest.approx(0.020)
+    assert small["seconds"] == pytest.approx(0.104)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["cost", "whatif", "--hourly-price", "1", "--step-tokens", "0"])
+
+
+def test_each_scenario_is_the_median_of_its_draws_of_the_steps_spread(tmp_path):
+    """With a spread around the step model, each draw is another day's step times: the report's latencies are the
+    draws' medians of their own percentiles and its span the draws' mean, not one draw's."""
+    rows = [(0.05 * i, "a", 48, [f"row-{i}-{b}".encode().ljust(8, b".") for b in range(3)]) for i in range(6)]
+    ledger(tmp_path / "carpool.db", rows)
+    (tmp_path / "prices.toml").write_text(SHEET)
+    out = tmp_path / "whatif.json"
+    noisy = "0.01,0.001,0.01,0,0,0,0.5"
+    args = build_parser().parse_args(
+        ["cost", "whatif", "--db", str(tmp_path / "carpool.db"), "--hourly-price", "3.6", "--step", noisy]
+        + ["--prices", str(tmp_path / "prices.toml"), "--draws", "3", "--out", str(out)]
+    )
+    assert whatif.main(args) == 0
+    today = json.loads(out.read_text())["scenarios"][0]
+    recorded, _ = whatif.recorded_rows(str(tmp_path / "carpool.db"), None, None, None)
+    jobs, _ = whatif.scenario_jobs(whatif.Scenario("today", 1), recorded, 16, 0)
+    step, spec = StepModel.parse(noisy), ReplicaSpec()
+    draws = [replay(jobs, 1, "prefix", step, spec, draw=draw) for draw in range(3)]
+    assert len({tuple(result.ttft) for result in draws}) == 3  # three draws, not one three times
+    summaries = [latency_summary(r.ttft, r.itl) for r in draws]
+    assert today["latency"]["default"] == pytest.approx(
+        {k: statistics.median(s[k] for s in summaries) for k in summaries[0]}
+    )
+    assert today["seconds"] == pytest.approx(sum(r.makespan for r in draws) / 3)
+    with pytest.raises(ValueError, match="--draws"):
+        whatif.main(build_parser().parse_args(["cost", "whatif", "--hourly-price", "1", "--draws", "0"]))
+
+
 def test_the_step_model_of_the_default_servers_rows_is_fitted_on_the_default_model():
     """`carpool serve` without --model serves the embedded GGUF under its file's stem, which is no catalog name: the
     fit would fail to find a model to load."""
@@ -250,3 +302,24 @@ def test_a_comparison_reads_the_servers_ttft_and_holds_p50s_to_15_and_p99s_to_30
     assert rows["priority ttft_p99_s"]["error"] == pytest.approx(0.25) and rows["priority ttft_p99_s"]["held"]
     assert rows["priority itl_p50_s"]["error"] == pytest.approx(0.2) and not rows["priority itl_p50_s"]["held"]
     assert "priority itl_p99_s" not in rows  # nothing predicted
+
+
+def test_a_saved_replay_report_is_held_against_a_prediction_without_sending_anything(tmp_path, capsys):
+    """`ledger-replay --compare W:S --report R`: an earlier run's report against a (new) prediction, so a change
+    to the simulator is judged on the same real runs."""
+    latency = {"ttft_p50_s": 0.060, "ttft_p99_s": 0.5, "itl_p50_s": 0.012, "itl_p99_s": 0.1}
+    prediction = {
+        "scenarios": [{"scenario": "today", "seconds": 100.0, "hit_rate": 0.5, "latency": {"default": latency}}]
+    }
+    (tmp_path / "whatif.json").write_text(json.dumps(prediction))
+    real = {"seconds": 100.0, "hit_rate": 0.5, "latency": {"default": latency | {"itl_p50_s": 0.010}}}
+    (tmp_path / "real.json").write_text(json.dumps(real))
+    compare = ["bench", "ledger-replay", "--compare", f"{tmp_path / 'whatif.json'}:today"]
+    assert ledger_replay.main(build_parser().parse_args(compare + ["--report", str(tmp_path / "real.json")])) == 0
+    printed = {line.split()[0] + " " + line.split()[1]: line for line in capsys.readouterr().out.splitlines()}
+    assert "+20%" in printed["default itl_p50_s"] and "held" not in printed["default itl_p50_s"]
+    assert printed["default ttft_p50_s"].endswith("held")
+    with pytest.raises(ValueError, match="--compare"):
+        ledger_replay.main(build_parser().parse_args(["bench", "ledger-replay", "--report", "real.json"]))
+    with pytest.raises(ValueError, match="--url and --db"):
+        ledger_replay.main(build_parser().parse_args(compare))
