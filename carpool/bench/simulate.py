@@ -324,7 +324,8 @@ def replay(
 ) -> SimResult:
     """Run recorded requests, each at its own arrival time, on `replicas` replicas routed by `routing`; a job of
     `model` k > 0 on the replicas of others[k - 1] (a cheaper model a router or a cascade sends it to). `draw`
-    picks the steps' spread around the plane (the same draw, the same times): `carpool cost whatif` pools several."""
+    picks the steps' spread around the plane (the same draw, the same times): `carpool cost whatif` takes the
+    median of several."""
     pools = (Pool(replicas, step), *others)
     if min(pool.replicas for pool in pools) < 1:
         raise ValueError("replicas must be at least 1")
@@ -397,10 +398,8 @@ def _start_step(node: _Replica, index: int, now: float, events, order, result: S
 
     def rank(seq: _Seq) -> tuple[float, float]:
         """The scheduler's order: aged tier, then arrival."""
-        waited = now - seq.job.arrival
-        return aged_priority(
-            seq.priority, waited, spec.priority_aging_seconds, spec.max_priority_boost
-        ), seq.job.arrival
+        aged = aged_priority(seq.priority, now - seq.job.arrival, spec.priority_aging_seconds, spec.max_priority_boost)
+        return aged, seq.job.arrival
 
     # A background tier's decodes sit out any step that computes a foreground tier's prompt, as in the engine.
     foreground_prompt = any(s.priority < BACKGROUND_PRIORITY and s.to_prefill for s in node.running) or any(
