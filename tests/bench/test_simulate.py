@@ -240,3 +240,13 @@ def test_a_waiting_request_ages_past_a_younger_one_of_a_better_tier():
     assert aged.finished_by_job[1] < aged.finished_by_job[2]
     unaged = replay(jobs, 1, "prefix", step, ReplicaSpec(max_num_seqs=1, priority_aging_seconds=1e9))
     assert unaged.finished_by_job[2] < unaged.finished_by_job[1]
+
+
+def test_a_batch_lines_decode_sits_out_the_steps_that_compute_a_live_prompt():
+    """As the engine's scheduler: a Batch API line does not decode beside a live request's prompt chunks."""
+    step = StepModel(base=0.010, per_prefill_token=0.001, per_decode_seq=0.010)
+    jobs = [Job(0.0, 16, (), 3, "batch"), Job(0.030, 128, (), 1, "default")]
+    result = replay(jobs, 1, "prefix", step, ReplicaSpec(max_num_batched_tokens=64))
+    # Its prompt (26 ms), a decode (20 ms), then it waits out both 74 ms chunks of the live prompt, then decodes:
+    # beside the first chunk instead, its last gap would have been one 83 ms step.
+    assert result.itl_by_tier["batch"] == pytest.approx([0.020, 0.074 + 0.074 + 0.020])
