@@ -25,7 +25,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -243,16 +243,20 @@ class BatchRunner:
             "response": {"status_code": outcome.status_code, "request_id": outcome.request_id, "body": outcome.body},
             "error": None,
         }
-        await asyncio.to_thread(
-            self.store.add_result,
-            batch["id"],
-            number,
-            request["custom_id"],
-            outcome.status_code == 200,
-            record,
-            outcome.prompt_tokens,
-            outcome.cached_tokens,
-            outcome.output_tokens,
+        # The line is answered (and billed): its result is stored even if the batch stops meanwhile, since a line
+        # without one runs, and is billed, again at the next start.
+        await _finish_despite_cancellation(
+            asyncio.to_thread(
+                self.store.add_result,
+                batch["id"],
+                number,
+                request["custom_id"],
+                outcome.status_code == 200,
+                record,
+                outcome.prompt_tokens,
+                outcome.cached_tokens,
+                outcome.output_tokens,
+            )
         )
 
     # Endings -------------------------------------------------------------------------------------------
@@ -265,6 +269,20 @@ class BatchRunner:
 
     async def _close(self, batch_id: str, status: str, allowed_from: tuple[str, ...]) -> None:
         await asyncio.to_thread(self.store.close_batch, batch_id, status, self._now(), allowed_from)
+
+
+async def _finish_despite_cancellation(work: Awaitable) -> None:
+    """Await `work` to its end even when the awaiting task is cancelled meanwhile; then pass the cancellation on."""
+    task = asyncio.ensure_future(work)
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    task.result()
 
 
 def _answer_unanswered(store: BatchStore, batch: dict, code: str, message: str) -> None:

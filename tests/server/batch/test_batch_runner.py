@@ -3,6 +3,7 @@
 import asyncio
 import io
 import json
+import threading
 import time
 
 from batch_fakes import EchoEndpoint, request_line
@@ -206,6 +207,36 @@ def test_a_stopped_runner_resumes_and_answers_every_custom_id_once(tmp_path):
     assert all_custom_ids(store, batch) == sorted(f"r{i}" for i in range(16))
     assert len(endpoint.finished) - finished_before <= 16 - 5  # finished lines were not run again
     assert batch["completed"] == 16
+
+
+class SlowWritingStore(BatchStore):
+    """Takes its time storing a result, and says when a write has begun."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.writing = threading.Event()
+
+    def add_result(self, *args, **kwargs) -> bool:
+        self.writing.set()
+        time.sleep(0.3)
+        return super().add_result(*args, **kwargs)
+
+
+def test_a_stop_during_a_result_write_waits_for_it_so_the_billed_line_is_not_run_again(tmp_path):
+    endpoint = EchoEndpoint(delay=0.01)
+    store = SlowWritingStore(tmp_path)
+    batch_id = make_batch(store, [request_line(f"r{i}", f"p{i}") for i in range(4)])
+
+    async def stopped_while_writing():
+        runner = new_runner(store, endpoint, max_in_flight=1)
+        await runner.start()
+        runner.submit(batch_id)
+        await asyncio.to_thread(store.writing.wait, 10)
+        await runner.stop()
+        return store.answered_lines(batch_id)
+
+    answered = asyncio.run(stopped_while_writing())
+    assert answered == set(range(1, len(endpoint.finished) + 1)) and answered
 
 
 class LoopWatchingStore(BatchStore):
