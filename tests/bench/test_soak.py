@@ -17,7 +17,7 @@ FAULTS = {"sqlite": ["kill -9", "disk full"], "postgres": ["kill -9", "postgres 
 @pytest.mark.timeout(1800)  # minutes of traffic, two server starts and the batches' end, on a busy machine too
 # Faults land in turn, each waiting for the one before (a restart takes 10-30 s on a loaded machine): 1.5 minutes
 # still leave the PostgreSQL run's third fault inside its traffic.
-@pytest.mark.parametrize(("db", "minutes"), [("sqlite", "3"), ("postgres", "1.5")])
+@pytest.mark.parametrize(("db", "minutes"), [("sqlite", "2"), ("postgres", "1.5")])
 def test_minutes_under_fire_bill_each_answer_once_and_free_every_block(tmp_path, db, minutes):
     out = tmp_path / "soak.json"
     args = build_parser().parse_args(

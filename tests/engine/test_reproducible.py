@@ -44,7 +44,7 @@ def alone(cold: LLM, prompt: list[int], params: SamplingParams) -> list[int]:
 
 
 class Alone:
-    """Each prompt's tokens computed alone, on first use: the prefix cases read 8 of the 32, and on the portable
+    """Each prompt's tokens computed alone, on first use: the prefix cases read 4 of the 32, and on the portable
     path (plain C, test_reproducible_paths.py) computing all 64 references took it most of 3 minutes."""
 
     def __init__(self, cold: LLM, prompts: list[list[int]], params):
@@ -81,9 +81,10 @@ def test_a_batch_of_32_mixed_lengths_gives_each_request_its_tokens_alone(llm, pr
 
 
 def test_a_prefix_cache_hit_changes_no_token(llm, cold, prompts, greedy_alone, seeded_alone):
-    """Whole cached blocks (each of the 8 longest prompts again, its first run having cached it), and a partial
-    block's copy (a prompt sharing a cached prompt's first tokens up to the middle of a block)."""
-    longest = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))[-8:]
+    """Whole cached blocks (each of the 4 longest prompts again, its first run having cached it), and a partial
+    block's copy (a prompt sharing a cached prompt's first tokens up to the middle of a block). Four, not eight:
+    the portable path (test_reproducible_paths.py) took 3 minutes over eight."""
+    longest = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))[-4:]
     llm.generate([prompts[i] for i in longest], GREEDY)
     for i in longest:
         again = llm.generate([prompts[i]], GREEDY)[0]
