@@ -5,6 +5,7 @@ import io
 import json
 import threading
 import time
+from collections.abc import Awaitable, Callable
 
 from batch_fakes import EchoEndpoint, request_line
 
@@ -177,20 +178,25 @@ def test_unfinished_requests_expire_with_error_lines_past_the_window(tmp_path):
     assert all_custom_ids(store, batch) == sorted(f"r{i}" for i in range(30))
 
 
+async def run_then_stop(store, endpoint, batch_id: str, max_in_flight: int, until: Callable[[], Awaitable]) -> None:
+    """Run the batch until `until()` returns, then stop the runner."""
+    runner = new_runner(store, endpoint, max_in_flight=max_in_flight)
+    await runner.start()
+    runner.submit(batch_id)
+    await until()
+    await runner.stop()
+
+
 def test_a_stopped_runner_resumes_and_answers_every_custom_id_once(tmp_path):
     endpoint = EchoEndpoint(delay=0.02)
     store = BatchStore(tmp_path)
     batch_id = make_batch(store, [request_line(f"r{i}", f"p{i}") for i in range(16)])
 
-    async def first_life():
-        runner = new_runner(store, endpoint, max_in_flight=2)
-        await runner.start()
-        runner.submit(batch_id)
+    async def five_finished():
         while len(endpoint.finished) < 5:
             await asyncio.sleep(0.005)
-        await runner.stop()
 
-    asyncio.run(first_life())
+    asyncio.run(run_then_stop(store, endpoint, batch_id, 2, five_finished))
     store.close()
     assert BatchStore(tmp_path).get_batch(batch_id)["status"] == "in_progress"
     finished_before = len(endpoint.finished)
@@ -227,13 +233,12 @@ def test_a_stop_during_a_result_write_waits_for_it_so_the_billed_line_is_not_run
     store = SlowWritingStore(tmp_path)
     batch_id = make_batch(store, [request_line(f"r{i}", f"p{i}") for i in range(4)])
 
-    async def stopped_while_writing():
-        runner = new_runner(store, endpoint, max_in_flight=1)
-        await runner.start()
-        runner.submit(batch_id)
+    async def a_write_began():
         await asyncio.to_thread(store.writing.wait, 10)
-        await runner.stop()
-        return store.answered_lines(batch_id)
+
+    async def stopped_while_writing():
+        await run_then_stop(store, endpoint, batch_id, 1, a_write_began)
+        return store.answered_lines(batch_id)  # read before asyncio.run's end, which waits for the writing thread
 
     answered = asyncio.run(stopped_while_writing())
     assert answered == set(range(1, len(endpoint.finished) + 1)) and answered
