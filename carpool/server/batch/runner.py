@@ -116,7 +116,8 @@ class BatchRunner:
                 log.exception("batch runner: looking for batches to resume failed")
 
     async def stop(self) -> None:
-        """Abort what is in flight; those lines have no result yet, so the next start runs them again."""
+        """Abort what is in flight; those lines have no result yet, so the next start runs them again (a line
+        already answered is not aborted: the stop waits for its result's write)."""
         self._rerun_later.update(self._tasks)
         tasks = [*self._tasks.values(), *([self._adopter] if self._adopter else [])]
         for task in tasks:
